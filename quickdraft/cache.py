@@ -1,0 +1,64 @@
+"""Preallocated KV cache indexed by position.
+
+Every slot (a row of the running batch) owns `capacity` positions per layer. A forward
+writes each token's key/value at its absolute position; attention reads keys at
+positions <= the query's position. Rolling back rejected tokens is therefore nothing
+but the engine lowering its per-row length: stale entries beyond it are never read
+(the position mask hides them) and are overwritten by the next write. Rows of one batch
+can hold different lengths and accept different numbers of tokens in the same step.
+
+Padding tokens (position -1) are written to one extra "trash" column past the
+capacity, which no query ever attends to; this keeps writes branch-free and shapes
+static for later CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CacheView:
+    """Rows [start, end) of a KVCache, as seen by one forward of batch size end - start."""
+
+    k: list[torch.Tensor]  # per layer: (B, H_kv, capacity + 1, D)
+    v: list[torch.Tensor]
+    capacity: int
+
+    @property
+    def trash(self) -> int:
+        return self.capacity
+
+
+class KVCache:
+    def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, capacity: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        self.capacity = capacity  # positions per slot
+        self.max_slots = max_slots
+        shape = (max_slots, num_kv_heads, capacity + 1, head_dim)  # +1: the trash column
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model, max_slots: int, capacity: int) -> KVCache:
+        cfg = model.config
+        p = model.model.embed_tokens.weight
+        return cls(cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, capacity,
+                   cfg.head_dim, p.dtype, p.device)
+
+    def rows(self, start: int, end: int) -> CacheView:
+        return CacheView([k[start:end] for k in self.k], [v[start:end] for v in self.v], self.capacity)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` into slot `dst` (used to keep
+        the running batch in rows 0..n-1 when a request leaves)."""
+        if src == dst or length <= 0:
+            return
+        for layer in range(len(self.k)):
+            self.k[layer][dst, :, :length] = self.k[layer][src, :, :length]
+            self.v[layer][dst, :, :length] = self.v[layer][src, :, :length]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

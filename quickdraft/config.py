@@ -1,0 +1,205 @@
+"""Typed, frozen configuration objects, validated at the edge.
+
+`ModelConfig` is built from a Hugging Face `config.json`. It accepts both the
+transformers 4.x spelling (`rope_theta` + `rope_scaling`) and the 5.x spelling
+(`rope_parameters`). Anything we do not implement is a clear error that names the
+option: a silently wrong model is the worst possible failure for this engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class QuickdraftError(ValueError):
+    """A user-facing error: bad input, a missing file, an unsupported option.
+
+    Subclasses ValueError so callers that validate input the usual way catch it.
+    The CLI prints its message on one line and exits with code 2.
+    """
+
+
+class UnsupportedModelError(QuickdraftError):
+    """The checkpoint uses an architecture or option this engine does not implement."""
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0  # base of the rotary frequencies
+    kind: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0  # linear / llama3 scaling factor
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # one of SUPPORTED_MODEL_TYPES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # < num_attention_heads means grouped-query attention
+    head_dim: int  # usually hidden_size // num_attention_heads, may be overridden (Qwen3)
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048  # context length the model was trained for
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, Llama attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama mlp_bias)
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys only
+    torch_dtype: str | None = None  # the dtype the checkpoint was saved in
+    eos_token_ids: tuple[int, ...] = ()  # from config.json; generation_config.json adds more
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r}: quickdraft supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+                raise QuickdraftError(f"config.json: {key} must be a positive integer, got {cfg.get(key)!r}")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}: only silu is implemented")
+        if cfg.get("pretraining_tp", 1) not in (1, None):
+            raise UnsupportedModelError("unsupported pretraining_tp != 1")
+        n_heads = cfg["num_attention_heads"]
+        n_kv = cfg.get("num_key_value_heads") or n_heads
+        if n_heads % n_kv:
+            raise QuickdraftError(
+                f"config.json: num_attention_heads ({n_heads}) must be a multiple of "
+                f"num_key_value_heads ({n_kv})")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        if model_type == "qwen3" and not cfg.get("head_dim"):
+            head_dim = 128  # transformers' Qwen3Config default
+        if head_dim % 2:
+            raise QuickdraftError(f"config.json: head_dim must be even for rotary embeddings, got {head_dim}")
+
+        attention_bias = bool(cfg.get("attention_bias", False))
+        qkv_bias = attention_bias or model_type == "qwen2"
+        o_bias = attention_bias and model_type in ("llama", "mistral")
+        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                f"{model_type} with use_sliding_window=true (per-layer windows) is not supported")
+        sliding_window = cfg.get("sliding_window") if model_type == "mistral" else None
+        layer_types = cfg.get("layer_types")
+        if layer_types and any(t != "full_attention" for t in layer_types) and model_type != "mistral":
+            raise UnsupportedModelError(f"unsupported layer_types {sorted(set(layer_types))}")
+
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=_rope_from_hf(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=int(sliding_window) if sliding_window else None,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise QuickdraftError(f"no config.json in {path.parent}") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise QuickdraftError(f"cannot read {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise QuickdraftError(f"{path}: expected a JSON object")
+        return cls.from_hf(data)
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 stores everything in rope_parameters; 4.x uses rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind == "linear":
+        return RopeConfig(theta=theta, kind="linear", factor=float(merged["factor"]))
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            kind="llama3",
+            factor=float(merged["factor"]),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+    raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+METHODS = ("none", "draft")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "draft"  # "none" = plain autoregressive decoding, "draft" = small draft model
+    num_speculative_tokens: int = 5  # k: draft tokens proposed per step
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuickdraftError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool):
+            raise QuickdraftError("num_speculative_tokens must be an integer")
+        if self.method != "none" and not 1 <= self.num_speculative_tokens <= 64:
+            raise QuickdraftError(
+                f"num_speculative_tokens must be between 1 and 64, got {self.num_speculative_tokens}")
+
+    @property
+    def k(self) -> int:
+        return 0 if self.method == "none" else self.num_speculative_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    max_num_seqs: int = 64  # rows of the running batch (KV-cache slots)
+    max_model_len: int | None = None  # cache length per slot; None = the target's context length
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise QuickdraftError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise QuickdraftError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+def check_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise QuickdraftError(f"{name} must be a finite number, got {value}")

@@ -1,0 +1,271 @@
+"""The step loop: propose -> verify -> commit -> stats.
+
+Rows 0..n-1 of the KV caches hold the n running requests. Invariant after a request's
+prefill: the target's cache holds every committed token but the last, which is fed at
+the start of the next step together with the k draft tokens:
+
+    input  [t_{L-1}, d_1 .. d_k]  at positions L-1 .. L-1+k   (one target forward)
+    output p after each prefix     -> verifier -> accepted d_1..d_n + recovered/bonus
+
+Rejected entries are left in the cache and overwritten later (rollback is free). When a
+request finishes, the last row moves into its place, so the batch stays dense.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .config import EngineConfig, QuickdraftError
+from .metrics import SpecStats
+from .model.tokenizer import Detokenizer, Tokenizer
+from .model.transformer import Transformer, forward_chunks
+from .proposers.base import ProposeBatch, Proposer, VerifyResult
+from .sampling import BatchSampling, SamplingParams, exponential_noise, make_generator, process_logits, \
+    sample, uniform_noise
+from .verify import greedy_verify, rejection_sample
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" (eos or stop string), "length" (max_tokens), "abort"
+    stats: SpecStats
+    new_token_ids: list[int] = field(default_factory=list)  # since this request's previous output
+    new_text: str = ""
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, device: torch.device,
+                 tokenizer: Tokenizer | None):
+        self.id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.tokens = list(prompt)  # prompt + generated, committed
+        self.output: list[int] = []
+        self.generator = make_generator(params.seed, device)
+        self.detok = Detokenizer(tokenizer, prompt) if tokenizer is not None else None
+        self.text = ""
+        self.sent_ids = 0  # how much of output/text earlier outputs carried
+        self.sent_text = 0
+        self.finish_reason: str | None = None
+        self.stats = SpecStats()
+        self.started = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output)
+
+    def snapshot(self) -> RequestOutput:
+        # Hold back text that could be the start of a stop string until we know it is not.
+        hold = 0 if self.finished else max((len(s) - 1 for s in self.params.stop), default=0)
+        visible = max(self.sent_text, len(self.text) - hold)
+        out = RequestOutput(self.id, self.prompt, list(self.output), self.text, self.finished, self.finish_reason,
+                            self.stats, self.output[self.sent_ids:], self.text[self.sent_text:visible])
+        self.sent_ids, self.sent_text = len(self.output), visible
+        return out
+
+
+class Engine:
+    def __init__(self, target: Transformer, proposer: Proposer | None = None,
+                 config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
+        if config.spec.k > 0 and proposer is None:
+            raise QuickdraftError(f"method {config.spec.method!r} needs a proposer")
+        self.target = target
+        self.proposer = proposer
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.k = config.spec.k
+        ctx = target.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or ctx, ctx)
+        self.fixed_size = config.max_model_len is not None  # else caches are sized per batch
+        self.device = target.device
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.cache: KVCache | None = None
+        self._batch_sampling: BatchSampling | None = None  # rebuilt when the batch changes
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        prompt = list(prompt_token_ids)
+        vocab = self.target.config.vocab_size
+        if not prompt:
+            raise QuickdraftError("prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
+            raise QuickdraftError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise QuickdraftError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(prompt) + params.max_tokens} exceeds the model's context length ({self.max_model_len})")
+        if params.stop and self.tokenizer is None:
+            raise QuickdraftError("stop strings need a tokenizer; this model folder has none")
+        request = _Request(request_id or uuid.uuid4().hex, prompt, params, self.device, self.tokenizer)
+        self.waiting.append(request)
+        return request.id
+
+    def abort_request(self, request_id: str) -> None:
+        for r in list(self.waiting):
+            if r.id == request_id:
+                self.waiting.remove(r)
+        for r in self.running:
+            if r.id == request_id and not r.finished:
+                r.finish_reason = "abort"
+        self._release_finished()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Admit and prefill waiting requests if any fit, else run one speculative step
+        for the running batch. Returns an output (with deltas) per request touched."""
+        admitted = self._admit()
+        touched = self._prefill(admitted) if admitted else self._decode() if self.running else []
+        outputs = [r.snapshot() for r in touched]
+        self._release_finished()
+        return outputs
+
+    def _capacity_needed(self, r: _Request) -> int:
+        return len(r.prompt) + r.params.max_tokens + self.k + 1  # + room for drafts past the end
+
+    def _admit(self) -> list[_Request]:
+        if not self.waiting:
+            return []
+        if not self.running:
+            self._size_cache()
+        admitted = []
+        while (self.waiting and len(self.running) + len(admitted) < self.cache.max_slots
+               and self._capacity_needed(self.waiting[0]) <= self.cache.capacity):
+            admitted.append(self.waiting.popleft())
+        return admitted
+
+    def _size_cache(self) -> None:
+        if self.fixed_size:
+            slots, capacity = self.config.max_num_seqs, self.max_model_len + self.k + 1
+        else:  # the engine is idle: size the caches for the requests now waiting
+            batch = list(self.waiting)[: self.config.max_num_seqs]
+            slots, capacity = len(batch), max(self._capacity_needed(r) for r in batch)
+        c = self.cache
+        if c is None or c.max_slots < slots or c.capacity < capacity:
+            self.cache = None
+            self.cache = KVCache.for_model(self.target, slots, capacity)
+            if self.proposer is not None:
+                self.proposer.reserve(slots, capacity)
+
+    def _prefill(self, requests: list[_Request]) -> list[_Request]:
+        start = len(self.running)
+        self.running.extend(requests)
+        self._batch_sampling = None
+        for i, r in enumerate(requests):
+            r.started = time.perf_counter()
+            if self.proposer is not None:
+                self.proposer.start(start + i, r.prompt)
+        view = self.cache.rows(start, start + len(requests))
+        logits = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view)
+        sampling = BatchSampling.build([r.params for r in requests], self.device)
+        tokens = sample(process_logits(logits, sampling), [r.generator for r in requests]).tolist()
+        for r, t in zip(requests, tokens):
+            self._append(r, [t])
+        return requests
+
+    def _decode(self) -> list[_Request]:
+        rows = self.running
+        B = len(rows)
+        if self._batch_sampling is None:
+            self._batch_sampling = BatchSampling.build([r.params for r in rows], self.device)
+        sampling = self._batch_sampling
+        generators = [r.generator for r in rows]
+        lengths = [len(r.tokens) for r in rows]
+        # No row can use more than remaining - 1 drafts (the step adds one token of its own).
+        k = min(self.k, max(r.remaining for r in rows) - 1)
+        last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)[:, None]
+        if k > 0:
+            draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, generators))
+            draft_tokens, draft_probs = draft.tokens, draft.probs
+        else:
+            draft_tokens, draft_probs = last[:, :0], None
+        positions = torch.tensor(lengths, device=self.device)[:, None] - 1 + torch.arange(k + 1, device=self.device)
+        logits = self.target(torch.cat([last, draft_tokens], 1), positions, self.cache.rows(0, B),
+                             kv_len=max(lengths) + k)  # (B, k+1, V)
+        if sampling.all_greedy:
+            out, num_accepted = greedy_verify(draft_tokens, logits.argmax(-1))
+        else:
+            p = process_logits(logits, sampling)
+            out, num_accepted = rejection_sample(draft_tokens, p, draft_probs, uniform_noise(generators, k, self.device),
+                                                 exponential_noise(generators, p.shape[-1], self.device))
+        out, num_accepted = out.tolist(), num_accepted.tolist()  # the step's one host sync
+        if k > 0:
+            self.proposer.observe(VerifyResult(num_accepted, lengths, k))
+        for r, toks, n in zip(rows, out, num_accepted):
+            r.stats.observe(k, n)
+            self._append(r, toks[: n + 1])
+        return list(rows)
+
+    def _append(self, r: _Request, tokens: list[int]) -> None:
+        """Commit emitted tokens, cutting at eos, a stop string or max_tokens."""
+        stops = r.params.stop
+        for t in tokens:
+            r.tokens.append(t)
+            r.output.append(t)
+            if r.detok is not None:
+                before = len(r.text)
+                r.text += r.detok.add(t)
+                if stops and len(r.text) > before:
+                    window = max(len(s) for s in stops)
+                    from_ = max(0, before - window + 1)
+                    hits = [i for i in (r.text.find(s, from_) for s in stops) if i >= 0]
+                    if hits:
+                        r.text = r.text[: min(hits)]
+                        r.finish_reason = "stop"
+                        break
+            if t in self.eos_token_ids and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+                break
+            if r.remaining <= 0:
+                r.finish_reason = "length"
+                break
+        if r.finished:
+            r.stats.num_output_tokens = len(r.output)
+            r.stats.elapsed_s = time.perf_counter() - r.started
+
+    @torch.inference_mode()
+    def _release_finished(self) -> None:
+        """Drop finished rows, moving the last running row into each freed one."""
+        changed = False
+        for i in reversed(range(len(self.running))):
+            if not self.running[i].finished:
+                continue
+            changed = True
+            last = len(self.running) - 1
+            if i != last:
+                moved = self.running[last]
+                self.cache.move_row(last, i, len(moved.tokens) - 1)
+                if self.proposer is not None:
+                    self.proposer.move_row(last, i)
+                self.running[i] = moved
+            self.running.pop()
+        if changed:
+            self._batch_sampling = None

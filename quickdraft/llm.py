@@ -1,0 +1,134 @@
+"""The offline Python API: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig, QuickdraftError, SpecConfig
+from .engine import Engine, RequestOutput
+from .metrics import SpecStats
+from .model.loader import checkpoint_dir, load_model, resolve_device
+from .model.tokenizer import Tokenizer, eos_token_ids
+from .proposers import PROPOSERS
+from .sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+def default_model_dirs() -> tuple[Path, Path]:
+    """The bundled target and draft (shipped by the default-model work)."""
+    root = Path(__file__).parent / "default_models"
+    return root / "target", root / "draft"
+
+
+def check_same_vocabulary(target, draft, target_tok: Tokenizer | None, draft_tok: Tokenizer | None) -> None:
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise QuickdraftError(f"vocabulary mismatch: target has {tv} tokens, draft has {dv}; "
+                              "a draft must share the target's tokenizer")
+    if target_tok is not None and draft_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
+        raise QuickdraftError("vocabulary mismatch: the target's and the draft's tokenizers differ")
+
+
+class LLM:
+    def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
+                 method: str | None = None, num_speculative_tokens: int = 5,
+                 dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
+                 max_num_seqs: int = 64, max_model_len: int | None = None):
+        if target is None:
+            target, default_draft = default_model_dirs()
+            if not target.exists():
+                raise QuickdraftError("no target given and no bundled default model is installed; pass target=PATH")
+            draft = draft if draft is not None else default_draft
+        if method is None:
+            method = "draft" if draft is not None else "none"
+        spec = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens)
+        if method == "draft" and draft is None:
+            raise QuickdraftError("method 'draft' needs a draft model folder")
+        dev = resolve_device(device)
+        target_dir = checkpoint_dir(target)
+        self.target = load_model(target_dir, dtype=dtype, device=dev)
+        self.tokenizer = Tokenizer.from_dir(target_dir)
+        proposer = None
+        self.draft = None
+        if method == "draft":
+            draft_dir = checkpoint_dir(draft)
+            self.draft = load_model(draft_dir, dtype=dtype, device=dev)
+            check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
+            proposer = PROPOSERS["draft"](self.draft)
+        config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
+        self.stats = SpecStats()  # aggregated over every generate() call
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise QuickdraftError("this model folder has no tokenizer.json: give prompts as token ids")
+            if chat:
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise QuickdraftError("a prompt must be a string or a list of token ids")
+
+    def _params_list(self, n: int, params) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise QuickdraftError(f"params must be one SamplingParams or a list of {n} (one per prompt)")
+        return params
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        plist = self._params_list(len(prompts), params)
+        encoded = [self.encode(p) for p in prompts]  # validate everything before starting
+        final: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        ids = []
+        try:
+            for ids_, p in zip(encoded, plist):
+                ids.append(self.engine.add_request(ids_, p))
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        outputs = [final[i] for i in ids]
+        self._record(outputs, time.perf_counter() - start)
+        return outputs
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False) -> Iterator[RequestOutput]:
+        """Yield outputs for one prompt as tokens are accepted (deltas in new_text / new_token_ids)."""
+        ids = self.encode(prompt, chat=chat)
+        start = time.perf_counter()
+        rid = self.engine.add_request(ids, params or SamplingParams())
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        if out.finished:
+                            self._record([out], time.perf_counter() - start)
+                        yield out
+        finally:
+            self.engine.abort_request(rid)
+
+    def _record(self, outputs: list[RequestOutput], wall: float) -> None:
+        agg = SpecStats()
+        for o in outputs:
+            agg.merge(o.stats)
+        agg.elapsed_s = wall  # throughput of the whole call, not the sum over requests
+        self.stats.merge(agg)

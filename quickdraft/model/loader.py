@@ -1,0 +1,135 @@
+"""Local Hugging Face checkpoint folder -> Transformer.
+
+Reads config.json, then weights from `model.safetensors` or a sharded
+`model.safetensors.index.json`. Every tensor must be consumed and every parameter
+filled: a missing or unexpected tensor is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig, QuickdraftError
+from .transformer import Transformer
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+# Tensors some checkpoints carry that we recompute rather than load.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """None: the checkpoint's dtype on an accelerator, float32 on CPU (half-precision
+    matmuls are slow on most CPUs and float32 keeps greedy output exact)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise QuickdraftError(f"unsupported dtype {dtype}: use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(str(cfg.torch_dtype), torch.float32) if cfg.torch_dtype else torch.float32
+    if dtype not in _DTYPES:
+        raise QuickdraftError(f"unsupported dtype {dtype!r}: use float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        if torch.cuda.is_available():  # also true for ROCm builds
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as exc:
+        raise QuickdraftError(f"device {device!r} is not available: {exc}") from None
+    return dev
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise QuickdraftError(f"model folder not found: {path}")
+    if not path.is_dir():
+        raise QuickdraftError(f"not a model folder: {path}")
+    return path
+
+
+def weight_files(path: Path) -> list[Path]:
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.exists():
+        return [single]
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise QuickdraftError(f"cannot read {index}: {exc}") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise QuickdraftError(f"{index.name} names shards that are missing: {', '.join(missing)}")
+        return [path / f for f in files]
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise QuickdraftError(f"{path} has only PyTorch pickle weights; quickdraft loads safetensors only")
+    raise QuickdraftError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None) -> Transformer:
+    """Load a Llama-family checkpoint folder. Returns the module in eval mode.
+
+    `model(input_ids)` with input_ids (B, T) returns logits (B, T, vocab).
+    """
+    path = checkpoint_dir(path)
+    cfg = ModelConfig.from_file(path / "config.json")
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, dev)
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {name for name, _ in model.named_parameters()}  # tied lm_head is deduplicated
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if cfg.tie_word_embeddings and name == "lm_head.weight":
+                        continue  # tied: the embedding is the head
+                    state[name] = f.get_tensor(name).to(device=dev, dtype=torch_dtype)
+        except (OSError, RuntimeError, ValueError) as exc:
+            if isinstance(exc, QuickdraftError):
+                raise
+            raise QuickdraftError(f"cannot read weights {file}: {exc}") from None
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if unexpected:
+        raise QuickdraftError(
+            f"{path}: unexpected tensors for {cfg.model_type} (unsupported option?): {', '.join(unexpected[:5])}"
+            + (" ..." if len(unexpected) > 5 else ""))
+    if missing:
+        raise QuickdraftError(f"{path}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    params = dict(model.named_parameters())
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise QuickdraftError(
+                f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(params[name].shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.reset_buffers()
+    model.checkpoint_path = path
+    return model.eval().requires_grad_(False)

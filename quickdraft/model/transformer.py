@@ -1,0 +1,220 @@
+"""One decoder for the Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3.
+
+The differences between these models are configuration, not code: biases on the
+projections (Qwen2, Llama `attention_bias` / `mlp_bias`), RMSNorm on q and k per head
+(Qwen3), the rotary frequency schedule (llama3 scaling), a sliding attention window
+(Mistral), grouped-query attention, tied embeddings. Parameter names follow the
+Hugging Face checkpoints so a state dict loads without renaming.
+
+forward(input_ids, positions, cache, logits_at) is the only entry point:
+- no cache: ordinary causal attention over the given tokens;
+- with a cache view: each token's k/v is written at its position, then queries attend
+  to cached keys at positions <= their own. Position -1 marks a padding token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import CacheView
+from ..config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference does; bf16 variance is too coarse.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Rotary inverse frequencies (head_dim / 2,), float32, with the configured scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the
+        # band in between interpolated smoothly between the two.
+        old_len = rope.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        slow = inv_freq / rope.factor
+        mix = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - mix) * slow + mix * inv_freq
+        long_wave = wavelen > old_len / rope.low_freq_factor
+        short_wave = wavelen < old_len / rope.high_freq_factor
+        return torch.where(long_wave, slow, torch.where(short_wave, inv_freq, blended))
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, write_pos, cache: CacheView | None, kv_len: int):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = (q * cos + rotate_half(q) * sin).transpose(1, 2)  # (B, H, T, D)
+        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
+            ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            ck[rows, :, write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D)
+            cv[rows, :, write_pos] = v.transpose(1, 2)
+            k, v = ck[:, :, :kv_len], cv[:, :, :kv_len]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, write_pos, cache, kv_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, write_pos, cache, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Named `model` inside Transformer so parameter names match HF checkpoints."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after building on the meta device)."""
+        device = self.model.embed_tokens.weight.device
+        self.inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim).to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: CacheView | None = None, logits_at: torch.Tensor | None = None,
+                kv_len: int | None = None) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, V), or (B, n, V) at the indices `logits_at` (B, n).
+
+        positions (B, T): absolute positions, -1 for padding; default 0..T-1.
+        cache: rows of a KVCache, one per batch row; kv_len (optional) bounds the keys read
+        (max position + 1), saving a device sync when the caller already knows it.
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        if positions is None:
+            positions = torch.arange(T, device=device).expand(B, T)
+        pos = positions.clamp(min=0)  # padding gets a harmless position
+        # RoPE angles in float32, cast to the activation dtype like the reference.
+        angles = pos[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # (B, T, 1, D)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+        if cache is not None:
+            if kv_len is None:
+                kv_len = int(pos.max()) + 1
+            key_pos = torch.arange(kv_len, device=device)  # a key's index is its position
+            mask = key_pos <= pos[..., None]  # (B, T, S)
+            write_pos = torch.where(positions >= 0, positions, cache.trash)
+        else:
+            kv_len = T
+            key_pos = positions[:, None, :]  # (B, 1, T) keys are the tokens themselves
+            mask = (key_pos <= pos[..., None]) & (key_pos >= 0)
+            # a padding query must still see one key, or softmax over nothing gives NaN
+            mask = mask | (positions[..., None] < 0)
+            write_pos = None
+        window = self.config.sliding_window
+        if window is not None:
+            mask = mask & (key_pos > pos[..., None] - window)
+        mask = mask[:, None]  # (B, 1, T, S), shared by all heads and layers
+
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, write_pos, cache, kv_len)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self.model.norm(x))
+
+
+def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int],
+                   cache: CacheView) -> torch.Tensor:
+    """Feed each row its own run of tokens (ragged; right-padded here) starting at
+    position starts[b], writing the cache; returns the logits after each row's last
+    token, (B, V). Used for prefill and for a draft catching up with accepted tokens."""
+    B, T = len(chunks), max(len(c) for c in chunks)
+    device = model.device
+    ids = torch.zeros(B, T, dtype=torch.long)
+    positions = torch.full((B, T), -1, dtype=torch.long)
+    for b, (chunk, start) in enumerate(zip(chunks, starts)):
+        ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
+    last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.long)[:, None]
+    kv_len = max(s + len(c) for s, c in zip(starts, chunks))
+    logits = model(ids.to(device), positions.to(device), cache, logits_at=last.to(device), kv_len=kv_len)
+    return logits[:, 0]

@@ -1,0 +1,175 @@
+"""SamplingParams and the pure functions logits -> processed probabilities -> tokens.
+
+Processing order (the same for target p and draft q, so rejection sampling compares
+like with like): temperature, then top-k, then top-p, then min-p, each on the
+distribution left by the previous one. Temperature 0 means greedy: the processed
+distribution is one-hot on the argmax, which makes greedy decoding a special case of
+the same sampling and verification code rather than a separate path.
+
+Randomness comes from one torch.Generator per request, so a seeded request gives the
+same tokens whatever else shares its batch. Tokens are drawn with the exponential race
+(argmax of w / E with E ~ Exp(1)), which needs no normalisation and no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import QuickdraftError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0  # drop tokens below min_p * max probability; 0 = off
+    max_tokens: int = 16  # generated tokens, never exceeded
+    seed: int | None = None  # per-request seed; None = fresh randomness
+    stop: tuple[str, ...] = ()  # stop strings (excluded from the text)
+    ignore_eos: bool = False  # keep generating past eos (benchmarks)
+
+    def __post_init__(self) -> None:
+        def bad(field: str, msg: str) -> QuickdraftError:
+            return QuickdraftError(f"invalid {field}: {msg}")
+
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", f"must be an integer or None, got {self.seed!r}")
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+            stop = tuple(stop)
+        else:
+            raise bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in stop):
+            raise bad("stop", "stop strings must not be empty")
+        object.__setattr__(self, "stop", stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class BatchSampling:
+    """Per-row sampling parameters as tensors, built once per batch composition."""
+
+    temperature: torch.Tensor  # (B,) float32; 0 rows are greedy
+    top_k: torch.Tensor  # (B,) int64; 0 = off
+    top_p: torch.Tensor  # (B,) float32
+    min_p: torch.Tensor  # (B,) float32
+    any_greedy: bool
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device) -> BatchSampling:
+        temps = [p.temperature for p in params]
+        top_k = [max(p.top_k, 0) for p in params]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            any_greedy=any(t == 0 for t in temps),
+            all_greedy=all(t == 0 for t in temps),
+            any_top_k=any(k > 0 for p, k in zip(params, top_k) if p.temperature > 0),
+            any_top_p=any(p.top_p < 1 for p in params if p.temperature > 0),
+            any_min_p=any(p.min_p > 0 for p in params if p.temperature > 0),
+        )
+
+
+def process_logits(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:
+    """logits (B, ..., V) -> probabilities (B, ..., V) in float32 after temperature,
+    top-k, top-p and min-p; greedy rows become one-hot on the argmax."""
+    logits = logits.float()
+    shape = (-1,) + (1,) * (logits.dim() - 1)  # broadcast per-row values over (..., V)
+    if s.all_greedy:
+        return _one_hot_argmax(logits)
+    temp = s.temperature.view(shape)
+    logits = logits / torch.where(temp > 0, temp, 1.0)
+    if s.any_top_k or s.any_top_p:
+        sorted_logits, _ = logits.sort(dim=-1, descending=True)
+        if s.any_top_k:
+            V = logits.shape[-1]
+            k = torch.where(s.top_k > 0, s.top_k.clamp(max=V), V).view(shape)
+            kth = sorted_logits.gather(-1, (k - 1).expand(*logits.shape[:-1], 1))
+            logits = logits.masked_fill(logits < kth, -math.inf)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
+        if s.any_top_p:
+            sorted_probs = sorted_logits.softmax(-1)
+            mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+            top_p = s.top_p.view(shape)
+            # The cut-off is the smallest kept probability; rows with top_p = 1 keep all.
+            keep = (mass_before < top_p) | (top_p >= 1)
+            keep[..., 0] = True
+            cutoff = sorted_logits.masked_fill(~keep, math.inf).amin(-1, keepdim=True)
+            logits = logits.masked_fill(logits < cutoff, -math.inf)
+    probs = logits.softmax(-1)
+    if s.any_min_p:
+        threshold = s.min_p.view(shape) * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if s.any_greedy:
+        greedy = (s.temperature == 0).view(shape)
+        probs = torch.where(greedy, _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(logits, dtype=torch.float32)
+    return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    g.manual_seed(seed)
+    return g
+
+
+def exponential_noise(generators: Sequence[torch.Generator], n: int, device: torch.device) -> torch.Tensor:
+    """(B, n) Exp(1) draws, row b from generators[b]."""
+    return torch.stack([torch.empty(n, device=device).exponential_(generator=g) for g in generators])
+
+
+def uniform_noise(generators: Sequence[torch.Generator], n: int, device: torch.device) -> torch.Tensor:
+    """(B, n) U[0, 1) draws, row b from generators[b]."""
+    return torch.stack([torch.rand(n, device=device, generator=g) for g in generators])
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Sample index ~ weights / sum(weights) along the last dim (weights >= 0, not
+    necessarily normalised) with the exponential race: argmax w / E, E ~ Exp(1)."""
+    return (weights / noise.clamp_min(1e-20)).argmax(-1)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """probs (B, V) -> tokens (B,), row b drawn with generators[b]."""
+    return race(probs, exponential_noise(generators, probs.shape[-1], probs.device))
