@@ -1,0 +1,101 @@
+"""The `quickdraft` command line (typer + rich).
+
+Every user error (missing folder, unreadable config, vocabulary mismatch, bad
+parameter) is one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from .config import QuickdraftError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="quickdraft: lossless speculative decoding for Llama-family models.")
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True)
+    raise typer.Exit(2)
+
+
+def _parse_ids(prompt: str) -> list[int]:
+    try:
+        return [int(t) for t in prompt.replace(",", " ").split()]
+    except ValueError:
+        fail("--ids expects PROMPT to be token ids separated by spaces or commas")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text (or token ids with --ids)."),
+    target: Optional[Path] = typer.Option(None, "--target", help="Target model folder (default: bundled model)."),
+    draft: Optional[Path] = typer.Option(None, "--draft", help="Draft model folder."),
+    method: Optional[str] = typer.Option(None, "--method", help="none | draft (default: draft if a draft is given)."),
+    k: int = typer.Option(5, "-k", "--num-speculative-tokens", help="Draft tokens per step."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    ids: bool = typer.Option(False, "--ids", help="PROMPT is a list of token ids."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available)."),
+) -> None:
+    """Generate a continuation of PROMPT, streaming text as it is accepted."""
+    from .llm import LLM
+    from .sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                            max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device)
+    if chat and ids:
+        fail("--chat and --ids cannot be combined")
+    prompt_in = _parse_ids(prompt) if ids else prompt
+    final = None
+    for o in llm.stream(prompt_in, params, chat=chat):
+        if not as_json and o.new_text:
+            out.print(o.new_text, end="", markup=False)
+        final = o
+    s = llm.stats
+    if as_json:
+        print(json.dumps({"text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason,
+                          "prompt_tokens": len(final.prompt_token_ids), "stats": s.to_dict()}))
+        return
+    out.print()
+    err.print(f"[dim]{s.num_output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
+              f"acceptance rate {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}, "
+              f"finish: {final.finish_reason}[/]")
+
+
+@app.callback()
+def _root() -> None:
+    """quickdraft: lossless speculative decoding for Llama-family models."""
+
+
+def main() -> None:
+    try:
+        app()  # typer reports usage errors itself (exit code 2)
+    except QuickdraftError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny Llama-family checkpoints written with transformers'
+config classes + save_pretrained, and a small byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore")
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def sub(a, b):\n    return a - b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "The quick brown fox jumps over the lazy dog. Hello world! Ünïcödé ✓ 日本語\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    main()\n",
+]
+VOCAB = 384  # model vocabulary (>= tokenizer's)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 16, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>"}
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def make_checkpoint(folder: Path, kind: str = "llama", *, seed: int = 0, layers: int = 2, tokenizer: bool = True,
+                    vocab: int = VOCAB, max_shard_size: str | None = None, **overrides) -> Path:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}
+    kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=0, eos_token_id=1)
+    if kind == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(classes[kind](**kwargs)).eval()
+    with torch.no_grad():  # make biases and norm weights non-trivial so parity tests can fail
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    if max_shard_size:
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(folder)
+    if tokenizer:
+        write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    cache: dict = {}
+
+    def make(name: str, **kwargs) -> Path:
+        if name not in cache:
+            cache[name] = make_checkpoint(tmp_path_factory.mktemp(name), **kwargs)
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def target_dir(ckpt_factory):
+    return ckpt_factory("target", seed=0, layers=2)
+
+
+@pytest.fixture(scope="session")
+def draft_dir(ckpt_factory):
+    return ckpt_factory("draft", seed=1, layers=1)

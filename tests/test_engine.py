@@ -1,0 +1,184 @@
+"""Lossless suite, engine level: speculative output vs plain decoding, stopping, stats, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft import LLM, QuickdraftError, SamplingParams
+
+PROMPTS = [[0, 5, 7, 9, 11], [0, 3], [0, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    return LLM(target_dir, method="none")
+
+
+@pytest.fixture(scope="module")
+def plain_out(plain):
+    return [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def test_plain_decoding_matches_transformers_generate(target_dir, plain_out):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for prompt, ours in zip(PROMPTS, plain_out):
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        assert out[0, len(prompt):].tolist() == ours
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_speculative_equals_plain_batched(target_dir, draft_dir, plain_out, k):
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=k)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_out
+    assert llm.stats.num_draft_tokens > 0
+
+
+def test_greedy_speculative_equals_plain_batch1(target_dir, draft_dir, plain_out):
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=4)
+    for prompt, expected in zip(PROMPTS, plain_out):
+        assert llm.generate([prompt], GREEDY)[0].token_ids == expected
+
+
+def test_greedy_equal_with_a_partly_agreeing_draft(target_dir, ckpt_factory, plain_out):
+    """A draft that agrees often (the target with noise on its weights) exercises ragged
+    acceptance: rows accept different counts in the same step."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = ckpt_factory("noisy", seed=0, layers=2)
+    shutil.copy(target_dir / "model.safetensors", folder / "model.safetensors")
+    w = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    w = {n: t + 0.003 * torch.randn(t.shape, generator=g) for n, t in w.items()}
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(target_dir, draft=folder, num_speculative_tokens=5)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_out
+    rate = llm.stats.acceptance_rate
+    assert 0.05 < rate < 0.999, rate  # partial acceptance, so ragged rows were exercised
+
+
+def test_draft_equal_to_target_accepts_everything(target_dir):
+    k = 4
+    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=k)
+    # prefill emits 1 token, then each step k + 1: 1 + 6 * 5 tokens is a whole number of steps
+    params = SamplingParams(temperature=0, max_tokens=1 + 6 * (k + 1), ignore_eos=True)
+    llm.generate(PROMPTS, params)
+    assert llm.stats.acceptance_rate == 1.0
+    assert llm.stats.mean_acceptance_length == k + 1
+    assert llm.stats.accepted_per_pos == [18] * k
+
+
+def test_sampled_speculative_is_seeded_and_valid(target_dir, draft_dir):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, max_tokens=30, seed=7, ignore_eos=True)
+    a = LLM(target_dir, draft=draft_dir).generate(PROMPTS, params)
+    b = LLM(target_dir, draft=draft_dir).generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    other = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, max_tokens=30, seed=8, ignore_eos=True)
+    c = LLM(target_dir, draft=draft_dir).generate(PROMPTS, other)
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    assert all(len(o.token_ids) == 30 for o in a)
+
+
+def test_per_prompt_params_and_mixed_batch(target_dir, draft_dir, plain_out):
+    """A greedy row next to sampled rows still equals plain greedy decoding."""
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3)
+    params = [GREEDY, SamplingParams(temperature=1.0, max_tokens=10, seed=1, ignore_eos=True),
+              SamplingParams(temperature=0.5, max_tokens=25, ignore_eos=True)]
+    outs = llm.generate(PROMPTS, params)
+    assert outs[0].token_ids == plain_out[0]
+    assert [len(o.token_ids) for o in outs] == [40, 10, 25]
+
+
+def test_max_tokens_inside_an_accepted_run(target_dir, plain_out):
+    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8)
+    for n in (1, 2, 5, 11):
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [p[:n] for p in plain_out]
+        assert all(o.finish_reason == "length" and o.stats.num_output_tokens == n for o in outs)
+
+
+def test_eos_inside_an_accepted_run(target_dir, plain_out):
+    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8)
+    expected = plain_out[0]
+    eos = expected[6]
+    cut = expected.index(eos) + 1
+    llm.engine.eos_token_ids = frozenset({eos})
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40))[0]
+    assert out.token_ids == expected[:cut] and out.finish_reason == "stop"
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert out.token_ids == expected
+
+
+def test_stop_string_inside_an_accepted_run(target_dir):
+    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8)
+    full = llm.generate(["def add(a, b):"], GREEDY)[0]
+    text = full.text
+    assert len(text) > 12
+    stop = text[8:11]
+    out = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True))[0]
+    idx = text.index(stop)
+    assert out.text == text[:idx]
+    assert out.finish_reason == "stop"
+    assert full.token_ids[:len(out.token_ids)] == out.token_ids
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_streaming_deltas_add_up(target_dir, draft_dir):
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3)
+    pieces, ids, last = [], [], None
+    for o in llm.stream("def add(a, b):", GREEDY):
+        pieces.append(o.new_text)
+        ids.extend(o.new_token_ids)
+        last = o
+    assert last.finished and "".join(pieces) == last.text and ids == last.token_ids
+
+
+def test_stats_fields(target_dir, draft_dir):
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, GREEDY)
+    s = llm.stats
+    assert s.num_output_tokens == sum(len(o.token_ids) for o in outs) == 120
+    assert s.num_draft_tokens == sum(o.stats.num_draft_tokens for o in outs)
+    assert sum(s.accepted_per_pos) == s.num_accepted_tokens
+    assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_steps)
+    assert s.tokens_per_second > 0
+
+
+def test_bad_inputs(target_dir, draft_dir, ckpt_factory, tmp_path):
+    llm = LLM(target_dir, method="none")
+    with pytest.raises(QuickdraftError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(QuickdraftError, match=r"\[0, 384\)"):
+        llm.generate([[0, 999]], GREEDY)
+    with pytest.raises(QuickdraftError, match="512"):
+        llm.generate([[0, 1]], SamplingParams(max_tokens=600))
+    with pytest.raises(QuickdraftError, match="one per prompt"):
+        llm.generate(PROMPTS, [GREEDY])
+    other = ckpt_factory("vocab400", vocab=400)
+    with pytest.raises(QuickdraftError, match="vocabulary mismatch"):
+        LLM(target_dir, draft=other)
+    with pytest.raises(QuickdraftError, match="needs a draft"):
+        LLM(target_dir, method="draft")
+    with pytest.raises(QuickdraftError, match="method"):
+        LLM(target_dir, method="medusa-x")
+    with pytest.raises(QuickdraftError, match="num_speculative_tokens"):
+        LLM(target_dir, draft=draft_dir, num_speculative_tokens=0)
+    # the engine keeps working after rejected requests
+    assert len(llm.generate([[0, 1]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_folder_without_tokenizer_takes_token_ids(ckpt_factory):
+    folder = ckpt_factory("notok", tokenizer=False)
+    llm = LLM(folder, method="none")
+    assert len(llm.generate([[0, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    with pytest.raises(QuickdraftError, match="token ids"):
+        llm.generate(["text"], GREEDY)
+    with pytest.raises(QuickdraftError, match="tokenizer"):
+        llm.generate([[0, 1]], SamplingParams(stop=["x"]))

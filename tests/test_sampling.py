@@ -1,0 +1,425 @@
+"""SamplingParams validation and the pure functions of quickdraft/sampling.py:
+process_logits (temperature, top-k, top-p, min-p, greedy), race / sample and the seeded
+per-request generators."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from quickdraft import QuickdraftError
+from quickdraft.sampling import (
+    BatchSampling,
+    SamplingParams,
+    exponential_noise,
+    make_generator,
+    process_logits,
+    race,
+    sample,
+    uniform_noise,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: one intra-op thread is fastest on a shared 2-core CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def gof_pvalue(samples: torch.Tensor, probs) -> float:
+    """Chi-square goodness-of-fit p-value; 0 when a sample falls on a zero-probability token."""
+    probs = np.asarray(probs, dtype=np.float64)
+    probs = probs / probs.sum()
+    counts = np.bincount(samples.numpy(), minlength=len(probs))
+    if len(counts) > len(probs) or counts[probs == 0].sum() > 0:
+        return 0.0
+    support = probs > 0
+    return float(stats.chisquare(counts[support], probs[support] * counts.sum()).pvalue)
+
+
+def build(*params: SamplingParams) -> BatchSampling:
+    return BatchSampling.build(list(params), CPU)
+
+
+# ------------------------------------------------------------ SamplingParams validation
+
+
+BAD_PARAMS = [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=-1), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(temperature=math.inf), "temperature"),
+    (dict(temperature=-math.inf), "temperature"),
+    (dict(temperature="1.0"), "temperature"),
+    (dict(temperature=None), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=-0.5), "top_p"),
+    (dict(top_p=1.0001), "top_p"),
+    (dict(top_p=2), "top_p"),
+    (dict(top_p=math.nan), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(top_k="3"), "top_k"),
+    (dict(top_k=True), "top_k"),
+    (dict(top_k=None), "top_k"),
+    (dict(min_p=-0.01), "min_p"),
+    (dict(min_p=1.01), "min_p"),
+    (dict(min_p=math.nan), "min_p"),
+    (dict(min_p=math.inf), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(max_tokens=16.0), "max_tokens"),
+    (dict(max_tokens="16"), "max_tokens"),
+    (dict(max_tokens=None), "max_tokens"),
+    (dict(max_tokens=False), "max_tokens"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed="7"), "seed"),
+    (dict(seed=True), "seed"),
+    (dict(stop=5), "stop"),
+    (dict(stop=b"x"), "stop"),
+    (dict(stop=["a", 3]), "stop"),
+    (dict(stop={"a"}), "stop"),
+    (dict(stop=""), "stop"),
+    (dict(stop=["a", ""]), "stop"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", BAD_PARAMS, ids=[f"{f}={v!r}" for kw, f in BAD_PARAMS for v in kw.values()])
+def test_bad_params_raise_naming_the_field(kwargs, field):
+    with pytest.raises(QuickdraftError) as info:
+        SamplingParams(**kwargs)
+    assert isinstance(info.value, ValueError)
+    assert field in str(info.value)
+    # the message names the offending field, not some other one
+    others = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "ignore_eos"} - {field}
+    assert not any(f"invalid {o}" in str(info.value) for o in others)
+
+
+def test_quickdraft_error_is_value_error():
+    assert issubclass(QuickdraftError, ValueError)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(temperature=0), dict(temperature=0.0), dict(temperature=2), dict(temperature=1e-4),
+    dict(top_p=1), dict(top_p=1e-6), dict(top_p=0.5),
+    dict(top_k=-1), dict(top_k=0), dict(top_k=1), dict(top_k=10**6),
+    dict(min_p=0), dict(min_p=1), dict(min_p=0.05),
+    dict(max_tokens=1), dict(seed=0), dict(seed=-5), dict(seed=2**62), dict(seed=None),
+    dict(stop=None), dict(stop=[]), dict(ignore_eos=True),
+])
+def test_good_params_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+def test_stop_normalised_to_tuple():
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop=("a",)).stop == ("a",)
+    assert SamplingParams(stop=None).stop == ()
+    assert SamplingParams().stop == ()
+    assert hash(SamplingParams(stop=["a"])) == hash(SamplingParams(stop=("a",)))  # frozen and hashable
+
+
+def test_greedy_property():
+    assert SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
+# -------------------------------------------------------------------- process_logits
+
+
+def test_output_is_float32_and_normalised():
+    g = torch.Generator().manual_seed(0)
+    params = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=3, temperature=0.5),
+              SamplingParams(top_p=0.6), SamplingParams(min_p=0.2, temperature=2.0)]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        logits = (torch.randn(len(params), 3, 11, generator=g) * 3).to(dtype)
+        probs = process_logits(logits, build(*params))
+        assert probs.dtype == torch.float32
+        assert probs.shape == logits.shape
+        assert (probs >= 0).all()
+        torch.testing.assert_close(probs.sum(-1), torch.ones(len(params), 3), atol=1e-5, rtol=0)
+
+
+def test_temperature_one_is_softmax_and_temperature_scales():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)
+    probs = process_logits(logits, build(SamplingParams(), SamplingParams(temperature=2.0),
+                                         SamplingParams(temperature=0.5)))
+    torch.testing.assert_close(probs[0], logits[0].softmax(-1))
+    torch.testing.assert_close(probs[1], (logits[1] / 2).softmax(-1))
+    torch.testing.assert_close(probs[2], (logits[2] * 2).softmax(-1))
+
+
+def test_all_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 1.0, 1.0, 1.0]])
+    probs = process_logits(logits, build(SamplingParams(temperature=0), SamplingParams(temperature=0, top_k=2)))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+def test_greedy_row_next_to_sampled_rows():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 2, 9, generator=g) * 2  # (B, k + 1, V) as for target_probs
+    params = [SamplingParams(temperature=0, top_k=3, top_p=0.5, min_p=0.5), SamplingParams(),
+              SamplingParams(temperature=0), SamplingParams(top_k=3)]
+    probs = process_logits(logits, build(*params))
+    for b in (0, 2):
+        expected = torch.nn.functional.one_hot(logits[b].argmax(-1), 9).float()
+        assert torch.equal(probs[b], expected)
+    torch.testing.assert_close(probs[1], logits[1].softmax(-1))
+    assert ((probs[3] > 0).sum(-1) == 3).all()
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    g = torch.Generator().manual_seed(2)
+    V = 10
+    logits = torch.randn(6, V, generator=g)
+    ks = [1, 2, 3, 5, V, 100]  # k >= V keeps everything
+    probs = process_logits(logits, build(*[SamplingParams(top_k=k) for k in ks]))
+    for row, k in enumerate(ks):
+        kept = probs[row] > 0
+        top = logits[row].topk(min(k, V)).indices
+        assert kept.sum() == min(k, V)
+        assert kept[top].all()
+        expected = torch.zeros(V)
+        expected[top] = logits[row, top].softmax(-1)
+        torch.testing.assert_close(probs[row], expected)
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_off(top_k):
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    probs = process_logits(logits, build(SamplingParams(top_k=top_k)))
+    torch.testing.assert_close(probs[0], logits[0].softmax(-1))
+
+
+def test_top_p_worked_example():
+    """probs 0.4, 0.3, 0.2, 0.1 (shuffled): the kept set is the smallest most-likely prefix
+    whose mass reaches top_p."""
+    base = torch.tensor([0.2, 0.4, 0.1, 0.3])  # sorted: 0.4 (1), 0.3 (3), 0.2 (0), 0.1 (2)
+    logits = base.log().expand(5, 4)
+    top_ps = [0.35, 0.65, 0.75, 0.95, 1.0]
+    probs = process_logits(logits, build(*[SamplingParams(top_p=t) for t in top_ps]))
+    expected = torch.tensor([
+        [0.0, 1.0, 0.0, 0.0],  # 0.4 >= 0.35
+        [0.0, 4 / 7, 0.0, 3 / 7],  # 0.4 < 0.65 <= 0.7
+        [2 / 9, 4 / 9, 0.0, 3 / 9],  # 0.7 < 0.75 <= 0.9
+        [0.2, 0.4, 0.1, 0.3],  # 0.9 < 0.95
+        [0.2, 0.4, 0.1, 0.3],  # off
+    ])
+    torch.testing.assert_close(probs, expected)
+
+
+def test_top_p_applies_after_top_k_and_temperature():
+    base = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    # top_k=3 renormalises to 4/9, 3/9, 2/9; top_p=0.75: 4/9 = 0.44 < 0.75 <= 7/9 keeps two
+    probs = process_logits(base.log()[None], build(SamplingParams(top_k=3, top_p=0.75)))
+    torch.testing.assert_close(probs[0], torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]))
+    # temperature 0.5 squares the probs: 16, 9, 4, 1 (/30); top_p=0.6 keeps 16/30 < 0.6 -> two
+    probs = process_logits(base.log()[None], build(SamplingParams(temperature=0.5, top_p=0.6)))
+    torch.testing.assert_close(probs[0], torch.tensor([16 / 25, 9 / 25, 0.0, 0.0]))
+
+
+def test_min_p_worked_example():
+    base = torch.tensor([0.1, 0.5, 0.15, 0.25])
+    logits = base.log().expand(4, 4)
+    probs = process_logits(logits, build(*[SamplingParams(min_p=m) for m in (0.0, 0.25, 0.4, 1.0)]))
+    expected = torch.tensor([
+        [0.1, 0.5, 0.15, 0.25],
+        [0.0, 0.5 / 0.9, 0.15 / 0.9, 0.25 / 0.9],  # threshold 0.125 drops 0.1
+        [0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75],  # threshold 0.2 drops 0.1 and 0.15
+        [0.0, 1.0, 0.0, 0.0],  # only the maximum survives
+    ])
+    torch.testing.assert_close(probs, expected)
+
+
+def test_mixed_batch_rows_are_independent():
+    """Each row is processed with its own parameters, as if alone in the batch."""
+    g = torch.Generator().manual_seed(3)
+    params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=2, temperature=0.7),
+              SamplingParams(top_p=0.5), SamplingParams(min_p=0.3), SamplingParams(temperature=0),
+              SamplingParams(top_k=4, top_p=0.8, min_p=0.1, temperature=1.3)]
+    logits = torch.randn(len(params), 3, 12, generator=g) * 2
+    probs = process_logits(logits, build(*params))
+    for b, p in enumerate(params):
+        alone = process_logits(logits[b: b + 1], build(p))[0]
+        torch.testing.assert_close(probs[b], alone)
+        torch.testing.assert_close(probs[b], torch.from_numpy(reference(logits[b].double().numpy(), p)).float(),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def reference(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Straightforward float64 reference of the documented pipeline, per row of (..., V)."""
+    if logits.ndim > 1:
+        return np.stack([reference(row, p) for row in logits])
+    V = len(logits)
+    if p.temperature == 0:
+        return np.eye(V)[np.argmax(logits)]
+    z = logits / p.temperature
+    keep = np.ones(V, dtype=bool)
+    order = np.argsort(-z, kind="stable")
+    if p.top_k > 0:
+        keep[:] = False
+        keep[order[: p.top_k]] = True
+
+    def renorm() -> np.ndarray:
+        w = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+        return w / w.sum()
+
+    probs = renorm()
+    if p.top_p < 1:
+        mass = 0.0
+        for i in order:
+            if not keep[i]:
+                continue
+            if mass >= p.top_p:
+                keep[i] = False
+            mass += probs[i]
+        probs = renorm()
+    if p.min_p > 0:
+        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+def _near_boundary(logits: np.ndarray, p: SamplingParams) -> bool:
+    """Inputs where float32 and float64 may legitimately disagree about a cut-off."""
+    if p.temperature == 0:
+        s = np.sort(logits)
+        return len(s) > 1 and s[-1] - s[-2] < 1e-4
+    z = np.sort(logits / p.temperature)[::-1]
+    if np.min(np.abs(np.diff(z))) < 1e-4:
+        return True  # near ties around the top-k / top-p cut
+    k = p.top_k if p.top_k > 0 else len(z)
+    w = np.exp(z[:k] - z[0])
+    w /= w.sum()
+    mass_before = np.cumsum(w) - w
+    if p.top_p < 1 and np.min(np.abs(mass_before - p.top_p)) < 1e-4:
+        return True
+    probs = reference(logits, SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p))
+    kept = probs[probs > 0]
+    return p.min_p > 0 and np.min(np.abs(kept - p.min_p * kept.max())) < 1e-4
+
+
+params_strategy = st.builds(
+    SamplingParams,
+    temperature=st.one_of(st.just(0.0), st.floats(0.05, 4.0)),
+    top_k=st.one_of(st.just(0), st.just(-1), st.integers(1, 10)),
+    top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)),
+    min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.tuples(params_strategy, st.lists(st.floats(-8, 8), min_size=6, max_size=6)),
+                     min_size=1, max_size=5))
+def test_process_logits_matches_reference(rows):
+    params = [p for p, _ in rows]
+    logits = np.array([row for _, row in rows], dtype=np.float32)
+    assume(not any(_near_boundary(logits[b].astype(np.float64), p) for b, p in enumerate(params)))
+    probs = process_logits(torch.from_numpy(logits), build(*params))
+    expected = np.stack([reference(logits[b].astype(np.float64), p) for b, p in enumerate(params)])
+    np.testing.assert_allclose(probs.numpy(), expected, atol=1e-5, rtol=1e-4)
+    # same support (up to float32 underflow of tokens far below the maximum)
+    assert ((expected == 0) <= (probs.numpy() == 0)).all()
+    assert ((expected > 1e-30) <= (probs.numpy() > 0)).all()
+
+
+# ------------------------------------------------------------------ race and sample
+
+
+def test_race_follows_weights():
+    n = 100_000
+    weights = torch.tensor([1.0, 2.0, 0.0, 3.0, 4.0])  # unnormalised, with a zero
+    g = torch.Generator().manual_seed(4)
+    tokens = race(weights.expand(n, 5), torch.empty(n, 5).exponential_(generator=g))
+    assert tokens.shape == (n,) and tokens.dtype == torch.long
+    assert (tokens != 2).all()
+    assert gof_pvalue(tokens, weights) > 1e-3
+    assert gof_pvalue(tokens, [1.0, 2.0, 0.0, 3.1, 3.9]) < 1e-6  # control: slightly wrong weights
+    assert gof_pvalue(tokens, [1.0, 1.0, 0.0, 1.0, 1.0]) < 1e-6  # control: uniform
+
+
+def test_race_batched_per_row_weights():
+    n = 50_000
+    w = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
+    g = torch.Generator().manual_seed(5)
+    tokens = race(w.repeat(n, 1), torch.empty(2 * n, 3).exponential_(generator=g)).view(n, 2)
+    assert gof_pvalue(tokens[:, 0], w[0]) > 1e-3 and gof_pvalue(tokens[:, 1], w[1]) > 1e-3
+    assert gof_pvalue(tokens[:, 0], w[1]) < 1e-6
+
+
+def test_race_one_hot_is_deterministic():
+    w = torch.nn.functional.one_hot(torch.tensor([3, 0, 2]), 4).float()
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        assert race(w, torch.empty(3, 4).exponential_(generator=g)).tolist() == [3, 0, 2]
+
+
+def test_sample_follows_probs():
+    n = 20_000
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    g = make_generator(6, CPU)
+    tokens = sample(probs.expand(n, 3), [g] * n)
+    assert gof_pvalue(tokens, probs) > 1e-3
+    assert gof_pvalue(tokens, [0.15, 0.55, 0.3]) < 1e-6
+
+
+def test_same_seed_same_draws_different_seed_different_draws():
+    probs = torch.full((1, 50), 1 / 50)
+
+    def draws(seed):
+        g = make_generator(seed, CPU)
+        return torch.cat([sample(probs, [g]) for _ in range(20)])
+
+    assert torch.equal(draws(123), draws(123))
+    assert not torch.equal(draws(123), draws(124))
+    g1, g2 = make_generator(7, CPU), make_generator(7, CPU)
+    assert torch.equal(exponential_noise([g1], 8, CPU), exponential_noise([g2], 8, CPU))
+    assert torch.equal(uniform_noise([g1], 8, CPU), uniform_noise([g2], 8, CPU))
+
+
+def test_unseeded_generators_differ():
+    a, b = make_generator(None, CPU), make_generator(None, CPU)
+    assert not torch.equal(torch.rand(16, generator=a), torch.rand(16, generator=b))
+
+
+def test_seeded_row_independent_of_batch():
+    """A seeded request draws the same tokens whatever else shares its batch."""
+    V = 30
+    probs = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(8)), -1)
+
+    def run(batch_seeds):
+        gens = [make_generator(s, CPU) for s in batch_seeds]
+        return torch.stack([sample(probs[: len(gens)], gens) for _ in range(10)], 1)  # (B, 10)
+
+    alone = run([42])[0]
+    assert torch.equal(run([42, 1, 2])[0], alone)
+    assert torch.equal(run([42, None])[0], alone)
+    assert not torch.equal(run([43])[0], alone)
+
+
+def test_noise_shapes_and_ranges():
+    gens = [make_generator(s, CPU) for s in range(4)]
+    e = exponential_noise(gens, 1000, CPU)
+    u = uniform_noise(gens, 1000, CPU)
+    assert e.shape == u.shape == (4, 1000)
+    assert (e >= 0).all() and ((u >= 0) & (u < 1)).all()
+    assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
+    assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
+    assert not torch.equal(e[0], e[1])  # rows come from their own generators
