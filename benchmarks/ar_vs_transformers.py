@@ -76,6 +76,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    load_before = os.getloadavg()  # other processes on the machine add noise; record how busy it was
 
     import transformers
     from transformers import AutoModelForCausalLM
@@ -138,7 +139,8 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in [sys.executable.replace(os.getcwd() + "/", ""), *sys.argv]),
         "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
-                     "torch_threads": threads},
+                     "torch_threads": threads, "loadavg_1m_before": load_before[0],
+                     "loadavg_1m_after": os.getloadavg()[0]},
         "software": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "model": {**MODEL, "num_parameters": n_params, "num_parameters_quickdraft": n_params_qd,
@@ -178,7 +180,9 @@ interleaved (order alternating).
 **{statistics.median(ratios):.3f}** median of per-repeat ratios (per repeat: {", ".join(f"{r:.3f}" for r in ratios)})
 - greedy outputs token-identical: **{"yes" if identical else f"no (first difference at token {first_diff})"}**
 
-Hardware: {cpu_model()}, {os.cpu_count()} logical cores, torch threads {threads}. \
+Hardware: {cpu_model()}, {os.cpu_count()} logical cores, torch threads {threads} \
+(1-minute load average {load_before[0]:.2f} before, {result['hardware']['loadavg_1m_after']:.2f} after: \
+other processes shared the machine). \
 torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}. \
 Date {result['date']}.
 

@@ -1,0 +1,65 @@
+"""The command line: streaming output, --json, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "quickdraft.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_generate_json(target_dir, draft_dir):
+    r = run("generate", "--target", target_dir, "--draft", draft_dir, "-k", 3, "--max-tokens", 12, "--ignore-eos",
+            "--json", "def add(a, b):")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert len(data["token_ids"]) == 12
+    assert set(data["stats"]) >= {"acceptance_rate", "mean_acceptance_length", "tokens_per_second", "num_drafts"}
+
+
+def test_generate_streams_text_and_summary(target_dir, draft_dir):
+    r = run("generate", "--target", target_dir, "--draft", draft_dir, "--max-tokens", 8, "--ignore-eos",
+            "--temperature", 0.7, "--seed", 3, "def add(a, b):")
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stderr and "acceptance rate" in r.stderr and "mean acceptance length" in r.stderr
+    r2 = run("generate", "--target", target_dir, "--draft", draft_dir, "--max-tokens", 8, "--ignore-eos",
+             "--temperature", 0.7, "--seed", 3, "def add(a, b):")
+    assert r.stdout == r2.stdout  # seeded
+
+
+def test_chat_and_ids(target_dir):
+    assert run("generate", "--target", target_dir, "--chat", "--max-tokens", 3, "hi").returncode == 0
+    r = run("generate", "--target", target_dir, "--ids", "--max-tokens", 3, "--json", "--ignore-eos", "0 5 6")
+    assert r.returncode == 0 and json.loads(r.stdout)["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--target", "/nonexistent/model"], "not found"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--max-tokens", "100000"], "context length"),
+    (["--method", "bogus"], "method"),
+])
+def test_errors_are_one_line_exit_2(target_dir, args, needle):
+    if "--target" not in args:
+        args = ["--target", str(target_dir), *args]
+    r = run("generate", *args, "hello")
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_vocabulary_mismatch_and_bad_config(target_dir, ckpt_factory, tmp_path):
+    other = ckpt_factory("vocab400cli", vocab=400)
+    r = run("generate", "--target", target_dir, "--draft", other, "hi")
+    assert r.returncode == 2 and "vocabulary mismatch" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "config.json").write_text("{broken")
+    r = run("generate", "--target", tmp_path, "hi")
+    assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
