@@ -22,6 +22,13 @@ import torch
 from .config import QuickdraftError
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -39,7 +46,7 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                 raise bad(name, f"must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
@@ -51,8 +58,9 @@ class SamplingParams:
             raise bad("top_k", f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", f"must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         stop = self.stop
         if stop is None:
             stop = ()

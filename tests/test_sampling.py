@@ -110,6 +110,23 @@ def test_bad_params_raise_naming_the_field(kwargs, field):
     assert not any(f"invalid {o}" in str(info.value) for o in others)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+def test_huge_int_raises_quickdraft_error(field):
+    # e.g. a JSON request body {"temperature": 1e400 written as an integer literal}
+    with pytest.raises(QuickdraftError, match=field):
+        SamplingParams(**{field: 10**400})
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_seed_out_of_64_bit_range_rejected_or_usable(seed):
+    try:
+        params = SamplingParams(seed=seed)
+    except QuickdraftError as e:  # rejecting it at validation is fine
+        assert "seed" in str(e)
+        return
+    make_generator(params.seed, CPU)  # otherwise a validated seed must be usable
+
+
 def test_quickdraft_error_is_value_error():
     assert issubclass(QuickdraftError, ValueError)
 

@@ -450,8 +450,9 @@ def test_greedy_k0_emits_one_token_per_row():
 @given(B=st.integers(1, 8), k=st.integers(0, 5), V=st.integers(2, 6), seed=st.integers(0, 2**31 - 1),
        match=st.floats(0.0, 1.0))
 def test_rejection_sample_one_hot_equals_greedy(B, k, V, seed, match):
-    """Greedy rows (one-hot p from process_logits at temperature 0, one-hot or absent q)
-    make rejection_sample exactly greedy_verify, whatever the noise."""
+    """Greedy rows (one-hot p from process_logits at temperature 0) make rejection_sample
+    exactly greedy_verify, whatever the noise, with a one-hot q, with q = None, and even
+    with a non-degenerate q (a sampling draft verified by a greedy target)."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, k + 1, V, generator=g)
     p = process_logits(logits, BatchSampling.build([SamplingParams(temperature=0)] * B, torch.device("cpu")))
@@ -462,8 +463,9 @@ def test_rejection_sample_one_hot_equals_greedy(B, k, V, seed, match):
     q = torch.nn.functional.one_hot(draft, V).float()
     uniform = torch.rand(B, k, generator=g)
     noise = torch.empty(B, V).exponential_(generator=g)
+    q_soft = torch.softmax(torch.randn(B, k, V, generator=g), -1)  # a sampled draft against a greedy target
     expected = greedy_verify(draft, target_argmax)
-    for draft_probs in (q, None):
+    for draft_probs in (q, None, q_soft):
         tokens, acc = rejection_sample(draft, p, draft_probs, uniform, noise)
         assert torch.equal(tokens, expected[0])
         assert torch.equal(acc, expected[1])

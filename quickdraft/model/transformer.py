@@ -90,10 +90,9 @@ class Attention(nn.Module):
         k = (k * cos + rotate_half(k) * sin).transpose(1, 2)  # (B, H_kv, T, D)
         v = v.transpose(1, 2)
         if cache is not None:
-            rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
             ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]
-            ck[rows, :, write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D)
-            cv[rows, :, write_pos] = v.transpose(1, 2)
+            ck[write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D) at (row, :, position)
+            cv[write_pos] = v.transpose(1, 2)
             k, v = ck[:, :, :kv_len], cv[:, :, :kv_len]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
@@ -181,7 +180,8 @@ class Transformer(nn.Module):
                 kv_len = int(pos.max()) + 1
             key_pos = torch.arange(kv_len, device=device)  # a key's index is its position
             mask = key_pos <= pos[..., None]  # (B, T, S)
-            write_pos = torch.where(positions >= 0, positions, cache.trash)
+            rows = torch.arange(B, device=device)[:, None].expand(B, T)
+            write_pos = (rows, slice(None), torch.where(positions >= 0, positions, cache.trash))
         else:
             kv_len = T
             key_pos = positions[:, None, :]  # (B, 1, T) keys are the tokens themselves

@@ -1,0 +1,93 @@
+"""Lossless suite, end to end: the engine's sampled output follows the target's exact
+distribution, with a real draft model, at temperature 1 and with truncation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.sampling import BatchSampling, process_logits
+
+from conftest import make_checkpoint
+
+V = 12
+PROMPT = [3, 7, 5]
+N = 6000
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lossless")
+    # a large init scale gives peaked, non-uniform distributions: a sharper test
+    t = make_checkpoint(root / "t", vocab=V, seed=0, tokenizer=False, initializer_range=0.3)
+    d = make_checkpoint(root / "d", vocab=V, seed=5, layers=1, tokenizer=False, initializer_range=0.3)
+    return t, d
+
+
+def exact_joint(model_dir, params: SamplingParams) -> np.ndarray:
+    """P(x2, x3 | prompt) = sum over x1 of P(x1) P(x2 | x1) P(x3 | x1, x2), (V, V).
+
+    The first token comes from the prefill; x2 and x3 come from a speculative step
+    (drafted, verified, recovered or bonus), so this is the distribution that step must keep."""
+    model = LLM(model_dir, method="none").target
+
+    def probs(seqs):
+        s = BatchSampling.build([params] * len(seqs), torch.device("cpu"))
+        with torch.no_grad():
+            return process_logits(model(torch.tensor(seqs))[:, -1], s).double()
+
+    p1 = probs([PROMPT])[0]  # (V,)
+    p2 = probs([PROMPT + [a] for a in range(V)])  # (V, V): [x1, x2]
+    p3 = probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)  # [x1, x2, x3]
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3).numpy()
+
+
+def sampled_joint(llm: LLM, params_for_seed) -> np.ndarray:
+    outs = llm.generate([PROMPT] * N, [params_for_seed(i) for i in range(N)])
+    counts = np.zeros((V, V))
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    return counts
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of `counts` under `probs`; 0 when a cell of probability 0 was sampled."""
+    counts, probs = counts.ravel(), probs.ravel() / probs.sum()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * counts.sum()
+    big = expected >= 5  # pool small cells into one bin so the chi-square approximation holds
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=4),
+    dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.3, min_p=0.1),
+], ids=["t1", "topk", "topp", "minp"])
+def test_speculative_sampling_matches_target_distribution(pair, kw):
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N)
+    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **kw))
+    probs = exact_joint(target, SamplingParams(**kw))
+    assert 0.05 < llm.stats.acceptance_rate < 0.95  # both accept and reject paths were taken
+    assert chi2_pvalue(counts, probs) > 1e-3
+    # controls the same test must reject: the draft's distribution, and the target's mixed with it
+    wrong = exact_joint(draft, SamplingParams(**kw))
+    assert chi2_pvalue(counts, wrong) < 1e-6
+    assert chi2_pvalue(counts, 0.7 * probs + 0.3 * wrong) < 1e-6
+
+
+def test_plain_sampling_matches_target_distribution(pair):
+    target, _ = pair
+    llm = LLM(target, method="none", max_num_seqs=N)
+    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
+    assert chi2_pvalue(counts, exact_joint(target, SamplingParams())) > 1e-3
