@@ -11,6 +11,8 @@ import pytest
 import torch
 
 warnings.filterwarnings("ignore")
+# Tiny models gain nothing from a second thread, and oversubscribed cores slow everything down.
+torch.set_num_threads(1)
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
