@@ -82,6 +82,11 @@ def generate(
               f"finish: {final.finish_reason}[/]")
 
 
+from .train import train_command  # noqa: E402
+
+app.command("train")(train_command)
+
+
 @app.callback()
 def _root() -> None:
     """quickdraft: lossless speculative decoding for Llama-family models."""

@@ -1,0 +1,21 @@
+"""Training: the corpus, a byte-level BPE tokenizer, pretraining a target (distilling a
+draft later). `train` and friends import torch lazily so the CLI starts fast."""
+
+from __future__ import annotations
+
+from .command import train_command
+
+__all__ = ["train", "train_command", "load_corpus", "SIZES"]
+
+
+def __getattr__(name: str):
+    if name == "train":
+        from .pretrain import train
+        return train
+    if name == "load_corpus":
+        from .corpus import load_corpus
+        return load_corpus
+    if name == "SIZES":
+        from .sizes import SIZES
+        return SIZES
+    raise AttributeError(f"module 'quickdraft.train' has no attribute {name!r}")
