@@ -82,9 +82,10 @@ def generate(
               f"finish: {final.finish_reason}[/]")
 
 
-from .train import train_command  # noqa: E402
+from .train import distill_command, train_command  # noqa: E402
 
 app.command("train")(train_command)
+app.command("distill")(distill_command)
 
 
 @app.callback()

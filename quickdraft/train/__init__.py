@@ -3,15 +3,18 @@ draft later). `train` and friends import torch lazily so the CLI starts fast."""
 
 from __future__ import annotations
 
-from .command import train_command
+from .command import distill_command, train_command
 
-__all__ = ["train", "train_command", "load_corpus", "SIZES"]
+__all__ = ["train", "train_command", "distill", "distill_command", "load_corpus", "SIZES"]
 
 
 def __getattr__(name: str):
     if name == "train":
         from .pretrain import train
         return train
+    if name == "distill":
+        from .distill import distill
+        return distill
     if name == "load_corpus":
         from .corpus import load_corpus
         return load_corpus

@@ -39,3 +39,31 @@ def train_command(
           grad_accum=grad_accum, lr=lr, seq_len=seq_len, device=device, seed=seed, eval_every=eval_every,
           save_every=save_every, vocab_size=vocab_size, warmup=warmup, bf16=bf16, save_dtype=save_dtype,
           stop_at=stop_at, command=shlex.join(["quickdraft", *sys.argv[1:]]))
+
+
+def distill_command(
+    target: Path = typer.Option(..., "--target", help="Target model folder (Hugging Face format)."),
+    out: Path = typer.Option(..., "--out", help="Output folder for the draft."),
+    size: str = typer.Option("draft-xs", "--size", help="Draft size (see quickdraft.train.sizes)."),
+    steps: int = typer.Option(600, "--steps", help="Optimizer steps."),
+    corpus: Optional[Path] = typer.Option(None, "--corpus", help="Folder of text/code (default: Python's stdlib)."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Windows per step."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per window."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate (default: per size)."),
+    generated_fraction: float = typer.Option(0.5, "--generated-fraction",
+                                             help="Share of each batch from target-generated text."),
+    pool_prompts: int = typer.Option(256, "--pool-prompts", help="Target continuations generated for training."),
+    pool_new_tokens: int = typer.Option(192, "--pool-new-tokens", help="Tokens per generated continuation."),
+    eval_prompts: int = typer.Option(32, "--eval-prompts", help="Held-out prompts for the acceptance check."),
+    k: int = typer.Option(5, "-k", help="Draft tokens per step in the acceptance check."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available)."),
+    seed: int = typer.Option(0, "--seed"),
+    save_dtype: str = typer.Option("bfloat16", "--save-dtype", help="bfloat16 | float16 | float32."),
+) -> None:
+    """Distil a small draft from a target (KL to the target's distributions), same tokenizer."""
+    from .distill import distill
+
+    distill(target, out, size=size, steps=steps, corpus=corpus, batch_size=batch_size, seq_len=seq_len, lr=lr,
+            generated_fraction=generated_fraction, pool_prompts=pool_prompts, pool_new_tokens=pool_new_tokens,
+            eval_prompts=eval_prompts, k=k, device=device, seed=seed, save_dtype=save_dtype,
+            command=shlex.join(["quickdraft", *sys.argv[1:]]))
