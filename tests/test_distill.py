@@ -33,10 +33,13 @@ def pair(tmp_path_factory):
 def test_distilled_draft_is_a_valid_pair(pair):
     corpus, target, draft, summary = pair
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "distill_log.json"):
+                 "generation_config.json", "distill_log.json", "README.md"):
         assert (draft / name).exists(), name
     assert (draft / "tokenizer.json").read_bytes() == (target / "tokenizer.json").read_bytes()
     log = json.loads((draft / "distill_log.json").read_text())
+    card = (draft / "README.md").read_text()
+    assert "Reproduce" in card and "Held-out loss" in card and f"{log['params']:,}" in card
+    assert "Held-out loss" in (target / "README.md").read_text()  # the trainer writes a card too
     assert log["kl_curve"][-1] < log["kl_curve"][0]  # it learned to match the target
     for key in ("acceptance_before", "acceptance_after"):
         assert 0.0 <= summary[key]["acceptance_rate"] <= 1.0

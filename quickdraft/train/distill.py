@@ -32,6 +32,7 @@ from ..model.transformer import Transformer
 from ..proposers.draft_model import DraftModelProposer
 from ..sampling import SamplingParams
 from . import tokenizer as tok_mod
+from .card import write_model_card
 from .corpus import load_corpus
 from .data import WindowSampler, cached_tokens, eval_windows, fingerprint
 from .export import hf_config, save_hf_folder
@@ -213,4 +214,5 @@ def distill(target_dir: str | Path, out_dir: str | Path, *, size: str = "draft-x
                "heldout_loss_curve": log["heldout_loss"],
                "versions": {"torch": torch.__version__, "python": platform.python_version()}}
     (out / "distill_log.json").write_text(json.dumps(log_out, indent=2) + "\n")
+    write_model_card(out)
     return summary

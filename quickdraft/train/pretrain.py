@@ -29,6 +29,7 @@ from ..model.loader import resolve_device
 from ..model.tokenizer import Tokenizer
 from ..model.transformer import Transformer
 from . import tokenizer as tok_mod
+from .card import write_model_card
 from .corpus import load_corpus
 from .data import WindowSampler, cached_tokens, eval_windows, fingerprint
 from .export import SAVE_DTYPES, hf_config, save_hf_folder
@@ -331,6 +332,7 @@ def train(out_dir: str | Path, *, size: str | None = None, steps: int | None = N
             "versions": {"torch": torch.__version__, "python": platform.python_version()},
         }
         (out / "training_log.json").write_text(json.dumps(training_log, indent=2) + "\n")
+        write_model_card(out)
     if summary["train_loss"] is not None:
         held = "-" if summary["heldout_loss"] is None else f"{summary['heldout_loss']:.4f}"
         say(f"step {step}/{total}: train loss {summary['train_loss']:.4f}, held-out loss {held}, "
