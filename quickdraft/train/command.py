@@ -59,11 +59,12 @@ def distill_command(
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available)."),
     seed: int = typer.Option(0, "--seed"),
     save_dtype: str = typer.Option("bfloat16", "--save-dtype", help="bfloat16 | float16 | float32."),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: on CUDA only)."),
 ) -> None:
     """Distil a small draft from a target (KL to the target's distributions), same tokenizer."""
     from .distill import distill
 
     distill(target, out, size=size, steps=steps, corpus=corpus, batch_size=batch_size, seq_len=seq_len, lr=lr,
             generated_fraction=generated_fraction, pool_prompts=pool_prompts, pool_new_tokens=pool_new_tokens,
-            eval_prompts=eval_prompts, k=k, device=device, seed=seed, save_dtype=save_dtype,
+            eval_prompts=eval_prompts, k=k, device=device, seed=seed, save_dtype=save_dtype, bf16=bf16,
             command=shlex.join(["quickdraft", *sys.argv[1:]]))
