@@ -55,6 +55,8 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available)."),
+    compare: bool = typer.Option(False, "--compare",
+                                 help="Also decode without speculation and report the speedup."),
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from .llm import LLM
@@ -66,20 +68,42 @@ def generate(
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = _parse_ids(prompt) if ids else prompt
+    plain = None
+    if compare:
+        if llm.draft is None:
+            fail("--compare needs speculative decoding: give a draft (or use the bundled pair)")
+        plain = LLM(target=target, method="none", dtype=dtype, device=device)
+        warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
+        for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
+            m.generate([m.encode(prompt_in, chat=chat)], warm)
+        llm.stats = type(llm.stats)()
     final = None
     for o in llm.stream(prompt_in, params, chat=chat):
         if not as_json and o.new_text:
             out.print(o.new_text, end="", markup=False)
         final = o
     s = llm.stats
+    comparison = None
+    if plain is not None:
+        base = plain.generate([final.prompt_token_ids], params)[0]
+        p = plain.stats
+        comparison = {"plain_tokens_per_second": p.tokens_per_second,
+                      "speedup": s.tokens_per_second / p.tokens_per_second if p.tokens_per_second else None,
+                      "identical": base.token_ids == final.token_ids if temperature == 0 else None}
     if as_json:
         print(json.dumps({"text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason,
-                          "prompt_tokens": len(final.prompt_token_ids), "stats": s.to_dict()}))
+                          "prompt_tokens": len(final.prompt_token_ids), "stats": s.to_dict(),
+                          **({"compare": comparison} if comparison else {})}))
         return
     out.print()
     err.print(f"[dim]{s.num_output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
               f"acceptance rate {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}, "
               f"finish: {final.finish_reason}[/]")
+    if comparison:
+        same = "" if comparison["identical"] is None else \
+            f"; output identical to plain decoding: {'yes' if comparison['identical'] else 'NO'}"
+        err.print(f"[bold]speedup over plain decoding: {comparison['speedup']:.2f}x[/] "
+                  f"(plain {comparison['plain_tokens_per_second']:.1f} tok/s{same})")
 
 
 from .train import distill_command, train_command  # noqa: E402

@@ -63,3 +63,13 @@ def test_vocabulary_mismatch_and_bad_config(target_dir, ckpt_factory, tmp_path):
     (tmp_path / "config.json").write_text("{broken")
     r = run("generate", "--target", tmp_path, "hi")
     assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_compare_reports_speedup_and_identity(target_dir, draft_dir):
+    r = run("generate", "--target", target_dir, "--draft", draft_dir, "--max-tokens", 10, "--ignore-eos", "--compare",
+            "--json", "def add(a, b):")
+    assert r.returncode == 0, r.stderr
+    cmp_ = json.loads(r.stdout)["compare"]
+    assert cmp_["identical"] is True and cmp_["speedup"] > 0
+    r = run("generate", "--target", target_dir, "--compare", "hi")
+    assert r.returncode == 2 and "--compare needs" in r.stderr
