@@ -182,3 +182,51 @@ def test_folder_without_tokenizer_takes_token_ids(ckpt_factory):
         llm.generate(["text"], GREEDY)
     with pytest.raises(QuickdraftError, match="tokenizer"):
         llm.generate([[0, 1]], SamplingParams(stop=["x"]))
+
+
+def test_requests_joining_and_leaving_a_running_batch(target_dir, draft_dir, plain_out):
+    """Continuous use of the engine: requests arrive while others run, finish at different
+    times (rows are compacted), and each output equals plain decoding of that prompt alone."""
+    from quickdraft import Engine, EngineConfig, SpecConfig
+    from quickdraft.proposers.draft_model import DraftModelProposer
+
+    llm = LLM(target_dir, draft=draft_dir)
+    engine = Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", 3), max_num_seqs=2,
+                                                                             max_model_len=128))
+    lengths = [40, 7, 23]
+    done = {}
+    ids = [engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=lengths[0], ignore_eos=True))]
+    for _ in range(3):
+        engine.step()
+    ids.append(engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=lengths[1], ignore_eos=True)))
+    ids.append(engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=lengths[2], ignore_eos=True)))
+    aborted = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=30))
+    engine.abort_request(aborted)
+    while engine.has_unfinished():
+        assert engine.num_running <= 2
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert aborted not in done
+    assert [done[i] for i in ids] == [p[:n] for p, n in zip(plain_out, lengths)]
+
+
+def test_abort_a_running_request_keeps_the_others(target_dir, draft_dir, plain_out):
+    from quickdraft import Engine, EngineConfig, SpecConfig
+    from quickdraft.proposers.draft_model import DraftModelProposer
+
+    llm = LLM(target_dir, draft=draft_dir)
+    engine = Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", 4), max_num_seqs=4,
+                                                                             max_model_len=128))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    engine.step()
+    engine.step()
+    engine.abort_request(ids[0])  # row 0 leaves; the last row moves into it
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert ids[0] not in done
+    assert [done[i] for i in ids[1:]] == plain_out[1:]
