@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from quickdraft.bench.hardware import cpu_model
+
 # Model shape: ~25.2M parameters (12.6M in the untied embedding + lm_head, 12.6M in 8 layers).
 MODEL = dict(
     vocab_size=16384,
@@ -40,16 +42,6 @@ MODEL = dict(
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
 )
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def make_checkpoint(path: Path, seed: int) -> int:

@@ -31,6 +31,7 @@ import torch
 
 import quickdraft
 from quickdraft import LLM, SamplingParams
+from quickdraft.bench.hardware import cpu_model
 from quickdraft.cache import KVCache
 from quickdraft.llm import default_model_dirs
 from quickdraft.model.transformer import forward_chunks
@@ -38,16 +39,6 @@ from quickdraft.proposers.base import ProposeBatch
 from quickdraft.sampling import BatchSampling, make_generator
 from quickdraft.train.corpus import load_corpus
 from quickdraft.train.prompts import opening_prompts
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, list]:
@@ -198,7 +189,7 @@ def main() -> None:
     }
     results["setup"] = {
         "k": k, "new_tokens": args.new_tokens, "prompts": len(prompts), "repeats": args.repeats, "batch": 1,
-        "context_for_parts": context, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+        "context_for_parts": context, "threads": torch.get_num_threads(), "cpu": cpu_model(),
         "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/default_pair.py " + " ".join(sys.argv[1:]),

@@ -1,0 +1,1 @@
+"""Benchmark helpers shared by `benchmarks/` scripts (and, later, `quickdraft bench` / `tune`)."""
