@@ -186,7 +186,7 @@ class Engine:
         view = self.cache.rows(start, start + len(requests))
         logits = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view)
         sampling = BatchSampling.build([r.params for r in requests], self.device)
-        tokens = sample(process_logits(logits, sampling), [r.generator for r in requests]).tolist()
+        tokens = sample(process_logits(logits, sampling), [r.generator for r in requests], sampling.all_greedy).tolist()
         for r, t in zip(requests, tokens):
             self._append(r, [t])
         return requests

@@ -178,6 +178,9 @@ def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (weights / noise.clamp_min(1e-20)).argmax(-1)
 
 
-def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """probs (B, V) -> tokens (B,), row b drawn with generators[b]."""
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator], all_greedy: bool = False) -> torch.Tensor:
+    """probs (B, V) -> tokens (B,), row b drawn with generators[b]. With `all_greedy` the
+    rows are one-hot (see process_logits) and the draw is their argmax, without noise."""
+    if all_greedy:
+        return probs.argmax(-1)
     return race(probs, exponential_noise(generators, probs.shape[-1], probs.device))

@@ -49,7 +49,7 @@ class DraftModelProposer(Proposer):
         tokens, probs = [], []
         for i in range(k):
             q = process_logits(logits, batch.sampling)  # (B, V) float32
-            x = sample(q, batch.generators)  # (B,)
+            x = sample(q, batch.generators, batch.sampling.all_greedy)  # (B,)
             tokens.append(x)
             probs.append(q)
             if i < k - 1:  # the last draft token is never fed: the target will judge it
