@@ -11,7 +11,7 @@ import pytest
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "quickdraft.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=600)
 
 
 def test_generate_json(target_dir, draft_dir):

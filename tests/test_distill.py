@@ -66,7 +66,7 @@ def test_distill_errors(pair, tmp_path):
     with pytest.raises(QuickdraftError, match="unknown --size"):
         distill(target, tmp_path / "o2", corpus=corpus, **{**DISTILL, "size": "huge"})
     r = subprocess.run([sys.executable, "-m", "quickdraft.cli", "distill", "--target", str(tmp_path / "nope"),
-                        "--out", str(tmp_path / "o3")], capture_output=True, text=True, timeout=120)
+                        "--out", str(tmp_path / "o3")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
 
 

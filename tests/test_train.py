@@ -113,7 +113,7 @@ def test_bad_corpus_is_a_clear_error(tmp_path, case, needle):
 
 def test_cli_bad_corpus_exits_2_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "quickdraft.cli", "train", "--out", str(tmp_path / "out"),
-                        "--corpus", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+                        "--corpus", str(tmp_path / "nope")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2
     assert "corpus folder not found" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
