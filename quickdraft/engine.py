@@ -120,6 +120,24 @@ class Engine:
         self.waiting.append(request)
         return request.id
 
+    def generate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
+        """Add the requests, step until they finish, and return their final outputs in order.
+        On an error (or interrupt) they are aborted, so the engine stays usable."""
+        ids: list[str] = []
+        final: dict[str, RequestOutput] = {}
+        try:
+            for prompt, params in requests:
+                ids.append(self.add_request(prompt, params))
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.abort_request(rid)
+            raise
+        return [final[i] for i in ids]
+
     def abort_request(self, request_id: str) -> None:
         for r in list(self.waiting):
             if r.id == request_id:

@@ -93,21 +93,8 @@ class LLM:
         prompts = list(prompts)
         plist = self._params_list(len(prompts), params)
         encoded = [self.encode(p) for p in prompts]  # validate everything before starting
-        final: dict[str, RequestOutput] = {}
         start = time.perf_counter()
-        ids = []
-        try:
-            for ids_, p in zip(encoded, plist):
-                ids.append(self.engine.add_request(ids_, p))
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-        except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        outputs = [final[i] for i in ids]
+        outputs = self.engine.generate(list(zip(encoded, plist)))
         self._record(outputs, time.perf_counter() - start)
         return outputs
 

@@ -47,12 +47,8 @@ def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[li
     engine = Engine(target, DraftModelProposer(draft), EngineConfig(SpecConfig("draft", k), max_num_seqs=batch))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     stats = SpecStats()
-    for p in prompts:
-        engine.add_request(p, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                stats.merge(out.stats)
+    for out in engine.generate([(p, params) for p in prompts]):
+        stats.merge(out.stats)
     return {"acceptance_rate": stats.acceptance_rate, "mean_acceptance_length": stats.mean_acceptance_length, "k": k}
 
 
@@ -61,17 +57,9 @@ def generate_pool(target: Transformer, prompts: list[list[int]], new_tokens: int
                   batch: int = 64) -> list[list[int]]:
     """prompt + target continuation for every prompt: half greedy, half sampled at T = 1."""
     engine = Engine(target, None, EngineConfig(SpecConfig("none"), max_num_seqs=batch))
-    ids = {}
-    for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=new_tokens, seed=seed + i,
-                                ignore_eos=True)
-        ids[engine.add_request(p, params)] = p
-    seqs = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                seqs.append(ids[out.request_id] + out.token_ids)
-    return seqs
+    requests = [(p, SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, max_tokens=new_tokens, seed=seed + i,
+                                   ignore_eos=True)) for i, p in enumerate(prompts)]
+    return [p + out.token_ids for (p, _), out in zip(requests, engine.generate(requests))]
 
 
 def kl_loss(student: Transformer, teacher: Transformer, batch: torch.Tensor) -> torch.Tensor:
