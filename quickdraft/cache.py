@@ -60,5 +60,17 @@ class KVCache:
             self.k[layer][dst, :, :length] = self.k[layer][src, :, :length]
             self.v[layer][dst, :, :length] = self.v[layer][src, :, :length]
 
+    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """After tree verification: copy slots src (B, n) to dst (B, n) in rows 0..B-1,
+        every layer (the accepted path's entries move to their chain positions). Entries
+        of -1 in src/dst are skipped (they copy the trash column onto itself)."""
+        B = src.shape[0]
+        rows = torch.arange(B, device=src.device)[:, None]
+        src = torch.where(src >= 0, src, self.capacity)
+        dst = torch.where(src < self.capacity, dst, self.capacity)
+        for layer in range(len(self.k)):
+            for t in (self.k[layer], self.v[layer]):
+                t[rows, :, dst] = t[rows, :, src]  # (B, n, H, D): the read is a copy, so overlaps are safe
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 from typing import Any
 
@@ -165,22 +167,25 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-METHODS = ("none", "draft")
-
-
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "draft"  # "none" = plain autoregressive decoding, "draft" = small draft model
-    num_speculative_tokens: int = 5  # k: draft tokens proposed per step
+    method: str = "draft"  # "none" = plain decoding, or a registered proposer (quickdraft.proposers)
+    num_speculative_tokens: int = 5  # k: the most draft tokens any path proposes per step
+    options: Mapping[str, Any] = field(default_factory=dict)  # the proposer's own options
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise QuickdraftError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        from .proposers import PROPOSERS  # late: proposers import this module
+
+        if self.method != "none" and self.method not in PROPOSERS:
+            raise QuickdraftError(
+                f"method must be one of none, {', '.join(sorted(PROPOSERS))}, got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool):
             raise QuickdraftError("num_speculative_tokens must be an integer")
         if self.method != "none" and not 1 <= self.num_speculative_tokens <= 64:
             raise QuickdraftError(
                 f"num_speculative_tokens must be between 1 and 64, got {self.num_speculative_tokens}")
+        if self.method == "none" and self.options:
+            raise QuickdraftError("method 'none' takes no speculation options")
 
     @property
     def k(self) -> int:

@@ -28,7 +28,8 @@ from .model.transformer import Transformer, forward_chunks
 from .proposers.base import ProposeBatch, Proposer, VerifyResult
 from .sampling import BatchSampling, SamplingParams, exponential_noise, make_generator, process_logits, \
     sample, uniform_noise
-from .verify import greedy_verify, rejection_sample
+from .tree import tree_mask, tree_structure
+from .verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 
 @dataclass
@@ -91,6 +92,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.k = config.spec.k
+        self._wants_target_tokens = proposer is not None and proposer.wants_target_tokens
+        # cache room past a request's last token for one step's draft nodes
+        self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         ctx = target.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         self.fixed_size = config.max_model_len is not None  # else caches are sized per batch
@@ -167,7 +171,7 @@ class Engine:
         return outputs
 
     def _capacity_needed(self, r: _Request) -> int:
-        return len(r.prompt) + r.params.max_tokens + self.k + 1  # + room for drafts past the end
+        return len(r.prompt) + r.params.max_tokens + self._draft_room + 1  # + room for drafts past the end
 
     def _admit(self) -> list[_Request]:
         if not self.waiting:
@@ -182,7 +186,7 @@ class Engine:
 
     def _size_cache(self) -> None:
         if self.fixed_size:
-            slots, capacity = self.config.max_num_seqs, self.max_model_len + self.k + 1
+            slots, capacity = self.config.max_num_seqs, self.max_model_len + self._draft_room + 1
         else:  # the engine is idle: size the caches for the requests now waiting
             batch = list(self.waiting)[: self.config.max_num_seqs]
             slots, capacity = len(batch), max(self._capacity_needed(r) for r in batch)
@@ -220,27 +224,78 @@ class Engine:
         # No row can use more than remaining - 1 drafts (the step adds one token of its own).
         k = min(self.k, max(r.remaining for r in rows) - 1)
         last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)[:, None]
+        draft = None
         if k > 0:
             draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, generators))
-            draft_tokens, draft_probs = draft.tokens, draft.probs
+            if draft.tokens.shape[1] == 0:  # nothing proposed for any row
+                draft = None
+        if draft is None or draft.parents is None:
+            result = self._verify_chain(draft, last, lengths, sampling, generators)
         else:
-            draft_tokens, draft_probs = last[:, :0], None
-        positions = torch.tensor(lengths, device=self.device)[:, None] - 1 + torch.arange(k + 1, device=self.device)
-        logits = self.target(torch.cat([last, draft_tokens], 1), positions, self.cache.rows(0, B),
-                             kv_len=max(lengths) + k)  # (B, k+1, V)
-        if sampling.all_greedy:
-            out, num_accepted = greedy_verify(draft_tokens, logits.argmax(-1))
-        else:
-            p = process_logits(logits, sampling)
-            out, num_accepted = rejection_sample(draft_tokens, p, draft_probs, uniform_noise(generators, k, self.device),
-                                                 exponential_noise(generators, p.shape[-1], self.device))
-        out, num_accepted = out.tolist(), num_accepted.tolist()  # the step's one host sync
-        if k > 0:
-            self.proposer.observe(VerifyResult(num_accepted, lengths, k))
-        for r, toks, n in zip(rows, out, num_accepted):
-            r.stats.observe(k, n)
+            result = self._verify_tree(draft, last, lengths, sampling, generators)
+        out, num_accepted, drafted, path, target_tokens = result
+        if draft is not None:
+            self.proposer.observe(VerifyResult(num_accepted, lengths, k, path, target_tokens))
+        for r, toks, n, d in zip(rows, out, num_accepted, drafted):
+            r.stats.observe(d, n, None if path is None else [1] * n + [0] * (k - n))
             self._append(r, toks[: n + 1])
         return list(rows)
+
+    def _verify_chain(self, draft, last, lengths, sampling, generators):
+        """Target forward over [last, d_1..d_k] at positions L-1..L-1+k, then verify."""
+        B = len(lengths)
+        draft_tokens = last[:, :0] if draft is None else draft.tokens
+        k = draft_tokens.shape[1]
+        positions = torch.tensor(lengths, device=self.device)[:, None] - 1 + torch.arange(k + 1, device=self.device)
+        logits = self.target(torch.cat([last, draft_tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
+                             kv_len=max(lengths) + k)  # (B, k+1, V)
+        argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
+        if sampling.all_greedy:
+            out, num_accepted = greedy_verify(draft_tokens, argmax)
+        else:
+            p = process_logits(logits, sampling)
+            out, num_accepted = rejection_sample(draft_tokens, p, None if draft is None else draft.probs,
+                                                 uniform_noise(generators, k, self.device),
+                                                 exponential_noise(generators, p.shape[-1], self.device))
+        drafted = (draft_tokens >= 0).sum(1)
+        sync = [out, num_accepted[:, None], drafted[:, None]] + ([argmax] if self._wants_target_tokens else [])
+        packed = torch.cat(sync, 1).tolist()  # the step's one host sync
+        return ([row[: k + 1] for row in packed], [row[k + 1] for row in packed], [row[k + 2] for row in packed],
+                None, [row[k + 3:] for row in packed] if self._wants_target_tokens else None)
+
+    def _verify_tree(self, draft, last, lengths, sampling, generators):
+        """Target forward over [last, nodes...] with tree attention, verify, then move the
+        accepted path's cache entries to their chain slots (quickdraft.tree has the layout)."""
+        B, N = draft.tokens.shape
+        device = self.device
+        valid = draft.tokens >= 0
+        anc, depth = tree_structure(draft.parents, valid)
+        L = torch.tensor(lengths, device=device)
+        kv_len = max(lengths) + N
+        nodes = torch.arange(N, device=device)
+        positions = torch.cat([L[:, None] - 1, torch.where(valid, L[:, None] - 1 + depth, -1)], 1)  # (B, 1+N)
+        slots = torch.cat([L[:, None] - 1, torch.where(valid, L[:, None] + nodes, -1)], 1)
+        queries = torch.cat([nodes.new_full((B, 1), -1), nodes.expand(B, N)], 1)
+        mask = tree_mask(L, queries, anc, kv_len)
+        logits = self.target(torch.cat([last, draft.tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
+                             kv_len=kv_len, slots=slots, attn_mask=mask)  # (B, 1+N, V)
+        argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
+        if sampling.all_greedy:
+            out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax)
+        else:
+            p = process_logits(logits, sampling)
+            out, num_accepted, path = tree_rejection_sample(
+                draft.tokens, draft.parents, p, draft.probs, uniform_noise(generators, N, device),
+                exponential_noise(generators, p.shape[-1], device))
+        D = path.shape[1]
+        steps = torch.arange(D, device=device)
+        self.cache.compact(torch.where(path >= 0, L[:, None] + path, -1), L[:, None] + steps)
+        sync = [out, path, num_accepted[:, None], valid.sum(1)[:, None]] + \
+            ([argmax] if self._wants_target_tokens else [])
+        packed = torch.cat(sync, 1).tolist()  # the step's one host sync
+        return ([row[: D + 1] for row in packed], [row[2 * D + 1] for row in packed],
+                [row[2 * D + 2] for row in packed], [[i for i in row[D + 1: 2 * D + 1] if i >= 0] for row in packed],
+                [row[2 * D + 3:] for row in packed] if self._wants_target_tokens else None)
 
     def _append(self, r: _Request, tokens: list[int]) -> None:
         """Commit emitted tokens, cutting at eos, a stop string or max_tokens."""
@@ -278,6 +333,9 @@ class Engine:
                 continue
             changed = True
             last = len(self.running) - 1
+            if self.proposer is not None:
+                done = self.running[i]
+                self.proposer.finish(i, done.tokens, len(done.prompt))
             if i != last:
                 moved = self.running[last]
                 self.cache.move_row(last, i, len(moved.tokens) - 1)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +39,8 @@ class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
                  method: str | None = None, num_speculative_tokens: int = 5,
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
-                 max_num_seqs: int = 64, max_model_len: int | None = None):
+                 max_num_seqs: int = 64, max_model_len: int | None = None,
+                 spec_options: Mapping[str, Any] | None = None):
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():
@@ -46,20 +48,23 @@ class LLM:
             draft = draft if draft is not None else default_draft
         if method is None:
             method = "draft" if draft is not None else "none"
-        spec = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens)
-        if method == "draft" and draft is None:
-            raise QuickdraftError("method 'draft' needs a draft model folder")
+        spec = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens,
+                          options=dict(spec_options or {}))
+        cls = PROPOSERS.get(method)
+        if cls is not None and cls.needs_draft_model and draft is None:
+            raise QuickdraftError(f"method {method!r} needs a draft model folder")
         dev = resolve_device(device)
         target_dir = checkpoint_dir(target)
         self.target = load_model(target_dir, dtype=dtype, device=dev)
         self.tokenizer = Tokenizer.from_dir(target_dir)
         proposer = None
         self.draft = None
-        if method == "draft":
-            draft_dir = checkpoint_dir(draft)
-            self.draft = load_model(draft_dir, dtype=dtype, device=dev)
-            check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
-            proposer = PROPOSERS["draft"](self.draft)
+        if cls is not None:
+            if cls.needs_draft_model:
+                draft_dir = checkpoint_dir(draft)
+                self.draft = load_model(draft_dir, dtype=dtype, device=dev)
+                check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
+            proposer = cls.build(target=self.target, draft=self.draft, **spec.options)
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call

@@ -10,6 +10,8 @@ forward(input_ids, positions, cache, logits_at) is the only entry point:
 - no cache: ordinary causal attention over the given tokens;
 - with a cache view: each token's k/v is written at its position, then queries attend
   to cached keys at positions <= their own. Position -1 marks a padding token.
+- token trees (quickdraft.tree): the caller gives each token a cache slot apart from its
+  position and the attention mask over slots, since siblings share a position.
 """
 
 from __future__ import annotations
@@ -157,12 +159,15 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, logits_at: torch.Tensor | None = None,
-                kv_len: int | None = None) -> torch.Tensor:
+                kv_len: int | None = None, slots: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V), or (B, n, V) at the indices `logits_at` (B, n).
 
         positions (B, T): absolute positions, -1 for padding; default 0..T-1.
         cache: rows of a KVCache, one per batch row; kv_len (optional) bounds the keys read
         (max position + 1), saving a device sync when the caller already knows it.
+        slots (B, T) and attn_mask (B, T, kv_len), with a cache only: where each token's k/v
+        is written (-1 = nowhere) and which cache slots each query may read (token trees).
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -175,12 +180,14 @@ class Transformer(nn.Module):
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
         if cache is not None:
+            if slots is None:
+                slots = positions
             if kv_len is None:
-                kv_len = int(pos.max()) + 1
-            key_pos = torch.arange(kv_len, device=device)  # a key's index is its position
-            mask = key_pos <= pos[..., None]  # (B, T, S)
+                kv_len = int(slots.max()) + 1
+            key_pos = torch.arange(kv_len, device=device)  # a key's slot (its position outside trees)
+            mask = key_pos <= pos[..., None] if attn_mask is None else attn_mask  # (B, T, S)
             rows = torch.arange(B, device=device)[:, None].expand(B, T)
-            write_pos = (rows, slice(None), torch.where(positions >= 0, positions, cache.trash))
+            write_pos = (rows, slice(None), torch.where(slots >= 0, slots, cache.trash))
         else:
             kv_len = T
             key_pos = positions[:, None, :]  # (B, 1, T) keys are the tokens themselves
@@ -189,6 +196,8 @@ class Transformer(nn.Module):
             mask = mask | (positions[..., None] < 0)
             write_pos = None
         window = self.config.sliding_window
+        # In a tree a node's slot is >= its position, so ancestors are only dropped by the
+        # window when the tree is deeper than the window itself.
         if window is not None:
             mask = mask & (key_pos > pos[..., None] - window)
         mask = mask[:, None]  # (B, 1, T, S), shared by all heads and layers

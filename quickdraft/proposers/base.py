@@ -1,43 +1,103 @@
 """The proposer interface: `propose(batch) -> Draft` and `observe(result)`.
 
 The engine knows nothing else about a proposer. Stateful proposers (a draft model
-with its own KV cache) also follow the engine's batch layout through three lifecycle
-hooks, which default to doing nothing: `reserve` (size state for the batch), `start`
-(a request took a row) and `move_row` (the engine compacted its rows).
+with its own KV cache, a suffix trie per request) also follow the engine's batch layout
+through lifecycle hooks, which default to doing nothing: `reserve` (size state for the
+batch), `start` (a request took a row), `move_row` (the engine compacted its rows) and
+`finish` (a request is leaving its row).
+
+A draft is a chain or a token tree:
+
+- chain: `tokens` (B, k), `parents` None. Row b proposes tokens[b, 0], tokens[b, 1], ...
+  after its last committed token; -1 ends a row's chain early (a row may propose nothing).
+- tree: `tokens` (B, N) and `parents` (B, N). Node i hangs under node parents[b, i]
+  (always < i), or under the last committed token when parents[b, i] == -1. A node's
+  depth (1 for the root's children) must not exceed `ProposeBatch.k`. Siblings are tried
+  in index order, so list the likelier child first. Unused nodes have token -1 (their
+  children too). With `probs` None (deterministic candidates), siblings must be distinct.
+
+`probs` is q: for node i, the exact distribution its token was drawn from (after the
+rows' sampling processing), or None when the proposer is deterministic. Sampled siblings
+of a tree must be independent draws from the same q (their parent's distribution).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..config import QuickdraftError
 from ..sampling import BatchSampling
 
 
 @dataclass
 class ProposeBatch:
     tokens: list[list[int]]  # per row: prompt + generated tokens committed so far
-    k: int  # tokens to propose per row this step (>= 1)
+    k: int  # most tokens any path may propose this step (>= 1): a tree's depth bound
     sampling: BatchSampling  # the rows' sampling parameters; q must use the same processing
     generators: list[torch.Generator]  # per-row randomness
 
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # (B, k) int64 proposed token ids (a chain)
-    probs: torch.Tensor | None  # (B, k, V) float32: the exact q each token was drawn from; None if deterministic
+    tokens: torch.Tensor  # (B, N) int64 proposed token ids; -1 = no token
+    probs: torch.Tensor | None  # (B, N, V) float32: the exact q each token was drawn from; None if deterministic
+    parents: torch.Tensor | None = None  # (B, N) int64 parent node (-1 = the last committed token); None = chain
+
+    @classmethod
+    def chain(cls, rows: Sequence[Sequence[int]], device: torch.device | str) -> Draft:
+        """A deterministic chain draft from per-row token lists of any lengths (>= 0)."""
+        width = max(1, max((len(r) for r in rows), default=0))
+        tokens = torch.full((len(rows), width), -1, dtype=torch.long)
+        for b, r in enumerate(rows):
+            if r:
+                tokens[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        return cls(tokens.to(device), None)
+
+    @classmethod
+    def tree(cls, rows: Sequence[tuple[Sequence[int], Sequence[int]]], device: torch.device | str) -> Draft:
+        """A deterministic tree draft from per-row (tokens, parents) lists of any sizes."""
+        width = max(1, max((len(t) for t, _ in rows), default=0))
+        tokens = torch.full((len(rows), width), -1, dtype=torch.long)
+        parents = torch.full((len(rows), width), -1, dtype=torch.long)
+        for b, (toks, pars) in enumerate(rows):
+            if len(toks) != len(pars):
+                raise ValueError("a tree row needs one parent per token")
+            if toks:
+                tokens[b, :len(toks)] = torch.tensor(list(toks), dtype=torch.long)
+                parents[b, :len(pars)] = torch.tensor(list(pars), dtype=torch.long)
+        return cls(tokens.to(device), None, parents.to(device))
 
 
 @dataclass
 class VerifyResult:
     num_accepted: list[int]  # per row, draft tokens the verifier kept
     prev_lengths: list[int]  # per row, committed length before the step
-    k: int  # tokens that were proposed per row
+    k: int  # the step's depth bound (ProposeBatch.k)
+    # For trees: per row, the node indices of the accepted path (root's child first).
+    accepted_nodes: list[list[int]] | None = None
+    # Only for proposers with `wants_target_tokens`: per row, the target's argmax after the
+    # last committed token (index 0) and after each draft node (index 1 + i).
+    target_tokens: list[list[int]] | None = None
 
 
 class Proposer:
+    needs_draft_model = False  # LLM loads a draft model folder and passes it as `draft`
+    wants_target_tokens = False  # observe() gets the target's argmax at every draft node
+
+    @classmethod
+    def build(cls, *, target, draft=None, **options) -> Proposer:
+        """Construct from the loaded models and method options (clear errors on bad ones)."""
+        check_options(cls, options)
+        return cls(**options)
+
+    def max_draft_tokens(self, k: int) -> int:
+        """The most draft nodes one row may propose in a step with depth bound k (sizes caches)."""
+        return k
+
     def reserve(self, max_slots: int, capacity: int) -> None:
         """Prepare state for up to `max_slots` rows of `capacity` positions."""
 
@@ -47,6 +107,9 @@ class Proposer:
     def move_row(self, src: int, dst: int) -> None:
         """The request in row `src` now lives in row `dst` (src's old state is dropped)."""
 
+    def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
+        """The request in `row` is leaving (finished or aborted): tokens = prompt + output."""
+
     def propose(self, batch: ProposeBatch) -> Draft:
         raise NotImplementedError
 
@@ -54,10 +117,28 @@ class Proposer:
         """Feedback after verification."""
 
 
-PROPOSERS: dict[str, Callable[..., Proposer]] = {}
+def check_options(cls: type, options: dict, skip: tuple[str, ...] = ()) -> None:
+    """Reject option names that cls.__init__ does not take, listing the ones it does."""
+    params = inspect.signature(cls.__init__).parameters
+    allowed = [n for n, p in params.items() if n != "self" and n not in skip and p.kind == p.KEYWORD_ONLY
+               or n != "self" and n not in skip and p.default is not p.empty]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise QuickdraftError(f"unknown option(s) {', '.join(unknown)} for {cls.__name__}; "
+                              f"it takes: {', '.join(allowed) or 'none'}")
 
 
-def register(name: str):
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
+        raise QuickdraftError(f"{name} must be an integer {bound}, got {value!r}")
+    return value
+
+
+PROPOSERS: dict[str, type[Proposer]] = {}
+
+
+def register(name: str) -> Callable[[type[Proposer]], type[Proposer]]:
     def wrap(cls):
         PROPOSERS[name] = cls
         return cls

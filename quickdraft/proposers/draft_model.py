@@ -1,10 +1,20 @@
-"""A small draft model that shares the target's vocabulary.
+"""A small draft model that shares the target's vocabulary: a chain, or a token tree.
 
 It keeps its own KV cache in the engine's row layout. `cached[b]` counts the positions
 of row b its cache holds; before proposing, the draft catches up on the committed tokens
-it has not seen (the whole prompt at first, then one token, or two when all k drafts were
-accepted and the bonus token followed its own unseen last draft). It then samples k tokens
-one at a time with the rows' sampling parameters, keeping q exactly as sampled from.
+it has not seen (the whole prompt at first, then the step's accepted tokens and the
+token after them).
+
+Chain (tree_width 1): k tokens sampled one at a time with the rows' sampling parameters,
+keeping q exactly as sampled from.
+
+Tree (tree_width w > 1, in the manner of EAGLE-2's expansion): the w likeliest tokens
+under the draft at the root, then at each further depth the w likeliest continuations
+of the current w leaves by cumulative draft log-probability (one draft forward per depth
+over the w leaves, with tree attention). The candidates are a deterministic function of
+the draft's distribution, so they are verified as deterministic (q = None), which is
+lossless at any temperature. Tree nodes sit past the committed tokens in the draft's
+cache (slot L + i, as in quickdraft.tree) and are simply overwritten next step.
 """
 
 from __future__ import annotations
@@ -12,17 +22,32 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
+from ..config import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
 from ..sampling import process_logits, sample
-from .base import Draft, ProposeBatch, Proposer, VerifyResult, register
+from ..tree import tree_mask
+from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_options, register
 
 
 @register("draft")
 class DraftModelProposer(Proposer):
-    def __init__(self, model: Transformer):
+    needs_draft_model = True
+
+    def __init__(self, model: Transformer, tree_width: int = 1):
         self.model = model
+        self.tree_width = check_int("tree_width", tree_width, 1, 16)
         self.cache: KVCache | None = None
         self.cached: list[int] = []
+
+    @classmethod
+    def build(cls, *, target, draft=None, **options) -> DraftModelProposer:
+        if draft is None:
+            raise QuickdraftError("method 'draft' needs a draft model folder")
+        check_options(cls, options, skip=("model",))
+        return cls(draft, **options)
+
+    def max_draft_tokens(self, k: int) -> int:
+        return k * self.tree_width
 
     def reserve(self, max_slots: int, capacity: int) -> None:
         c = self.cache
@@ -38,13 +63,23 @@ class DraftModelProposer(Proposer):
         self.cache.move_row(src, dst, self.cached[src])
         self.cached[dst] = self.cached[src]
 
+    def _catch_up(self, batch: ProposeBatch) -> torch.Tensor:
+        """Feed each row the committed tokens its cache lacks; logits after the last (B, V)."""
+        B = len(batch.tokens)
+        pending = [t[c:] for t, c in zip(batch.tokens, self.cached[:B])]
+        logits = forward_chunks(self.model, pending, self.cached[:B], self.cache.rows(0, B))
+        for b, t in enumerate(batch.tokens):
+            self.cached[b] = len(t)
+        return logits
+
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> Draft:
+        logits = self._catch_up(batch)
+        if self.tree_width > 1:
+            return self._propose_tree(batch, logits)
         B, k = len(batch.tokens), batch.k
         view = self.cache.rows(0, B)
         lengths = [len(t) for t in batch.tokens]
-        pending = [t[c:] for t, c in zip(batch.tokens, self.cached[:B])]
-        logits = forward_chunks(self.model, pending, self.cached[:B], view)  # (B, V)
         device = logits.device
         tokens, probs = [], []
         for i in range(k):
@@ -59,7 +94,43 @@ class DraftModelProposer(Proposer):
             self.cached[b] = lengths[b] + k - 1
         return Draft(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1))
 
+    def _propose_tree(self, batch: ProposeBatch, logits: torch.Tensor) -> Draft:
+        B, k, w = len(batch.tokens), batch.k, self.tree_width
+        device = logits.device
+        L = torch.tensor([len(t) for t in batch.tokens], device=device)
+        N = w * k
+        view = self.cache.rows(0, B)
+        kv_len = int(L.max()) + N
+        anc = torch.zeros(B, N, N, dtype=torch.bool, device=device)
+        tokens = torch.full((B, N), -1, dtype=torch.long, device=device)
+        parents = torch.full((B, N), -1, dtype=torch.long, device=device)
+        rows = torch.arange(B, device=device)[:, None]
+        logp = logits.float().log_softmax(-1)  # (B, V): ranking only; verification uses q = None
+        score, tok = logp.topk(w, -1)  # (B, w) likeliest first
+        leaves = torch.arange(w, device=device).expand(B, w)
+        tokens[:, :w] = tok
+        anc[:, torch.arange(w), torch.arange(w)] = True
+        for d in range(1, k):
+            # Feed the current leaves (depth d) and rank their children.
+            pos = (L - 1 + d)[:, None].expand(B, w)
+            slots = L[:, None] + leaves
+            mask = tree_mask(L, leaves, anc, kv_len)
+            out = self.model(tokens[rows, leaves], pos, view, kv_len=kv_len, slots=slots, attn_mask=mask)
+            V = out.shape[-1]
+            cand = (score[:, :, None] + out.float().log_softmax(-1)).view(B, w * V)
+            score, flat = cand.topk(w, -1)  # (B, w), sorted: siblings end up likeliest first
+            parent = leaves.gather(1, flat // V)
+            new = d * w + torch.arange(w, device=device).expand(B, w)
+            tokens[rows, new] = flat % V
+            parents[rows, new] = parent
+            anc[rows, new] = anc[rows, parent]
+            anc[rows, new, new] = True
+            leaves = new
+        return Draft(tokens=tokens, probs=None, parents=parents)
+
     def observe(self, result: VerifyResult) -> None:
-        # Draft entries for accepted tokens stay valid; the rest will be overwritten.
+        # Chain: draft entries for accepted tokens stay valid; the rest will be overwritten.
+        # Tree: nodes sit at slots L + i, not on the chain; keep only the committed tokens.
+        tree = result.accepted_nodes is not None
         for b, (n, prev) in enumerate(zip(result.num_accepted, result.prev_lengths)):
-            self.cached[b] = min(self.cached[b], prev + n)
+            self.cached[b] = min(self.cached[b], prev if tree else prev + n)
