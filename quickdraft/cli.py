@@ -35,13 +35,42 @@ def _parse_ids(prompt: str) -> list[int]:
         fail("--ids expects PROMPT to be token ids separated by spaces or commas")
 
 
+def parse_spec_options(items: list[str] | None, tree_width: int | None = None) -> dict:
+    """KEY=VALUE strings -> proposer options; values parsed as int, float, bool or str."""
+    options: dict = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            fail(f"--spec-option expects KEY=VALUE, got {item!r}")
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        options[key.strip()] = value
+    if tree_width is not None:
+        options["tree_width"] = tree_width
+    return options
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text (or token ids with --ids)."),
     target: Optional[Path] = typer.Option(None, "--target", help="Target model folder (default: bundled model)."),
     draft: Optional[Path] = typer.Option(None, "--draft", help="Draft model folder."),
-    method: Optional[str] = typer.Option(None, "--method", help="none | draft (default: draft if a draft is given)."),
-    k: int = typer.Option(5, "-k", "--num-speculative-tokens", help="Draft tokens per step."),
+    method: Optional[str] = typer.Option(
+        None, "--method", help="none | draft | ngram | suffix | lookahead (default: draft if a draft is given)."),
+    k: int = typer.Option(5, "-k", "--num-speculative-tokens", help="Draft tokens per step (tree depth)."),
+    tree_width: Optional[int] = typer.Option(None, "--tree-width",
+                                             help="Draft model: candidates per depth (>1 = token tree)."),
+    spec_option: Optional[list[str]] = typer.Option(
+        None, "--spec-option", "-o", help="Proposer option KEY=VALUE (repeatable), e.g. -o max_ngram=4."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
@@ -64,14 +93,16 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos)
-    llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device)
+    options = parse_spec_options(spec_option, tree_width)
+    llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
+              spec_options=options)
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = _parse_ids(prompt) if ids else prompt
     plain = None
     if compare:
-        if llm.draft is None:
-            fail("--compare needs speculative decoding: give a draft (or use the bundled pair)")
+        if llm.engine.proposer is None:
+            fail("--compare needs speculative decoding: give a draft or a --method (or use the bundled pair)")
         plain = LLM(target=target, method="none", dtype=dtype, device=device)
         warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
         for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison

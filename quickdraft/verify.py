@@ -96,6 +96,8 @@ def tree_greedy_verify(tokens: torch.Tensor, parents: torch.Tensor,
     the accepted nodes root-child first, padded with -1.
     """
     B, N = tokens.shape
+    if N == 0:
+        return _no_tree(tokens, target_argmax[:, 0])
     valid = tokens >= 0
     anc, depth = tree_structure(parents, valid)
     match = valid & (tokens == target_argmax.gather(1, parents + 1))
@@ -127,11 +129,13 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
     Returns (emitted (B, D + 1), num_accepted (B,), path (B, D)) as tree_greedy_verify.
     """
     B, N = tokens.shape
+    if N == 0:
+        return _no_tree(tokens, race(target_probs[:, 0], noise))
     device = tokens.device
     rows = torch.arange(B, device=device)
     valid = tokens >= 0
     anc, depth = tree_structure(parents, valid)
-    D = int(depth.max()) if N else 0
+    D = int(depth.max())
     children = _children(parents, valid)  # (B, N + 1, W) node ids, root = row 0
     cur = torch.zeros(B, dtype=torch.long, device=device)  # 0 = root, 1 + i = node i
     alive = torch.ones(B, dtype=torch.bool, device=device)
@@ -168,6 +172,11 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
     num_accepted = torch.where(accepted_node >= 0, depth[rows, accepted_node.clamp(min=0)], 0)
     on_path = anc[rows, accepted_node.clamp(min=0)] & (accepted_node >= 0)[:, None]
     return _emit_path(tokens, on_path, depth, num_accepted, race(r, noise))
+
+
+def _no_tree(tokens: torch.Tensor, last: torch.Tensor):
+    B = tokens.shape[0]
+    return last[:, None], torch.zeros(B, dtype=torch.long, device=tokens.device), tokens.new_zeros((B, 0))
 
 
 def _children(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

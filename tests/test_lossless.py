@@ -91,3 +91,29 @@ def test_plain_sampling_matches_target_distribution(pair):
     llm = LLM(target, method="none", max_num_seqs=N)
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
     assert chi2_pvalue(counts, exact_joint(target, SamplingParams())) > 1e-3
+
+
+OTHER_METHODS = [
+    ("draft", dict(tree_width=3), dict(temperature=1.0)),
+    ("draft", dict(tree_width=2), dict(temperature=0.8, top_p=0.9)),
+    ("ngram", dict(min_ngram=1, max_ngram=2), dict(temperature=1.0)),
+    ("ngram", dict(min_ngram=1, max_ngram=2, num_candidates=3), dict(temperature=1.0, top_k=5)),
+    ("suffix", dict(), dict(temperature=1.0)),
+    ("lookahead", dict(), dict(temperature=1.0)),
+]
+
+
+@pytest.mark.parametrize("method,options,kw", OTHER_METHODS,
+                         ids=["draft-tree", "draft-tree-topp", "ngram", "ngram-tree-topk", "suffix", "lookahead"])
+def test_other_proposers_match_target_distribution(pair, method, options, kw):
+    """Trees and deterministic proposers keep the target's distribution too. Every request
+    here repeats the same prompt, so the suffix proposer's global trie (earlier outputs) and
+    the n-gram lookups find candidates, accepted sometimes and rejected sometimes."""
+    target, draft = pair
+    llm = LLM(target, draft=draft if method == "draft" else None, method=method, num_speculative_tokens=2,
+              max_num_seqs=N // 4, spec_options=options)
+    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **kw))
+    probs = exact_joint(target, SamplingParams(**kw))
+    assert llm.stats.num_accepted_tokens > 100 and llm.stats.acceptance_rate < 0.95
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(draft, SamplingParams(**kw))) < 1e-6

@@ -50,7 +50,7 @@ class Draft:
     @classmethod
     def chain(cls, rows: Sequence[Sequence[int]], device: torch.device | str) -> Draft:
         """A deterministic chain draft from per-row token lists of any lengths (>= 0)."""
-        width = max(1, max((len(r) for r in rows), default=0))
+        width = max((len(r) for r in rows), default=0)  # 0 when no row proposes anything
         tokens = torch.full((len(rows), width), -1, dtype=torch.long)
         for b, r in enumerate(rows):
             if r:
@@ -60,7 +60,7 @@ class Draft:
     @classmethod
     def tree(cls, rows: Sequence[tuple[Sequence[int], Sequence[int]]], device: torch.device | str) -> Draft:
         """A deterministic tree draft from per-row (tokens, parents) lists of any sizes."""
-        width = max(1, max((len(t) for t, _ in rows), default=0))
+        width = max((len(t) for t, _ in rows), default=0)
         tokens = torch.full((len(rows), width), -1, dtype=torch.long)
         parents = torch.full((len(rows), width), -1, dtype=torch.long)
         for b, (toks, pars) in enumerate(rows):

@@ -1,0 +1,125 @@
+"""Every proposer, chain and tree, through the engine: greedy output is token-identical to
+plain decoding at batch 1 and batch > 1, with drafts actually accepted."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from quickdraft import LLM, QuickdraftError, SamplingParams
+
+# Repetitive prompts give prompt lookup, suffix decoding and lookahead something to find;
+# ragged lengths make rows of one batch accept different counts.
+PROMPTS = [
+    [0, 5, 7, 9, 11, 5, 7, 9, 11, 5, 7],
+    [0, 3],
+    [0, 10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12, 13],
+    [0, 20, 21, 22, 20, 21, 22, 20, 21, 22, 20, 21, 22, 20, 21],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+CASES = [
+    ("draft", {}),
+    ("draft", {"tree_width": 3}),
+    ("ngram", {}),
+    ("ngram", {"num_candidates": 3, "min_ngram": 1}),
+    ("suffix", {"tree": False}),
+    ("suffix", {}),
+    ("lookahead", {}),
+    ("lookahead", {"window": 3, "ngram": 3, "guesses": 2}),
+]
+IDS = ["draft-chain", "draft-tree", "ngram-chain", "ngram-tree", "suffix-chain", "suffix-tree", "lookahead",
+       "lookahead-small"]
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(target_dir, tmp_path_factory):
+    """The target with noise on its weights: agrees often, not always."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("noisy")
+    for f in target_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    w = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    save_file({n: t + 0.003 * torch.randn(t.shape, generator=g) for n, t in w.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain_out(target_dir):
+    return [o.token_ids for o in LLM(target_dir, method="none").generate(PROMPTS, GREEDY)]
+
+
+def make(target_dir, noisy_draft, method, options, k=4):
+    return LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method,
+               num_speculative_tokens=k, spec_options=options)
+
+
+@pytest.mark.parametrize("method,options", CASES, ids=IDS)
+def test_greedy_equals_plain_batched_and_batch1(target_dir, noisy_draft, plain_out, method, options):
+    llm = make(target_dir, noisy_draft, method, options)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
+    for prompt, expected in zip(PROMPTS, plain_out):
+        assert llm.generate([prompt], GREEDY)[0].token_ids == expected
+    s = llm.stats
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens > 0
+    assert s.mean_acceptance_length > 1.0
+
+
+@pytest.mark.parametrize("k", [1, 2, 7])
+@pytest.mark.parametrize("method,options", [CASES[1], CASES[3], CASES[5], CASES[6]],
+                         ids=["draft-tree", "ngram-tree", "suffix-tree", "lookahead"])
+def test_trees_greedy_equal_for_several_k(target_dir, noisy_draft, plain_out, method, options, k):
+    llm = make(target_dir, noisy_draft, method, options, k=k)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
+
+
+def test_tree_beats_chain_in_acceptance_length(target_dir, noisy_draft):
+    chain = make(target_dir, noisy_draft, "draft", {})
+    tree = make(target_dir, noisy_draft, "draft", {"tree_width": 3})
+    chain.generate(PROMPTS, GREEDY)
+    tree.generate(PROMPTS, GREEDY)
+    assert tree.stats.mean_acceptance_length > chain.stats.mean_acceptance_length
+
+
+def test_requests_joining_and_leaving_with_trees(target_dir, noisy_draft, plain_out):
+    """max_num_seqs 2 with 4 requests: rows are compacted while trees are in flight."""
+    for method, options in (CASES[1], CASES[5], CASES[6]):
+        llm = LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method,
+                  num_speculative_tokens=3, spec_options=options, max_num_seqs=2)
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 9, 30, 17)]
+        outs = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == [p[: m.max_tokens] for p, m in zip(plain_out, params)]
+
+
+def test_stop_and_eos_inside_an_accepted_tree_path(target_dir, noisy_draft, plain_out):
+    llm = make(target_dir, noisy_draft, "suffix", {})
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=48))[0]
+    assert out.token_ids == plain_out[3][: len(out.token_ids)]
+    # max_tokens inside a long accepted run
+    for m in (1, 2, 5, 11):
+        assert llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0] \
+            .token_ids == plain_out[3][:m]
+
+
+@pytest.mark.parametrize("method,options,message", [
+    ("ngram", {"bogus": 1}, "bogus"),
+    ("ngram", {"min_ngram": 0}, "min_ngram"),
+    ("suffix", {"min_token_prob": 2.0}, "min_token_prob"),
+    ("lookahead", {"window": 0}, "window"),
+    ("draft", {"tree_width": 0}, "tree_width"),
+])
+def test_bad_options_are_clear_errors(target_dir, noisy_draft, method, options, message):
+    with pytest.raises(QuickdraftError, match=message):
+        make(target_dir, noisy_draft, method, options)
+
+
+def test_method_needing_a_draft_and_unknown_method(target_dir):
+    with pytest.raises(QuickdraftError, match="draft"):
+        LLM(target_dir, method="draft", spec_options={"tree_width": 2})
+    with pytest.raises(QuickdraftError, match="method must be one of"):
+        LLM(target_dir, method="medusa-x")
