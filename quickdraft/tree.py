@@ -19,18 +19,16 @@ def tree_structure(parents: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Te
     depth (B, N) int64, 1 for the root's children (0 for invalid nodes)."""
     B, N = parents.shape
     device = parents.device
-    anc = torch.zeros(B, N, N, dtype=torch.bool, device=device)
-    depth = torch.zeros(B, N, dtype=torch.long, device=device)
-    rows = torch.arange(B, device=device)
-    eye = torch.eye(N, dtype=torch.bool, device=device)
-    for i in range(N):  # parents come first, so one pass in index order suffices
-        par = parents[:, i]
-        has_parent = par >= 0
-        p = par.clamp(min=0)
-        anc[:, i] = eye[i] | (anc[rows, p] & has_parent[:, None])
-        depth[:, i] = torch.where(has_parent, depth[rows, p], 0) + 1
-    anc &= valid[:, :, None] & valid[:, None, :]
-    depth = torch.where(valid, depth, 0)
+    # Reachability by repeated squaring: R holds paths of length < 2^t after t rounds, so
+    # ceil(log2(N)) batched matmuls replace a Python loop over the nodes.
+    has_parent = (parents >= 0) & valid
+    step = torch.zeros(B, N, N, device=device)
+    step.scatter_(2, parents.clamp(min=0)[..., None], has_parent[..., None].float())
+    reach = step + torch.eye(N, device=device)
+    for _ in range(max(0, (N - 1).bit_length())):
+        reach = (reach @ reach).clamp_(max=1.0)
+    anc = (reach > 0) & valid[:, :, None] & valid[:, None, :]
+    depth = anc.sum(-1)  # the node and its ancestors
     return anc, depth
 
 
