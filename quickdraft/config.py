@@ -12,7 +12,6 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
 from typing import Any
 

@@ -215,7 +215,6 @@ class Engine:
 
     def _decode(self) -> list[_Request]:
         rows = self.running
-        B = len(rows)
         if self._batch_sampling is None:
             self._batch_sampling = BatchSampling.build([r.params for r in rows], self.device)
         sampling = self._batch_sampling

@@ -23,7 +23,6 @@ of a tree must be independent draws from the same q (their parent's distribution
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -85,13 +84,14 @@ class VerifyResult:
 
 
 class Proposer:
+    OPTIONS: tuple[str, ...] = ()  # option names build() accepts
     needs_draft_model = False  # LLM loads a draft model folder and passes it as `draft`
     wants_target_tokens = False  # observe() gets the target's argmax at every draft node
 
     @classmethod
     def build(cls, *, target, draft=None, **options) -> Proposer:
         """Construct from the loaded models and method options (clear errors on bad ones)."""
-        check_options(cls, options)
+        check_options(cls.__name__, options, cls.OPTIONS)
         return cls(**options)
 
     def max_draft_tokens(self, k: int) -> int:
@@ -117,15 +117,11 @@ class Proposer:
         """Feedback after verification."""
 
 
-def check_options(cls: type, options: dict, skip: tuple[str, ...] = ()) -> None:
-    """Reject option names that cls.__init__ does not take, listing the ones it does."""
-    params = inspect.signature(cls.__init__).parameters
-    allowed = [n for n, p in params.items() if n != "self" and n not in skip and p.kind == p.KEYWORD_ONLY
-               or n != "self" and n not in skip and p.default is not p.empty]
+def check_options(method: str, options: dict, allowed: Sequence[str]) -> None:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise QuickdraftError(f"unknown option(s) {', '.join(unknown)} for {cls.__name__}; "
-                              f"it takes: {', '.join(allowed) or 'none'}")
+        raise QuickdraftError(f"unknown {method} option(s) {', '.join(unknown)}; "
+                              f"valid options: {', '.join(allowed) or 'none'}")
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:
@@ -133,6 +129,37 @@ def check_int(name: str, value, low: int, high: int | None = None) -> int:
         bound = f">= {low}" if high is None else f"between {low} and {high}"
         raise QuickdraftError(f"{name} must be an integer {bound}, got {value!r}")
     return value
+
+
+class TrieBuilder:
+    """Merges token paths into one tree in priority order: parents before children,
+    siblings in the order their first path arrived, so the likelier path's nodes are tried first."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self._index: dict[tuple[int, int], int] = {}
+
+    def add(self, path: Sequence[int]) -> list[int]:
+        """Insert a path under the root; returns its node indices."""
+        parent, nodes = -1, []
+        for t in path:
+            node = self._index.get((parent, t))
+            if node is None:
+                node = self._index[(parent, t)] = len(self.tokens)
+                self.tokens.append(t)
+                self.parents.append(parent)
+            nodes.append(node)
+            parent = node
+        return nodes
+
+
+def merge_paths(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of the trie of `paths`, for Draft.tree."""
+    trie = TrieBuilder()
+    for path in paths:
+        trie.add(path)
+    return trie.tokens, trie.parents
 
 
 PROPOSERS: dict[str, type[Proposer]] = {}

@@ -31,6 +31,7 @@ from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_
 
 @register("draft")
 class DraftModelProposer(Proposer):
+    OPTIONS = ("tree_width",)
     needs_draft_model = True
 
     def __init__(self, model: Transformer, tree_width: int = 1):
@@ -43,7 +44,7 @@ class DraftModelProposer(Proposer):
     def build(cls, *, target, draft=None, **options) -> DraftModelProposer:
         if draft is None:
             raise QuickdraftError("method 'draft' needs a draft model folder")
-        check_options(cls, options, skip=("model",))
+        check_options("draft", options, cls.OPTIONS)
         return cls(draft, **options)
 
     def max_draft_tokens(self, k: int) -> int:

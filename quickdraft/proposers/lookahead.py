@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import QuickdraftError
-from .base import Draft, ProposeBatch, Proposer, VerifyResult, register
+from .base import Draft, ProposeBatch, Proposer, TrieBuilder, VerifyResult, check_int, check_options, register
 
 DEFAULTS = {
     "window": 5,  # W: Jacobi guesses per step (the lookahead chain; cut to the depth bound k)
@@ -85,9 +85,7 @@ class LookaheadProposer(Proposer):
                  guesses: int = DEFAULTS["guesses"], prompt_ngrams: bool = DEFAULTS["prompt_ngrams"],
                  device="cpu"):
         for name, value in (("window", window), ("ngram", ngram), ("guesses", guesses)):
-            lo, hi = LIMITS[name]
-            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-                raise QuickdraftError(f"lookahead option {name} must be an integer in [{lo}, {hi}], got {value!r}")
+            check_int(f"lookahead option {name}", value, *LIMITS[name])
         if not isinstance(prompt_ngrams, bool):
             raise QuickdraftError(f"lookahead option prompt_ngrams must be true or false, got {prompt_ngrams!r}")
         self.window, self.ngram, self.guesses, self.prompt_ngrams = window, ngram, guesses, prompt_ngrams
@@ -98,10 +96,7 @@ class LookaheadProposer(Proposer):
     def build(cls, *, target, draft=None, **options) -> LookaheadProposer:
         if draft is not None:
             raise QuickdraftError("method 'lookahead' uses no draft model: drop the draft model")
-        unknown = sorted(set(options) - set(DEFAULTS))
-        if unknown:
-            raise QuickdraftError(f"unknown lookahead option(s) {', '.join(unknown)}: "
-                                  f"expected {', '.join(DEFAULTS)}")
+        check_options("lookahead", options, tuple(DEFAULTS))
         return cls(**options, device=target.device)
 
     def max_draft_tokens(self, k: int) -> int:
@@ -173,27 +168,12 @@ class LookaheadProposer(Proposer):
             inputs.append(guess if guess is not None else text[row.rng.randrange(L)])
 
         # One trie: pool candidates (newest first), then the window; siblings stay distinct.
-        tokens: list[int] = []
-        parents: list[int] = []
-        child: dict[tuple[int, int], int] = {}
-
-        def insert(path) -> list[int]:
-            node, nodes = -1, []
-            for t in path[:k]:
-                nxt = child.get((node, t))
-                if nxt is None:
-                    nxt = child[(node, t)] = len(tokens)
-                    tokens.append(t)
-                    parents.append(node)
-                node = nxt
-                nodes.append(node)
-            return nodes
-
+        trie = TrieBuilder()
         for cont in row.pool.get(text[-1], ()):
-            insert(cont)
-        row.window_nodes = insert(inputs[1:])
+            trie.add(cont[:k])
+        row.window_nodes = trie.add(inputs[1:k + 1])
         row.pending = _Iteration(L - 1, inputs, linked)
-        return tokens, parents
+        return trie.tokens, trie.parents
 
     def observe(self, result: VerifyResult) -> None:
         if result.target_tokens is None:

@@ -31,19 +31,7 @@ import numpy as np
 import torch
 
 from ..config import QuickdraftError
-from .base import Draft, ProposeBatch, Proposer, register
-
-
-def check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise QuickdraftError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def check_options(method: str, options: dict, allowed: Sequence[str]) -> None:
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise QuickdraftError(f"unknown {method} option(s) {', '.join(unknown)}; "
-                              f"valid options: {', '.join(allowed)}")
+from .base import Draft, ProposeBatch, Proposer, check_int, check_options, merge_paths, register
 
 
 class RowTokens:
@@ -143,24 +131,6 @@ def continuations(buf: np.ndarray, ends: np.ndarray, k: int) -> np.ndarray:
 def row_hash_weights(k: int) -> np.ndarray:
     """(k,) fixed odd int64 weights: rows @ weights hashes rows of k tokens (wrapping)."""
     return np.random.default_rng(k).integers(1, 2**62, size=k, dtype=np.int64) | 1
-
-
-def merge_paths(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
-    """A trie of token paths in priority order: (tokens, parents), parents before children,
-    siblings in order of their first path."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}
-    for path in paths:
-        parent = -1
-        for t in path:
-            node = index.get((parent, t))
-            if node is None:
-                node = index[(parent, t)] = len(tokens)
-                tokens.append(t)
-                parents.append(parent)
-            parent = node
-    return tokens, parents
 
 
 @register("ngram")

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from ..config import QuickdraftError
-from .base import Draft, ProposeBatch, Proposer, register
-from .ngram import RowTokens, TokenRows, check_int, check_options, tail_matches
+from .base import Draft, ProposeBatch, Proposer, check_int, check_options, register
+from .ngram import RowTokens, TokenRows, tail_matches
 
 # children(handle, min_share) -> ([(token, count, child handle)] likelier first, total count
 # over all children). Children with count < min_share * total may be left out.
