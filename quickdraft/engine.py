@@ -280,12 +280,12 @@ class Engine:
                              kv_len=kv_len, slots=slots, attn_mask=mask)  # (B, 1+N, V)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
-            out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax)
+            out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax, (anc, depth))
         else:
             p = process_logits(logits, sampling)
             out, num_accepted, path = tree_rejection_sample(
                 draft.tokens, draft.parents, p, draft.probs, uniform_noise(generators, N, device),
-                exponential_noise(generators, p.shape[-1], device))
+                exponential_noise(generators, p.shape[-1], device), (anc, depth))
         D = path.shape[1]
         steps = torch.arange(D, device=device)
         self.cache.compact(torch.where(path >= 0, L[:, None] + path, -1), L[:, None] + steps)

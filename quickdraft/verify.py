@@ -85,21 +85,23 @@ def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Te
     return out, num_accepted
 
 
-def tree_greedy_verify(tokens: torch.Tensor, parents: torch.Tensor,
-                       target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor,
+                       structure: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Temperature 0 over a token tree: follow, from the root, the child equal to the
     target's argmax at each node; stop where there is none and emit the argmax there.
 
     tokens, parents (B, N) as in proposers.base.Draft; target_argmax (B, N + 1): after the
     root (index 0) and after each node (index 1 + i).
     Returns (emitted (B, D + 1), num_accepted (B,), path (B, D)): D the tree's depth, path
-    the accepted nodes root-child first, padded with -1.
+    the accepted nodes root-child first, padded with -1. `structure`: tree_structure's
+    (anc, depth) when the caller has it already.
     """
     B, N = tokens.shape
     if N == 0:
         return _no_tree(tokens, target_argmax[:, 0])
     valid = tokens >= 0
-    anc, depth = tree_structure(parents, valid)
+    anc, depth = structure if structure is not None else tree_structure(parents, valid)
     match = valid & (tokens == target_argmax.gather(1, parents + 1))
     ok = valid & ~(anc & ~match[:, None, :]).any(-1)  # every node on the way matched
     score = torch.where(ok, depth, 0)
@@ -110,8 +112,9 @@ def tree_greedy_verify(tokens: torch.Tensor, parents: torch.Tensor,
 
 
 def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
-                          draft_probs: torch.Tensor | None, uniform: torch.Tensor,
-                          noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          draft_probs: torch.Tensor | None, uniform: torch.Tensor, noise: torch.Tensor,
+                          structure: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi-candidate recursive rejection sampling over a token tree (SpecInfer,
     Miao et al. 2023, arXiv 2305.09781, multi-step speculative sampling; EAGLE-2 uses
     the same rule).
@@ -134,7 +137,7 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
     device = tokens.device
     rows = torch.arange(B, device=device)
     valid = tokens >= 0
-    anc, depth = tree_structure(parents, valid)
+    anc, depth = structure if structure is not None else tree_structure(parents, valid)
     D = int(depth.max())
     children = _children(parents, valid)  # (B, N + 1, W) node ids, root = row 0
     cur = torch.zeros(B, dtype=torch.long, device=device)  # 0 = root, 1 + i = node i

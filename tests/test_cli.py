@@ -39,7 +39,23 @@ def test_chat_and_ids(target_dir):
     assert r.returncode == 0 and json.loads(r.stdout)["prompt_tokens"] == 3
 
 
+def test_generate_with_other_proposers(target_dir, draft_dir):
+    plain = json.loads(run("generate", "--target", target_dir, "--method", "none", "--max-tokens", 16, "--ignore-eos",
+                           "--json", "def add(a, b):").stdout)["token_ids"]
+    for extra in (["--method", "ngram", "-o", "max_ngram=3", "-o", "num_candidates=2"],
+                  ["--method", "suffix", "-o", "tree=false"],
+                  ["--method", "lookahead", "-k", 4],
+                  ["--draft", draft_dir, "--tree-width", 2]):
+        r = run("generate", "--target", target_dir, *extra, "--max-tokens", 16, "--ignore-eos", "--json",
+                "def add(a, b):")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["token_ids"] == plain
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--method", "ngram", "-o", "bogus=1"], "bogus"),
+    (["--method", "ngram", "-o", "max_ngram"], "KEY=VALUE"),
+    (["--method", "suffix", "-o", "min_token_prob=7"], "min_token_prob"),
     (["--target", "/nonexistent/model"], "not found"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "1.5"], "top_p"),
