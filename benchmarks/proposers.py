@@ -70,7 +70,9 @@ def main() -> None:
     ap.add_argument("--tree-width", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--excerpt-chars", type=int, default=400,
+                    help="editing: file excerpt length (the bundled target was trained on 256-token windows)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
@@ -93,7 +95,7 @@ def main() -> None:
     if "code" in args.workloads:
         workloads["code"] = ([tok.encode(t) for t in code_completion(docs, args.prompts)], None)
     if "editing" in args.workloads:
-        eds = editing(docs, args.prompts)
+        eds = editing(docs, args.prompts, excerpt_chars=args.excerpt_chars)
         workloads["editing"] = ([tok.encode(e.text) for e in eds], [e.expected for e in eds])
     params = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
 
