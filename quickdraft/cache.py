@@ -60,6 +60,17 @@ class KVCache:
             self.k[layer][dst, :, :length] = self.k[layer][src, :, :length]
             self.v[layer][dst, :, :length] = self.v[layer][src, :, :length]
 
+    def grow(self, capacity: int) -> None:
+        """Make room for `capacity` positions per slot, keeping what is cached."""
+        if capacity <= self.capacity:
+            return
+        for layers in (self.k, self.v):
+            for i, t in enumerate(layers):
+                bigger = t.new_zeros(t.shape[0], t.shape[1], capacity + 1, t.shape[3])
+                bigger[:, :, : self.capacity] = t[:, :, : self.capacity]
+                layers[i] = bigger
+        self.capacity = capacity
+
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """After tree verification: copy slots src (B, n) to dst (B, n) in rows 0..B-1,
         every layer (the accepted path's entries move to their chain positions). Entries

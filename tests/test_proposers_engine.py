@@ -23,6 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 CASES = [
     ("draft", {}),
     ("draft", {"tree_width": 3}),
+    ("draft", {"tree_width": 3, "tree_nodes": 5}),
     ("ngram", {}),
     ("ngram", {"num_candidates": 3, "min_ngram": 1}),
     ("suffix", {"tree": False}),
@@ -30,7 +31,7 @@ CASES = [
     ("lookahead", {}),
     ("lookahead", {"window": 3, "ngram": 3, "guesses": 2}),
 ]
-IDS = ["draft-chain", "draft-tree", "ngram-chain", "ngram-tree", "suffix-chain", "suffix-tree", "lookahead",
+IDS = ["draft-chain", "draft-tree", "draft-tree-pruned", "ngram-chain", "ngram-tree", "suffix-chain", "suffix-tree", "lookahead",
        "lookahead-small"]
 
 
@@ -71,7 +72,7 @@ def test_greedy_equals_plain_batched_and_batch1(target_dir, noisy_draft, plain_o
 
 
 @pytest.mark.parametrize("k", [1, 2, 7])
-@pytest.mark.parametrize("method,options", [CASES[1], CASES[3], CASES[5], CASES[6]],
+@pytest.mark.parametrize("method,options", [CASES[1], CASES[4], CASES[6], CASES[7]],
                          ids=["draft-tree", "ngram-tree", "suffix-tree", "lookahead"])
 def test_trees_greedy_equal_for_several_k(target_dir, noisy_draft, plain_out, method, options, k):
     llm = make(target_dir, noisy_draft, method, options, k=k)
@@ -88,7 +89,7 @@ def test_tree_beats_chain_in_acceptance_length(target_dir, noisy_draft):
 
 def test_requests_joining_and_leaving_with_trees(target_dir, noisy_draft, plain_out):
     """max_num_seqs 2 with 4 requests: rows are compacted while trees are in flight."""
-    for method, options in (CASES[1], CASES[5], CASES[6]):
+    for method, options in (CASES[1], CASES[6], CASES[7]):
         llm = LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method,
                   num_speculative_tokens=3, spec_options=options, max_num_seqs=2)
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 9, 30, 17)]
@@ -123,3 +124,26 @@ def test_method_needing_a_draft_and_unknown_method(target_dir):
         LLM(target_dir, method="draft", spec_options={"tree_width": 2})
     with pytest.raises(QuickdraftError, match="method must be one of"):
         LLM(target_dir, method="medusa-x")
+
+
+def test_pruned_draft_tree_keeps_the_best_nodes_as_a_tree(target_dir, noisy_draft):
+    from quickdraft.proposers.base import ProposeBatch
+    from quickdraft.sampling import BatchSampling, make_generator
+
+    llm = make(target_dir, noisy_draft, "draft", {"tree_width": 3, "tree_nodes": 5})
+    proposer = llm.engine.proposer
+    proposer.reserve(2, 64)
+    for row, prompt in enumerate(PROMPTS[:2]):
+        proposer.start(row, prompt)
+    sampling = BatchSampling.build([SamplingParams(temperature=0)] * 2, "cpu")
+    draft = proposer.propose(ProposeBatch([list(p) for p in PROMPTS[:2]], 4, sampling,
+                                          [make_generator(0, "cpu")] * 2))
+    assert draft.tokens.shape == (2, 5) and (draft.tokens >= 0).all()
+    for b in range(2):
+        pars = draft.parents[b].tolist()
+        assert all(p < i for i, p in enumerate(pars))  # parents first, all kept
+        assert pars[0] == -1  # the draft's likeliest first token is always kept
+        kids = {}
+        for i, p in enumerate(pars):
+            kids.setdefault(p, []).append(draft.tokens[b, i].item())
+        assert all(len(set(v)) == len(v) for v in kids.values())  # siblings distinct

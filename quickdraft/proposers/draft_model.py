@@ -31,12 +31,15 @@ from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_
 
 @register("draft")
 class DraftModelProposer(Proposer):
-    OPTIONS = ("tree_width",)
+    OPTIONS = ("tree_width", "tree_nodes")
     needs_draft_model = True
 
-    def __init__(self, model: Transformer, tree_width: int = 1):
+    def __init__(self, model: Transformer, tree_width: int = 1, tree_nodes: int | None = None):
         self.model = model
         self.tree_width = check_int("tree_width", tree_width, 1, 16)
+        # the most nodes sent to the target (the best by cumulative draft log-probability);
+        # None = all tree_width * k
+        self.tree_nodes = None if tree_nodes is None else check_int("tree_nodes", tree_nodes, 1)
         self.cache: KVCache | None = None
         self.cached: list[int] = []
 
@@ -48,7 +51,7 @@ class DraftModelProposer(Proposer):
         return cls(draft, **options)
 
     def max_draft_tokens(self, k: int) -> int:
-        return k * self.tree_width
+        return k * self.tree_width if self.tree_nodes is None else min(k * self.tree_width, self.tree_nodes)
 
     def reserve(self, max_slots: int, capacity: int) -> None:
         c = self.cache
@@ -100,14 +103,18 @@ class DraftModelProposer(Proposer):
         device = logits.device
         L = torch.tensor([len(t) for t in batch.tokens], device=device)
         N = w * k
-        view = self.cache.rows(0, B)
         kv_len = int(L.max()) + N
+        # the engine sized caches for the nodes the target sees (tree_nodes); drafting holds all N
+        self.cache.grow(kv_len)
+        view = self.cache.rows(0, B)
         anc = torch.zeros(B, N, N, dtype=torch.bool, device=device)
         tokens = torch.full((B, N), -1, dtype=torch.long, device=device)
         parents = torch.full((B, N), -1, dtype=torch.long, device=device)
         rows = torch.arange(B, device=device)[:, None]
         logp = logits.float().log_softmax(-1)  # (B, V): ranking only; verification uses q = None
         score, tok = logp.topk(w, -1)  # (B, w) likeliest first
+        scores = torch.empty(B, N, device=device)  # cumulative log-probability of each node
+        scores[:, :w] = score
         leaves = torch.arange(w, device=device).expand(B, w)
         tokens[:, :w] = tok
         anc[:, torch.arange(w), torch.arange(w)] = True
@@ -124,10 +131,28 @@ class DraftModelProposer(Proposer):
             new = d * w + torch.arange(w, device=device).expand(B, w)
             tokens[rows, new] = flat % V
             parents[rows, new] = parent
+            scores[rows, new] = score
             anc[rows, new] = anc[rows, parent]
             anc[rows, new, new] = True
             leaves = new
+        if self.tree_nodes is not None and self.tree_nodes < N:
+            tokens, parents = self._prune(tokens, parents, scores, self.tree_nodes)
         return Draft(tokens=tokens, probs=None, parents=parents)
+
+    @staticmethod
+    def _prune(tokens, parents, scores, keep: int):
+        """Keep the `keep` nodes of highest cumulative log-probability. A child never scores
+        above its parent (log q <= 0; a tiny penalty on the node index, always larger for a
+        child, breaks ties), so the kept nodes form a tree; their order is preserved, so
+        parents stay before children."""
+        B, N = tokens.shape
+        index = torch.arange(N, device=tokens.device)
+        chosen = (scores - 1e-6 * index).topk(keep, -1).indices.sort(-1).values  # (B, keep)
+        new_index = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
+        new_index.scatter_(1, chosen, torch.arange(keep, device=tokens.device).expand(B, keep))
+        old_parents = parents.gather(1, chosen)
+        new_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), -1)
+        return tokens.gather(1, chosen), new_parents
 
     def observe(self, result: VerifyResult) -> None:
         # Chain: draft entries for accepted tokens stay valid; the rest will be overwritten.
