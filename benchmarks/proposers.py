@@ -62,6 +62,52 @@ def run_method(llm: LLM, prompts: list[list[int]], params: SamplingParams):
     return time.perf_counter() - t0, outs, llm.stats
 
 
+@torch.inference_mode()
+def propose_cost(llms: dict, tokens: list[int], context: int, k: int, iters: int = 50) -> dict:
+    """Median seconds of one propose() for each context-only proposer at a `context`-token
+    context (one new token committed between calls, as in decoding), beside the target's
+    1-token step at the longest context it supports."""
+    from quickdraft.cache import KVCache
+    from quickdraft.model.transformer import forward_chunks
+    from quickdraft.proposers.base import ProposeBatch
+    from quickdraft.sampling import BatchSampling, make_generator
+
+    out = {}
+    plain = llms["none"]
+    dev = plain.target.device
+    sampling = BatchSampling.build([SamplingParams(temperature=0)], dev)
+    gens = [make_generator(0, dev)]
+    for name in ("ngram", "suffix"):
+        if name not in llms:
+            continue
+        proposer = PROPOSERS[name].build(target=plain.target, **METHODS[name][1])
+        proposer.reserve(1, context + iters + 64)
+        ctx = list(tokens[:context])
+        proposer.start(0, ctx)
+        times = []
+        for i in range(iters):
+            ctx.append(tokens[context + i])
+            t0 = time.perf_counter()
+            proposer.propose(ProposeBatch([ctx], k, sampling, gens))
+            times.append(time.perf_counter() - t0)
+        out[f"propose_{name}_s"] = statistics.median(times)
+    target = plain.target
+    tctx = min(context, target.config.max_position_embeddings - 2)
+    cache = KVCache.for_model(target, 1, tctx + 2)
+    view = cache.rows(0, 1)
+    forward_chunks(target, [tokens[:tctx]], [0], view)
+    one, pos = torch.tensor([[5]], device=dev), torch.tensor([[tctx]], device=dev)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        target(one, pos, view, kv_len=tctx + 1)
+        times.append(time.perf_counter() - t0)
+    out["target_step_s"] = statistics.median(times)
+    out["target_step_context"] = tctx
+    out["propose_context"] = context
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
@@ -150,6 +196,15 @@ def main() -> None:
                                        "mean_prompt_tokens": statistics.mean(map(len, prompts)),
                                        "methods": summary}
 
+    stream = []
+    for _, text in docs:
+        stream += tok.encode(text)
+        if len(stream) > 4096 + 100:
+            break
+    cost = propose_cost(llms, stream, 4096, args.k)
+    results["propose_cost"] = cost
+    print("propose cost at a 4096-token context: " + ", ".join(f"{n} {v * 1e6:.0f} us" for n, v in cost.items()
+                                                              if n.startswith("propose_") and n.endswith("_s")))
     results["setup"] = {
         "k": args.k, "tree_width": args.tree_width, "new_tokens": args.new_tokens, "temperature": args.temperature,
         "repeats": args.repeats, "batch": 1, "threads": torch.get_num_threads(), "cpu": cpu_model(),
@@ -177,6 +232,12 @@ def main() -> None:
                       f"{m['acceptance_rate']:.3f} | {m['draft_tokens_per_step']:.1f} | {pos} | "
                       f"{'yes' if m['identical_to_plain'] else 'NO'} |" + (f" {m['copy_fidelity']:.2f} |" if fid else ""))
         md.append("")
+    c = results["propose_cost"]
+    md += [f"Proposer cost at a {c['propose_context']}-token context (median of one propose(), batch 1): " + ", ".join(
+        f"{n[8:-2]} {v * 1e6:.0f} µs ({100 * v / c['target_step_s']:.1f}% of a target step)"
+        for n, v in c.items() if n.startswith("propose_") and n.endswith("_s"))
+        + f"; the target's 1-token step at a {c['target_step_context']}-token context (its longest) takes "
+          f"{c['target_step_s'] * 1e3:.2f} ms.", ""]
     md += ["Accepted per position: the fraction of steps whose accepted path reached draft position i "
            "(depth i in a tree). Copy fidelity: the share of the output that equals the edited copy's "
            "true continuation before the first difference.", "", f"Command: `{s['command']}`", ""]
