@@ -46,9 +46,10 @@ def editing(docs: list[Document], n: int, excerpt_chars: int = 900, lead_fractio
             continue
         old = common[0]
         edited = rename(excerpt, old)
-        # cut inside a line, after its first word: the last tokens are then distinctive, as mid-edit
+        # cut inside a line, right after its first word: the last tokens are then distinctive,
+        # as mid-edit (never after a space: BPE merges a space with the word after it)
         line = edited.find("\n", int(len(edited) * lead_fraction)) + 1
-        word = re.compile(r"[ \t]*\S+[ \t]").match(edited, line)
+        word = re.compile(r"[ \t]*\S+").match(edited, line)
         cut = word.end() if line > 0 and word else -1
         if cut <= 0:
             continue
