@@ -39,6 +39,7 @@ METHODS = {  # name -> (method, options)
     "none": ("none", {}),
     "draft": ("draft", {}),
     "draft-tree": ("draft", {"tree_width": 3}),
+    "draft-sampled-tree": ("draft", {"tree_width": 3, "tree_sampled": True}),  # = chain at T=0
     "ngram": ("ngram", {}),
     "suffix": ("suffix", {}),
     "lookahead": ("lookahead", {}),
@@ -110,7 +111,8 @@ def propose_cost(llms: dict, tokens: list[int], context: int, k: int, iters: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                    help="default: all (draft-sampled-tree only at temperature > 0)")
     ap.add_argument("--workloads", nargs="+", default=["code", "editing"], choices=["code", "editing"])
     ap.add_argument("-k", type=int, default=5)
     ap.add_argument("--tree-width", type=int, default=3)
@@ -126,10 +128,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.methods is None:
+        args.methods = [m for m in METHODS if m != "draft-sampled-tree" or args.temperature > 0]
     if "none" not in args.methods:
         args.methods.insert(0, "none")
     target_dir, draft_dir = default_model_dirs()
     METHODS["draft-tree"] = ("draft", {"tree_width": args.tree_width})
+    METHODS["draft-sampled-tree"] = ("draft", {"tree_width": args.tree_width, "tree_sampled": True})
     llms = {}
     for name in args.methods:
         method, options = METHODS[name]

@@ -96,6 +96,8 @@ def test_plain_sampling_matches_target_distribution(pair):
 OTHER_METHODS = [
     ("draft", dict(tree_width=3), dict(temperature=1.0)),
     ("draft", dict(tree_width=2), dict(temperature=0.8, top_p=0.9)),
+    ("draft", dict(tree_width=3, tree_sampled=True), dict(temperature=1.0)),
+    ("draft", dict(tree_width=2, tree_sampled=True), dict(temperature=0.7, top_k=4)),
     ("ngram", dict(min_ngram=1, max_ngram=2), dict(temperature=1.0)),
     ("ngram", dict(min_ngram=1, max_ngram=2, num_candidates=3), dict(temperature=1.0, top_k=5)),
     ("suffix", dict(), dict(temperature=1.0)),
@@ -104,7 +106,7 @@ OTHER_METHODS = [
 
 
 @pytest.mark.parametrize("method,options,kw", OTHER_METHODS,
-                         ids=["draft-tree", "draft-tree-topp", "ngram", "ngram-tree-topk", "suffix", "lookahead"])
+                         ids=["draft-tree", "draft-tree-topp", "draft-sampled-tree", "draft-sampled-tree-topk", "ngram", "ngram-tree-topk", "suffix", "lookahead"])
 def test_other_proposers_match_target_distribution(pair, method, options, kw):
     """Trees and deterministic proposers keep the target's distribution too. Every request
     here repeats the same prompt, so the suffix proposer's global trie (earlier outputs) and

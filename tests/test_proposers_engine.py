@@ -113,6 +113,8 @@ def test_stop_and_eos_inside_an_accepted_tree_path(target_dir, noisy_draft, plai
     ("suffix", {"min_token_prob": 2.0}, "min_token_prob"),
     ("lookahead", {"window": 0}, "window"),
     ("draft", {"tree_width": 0}, "tree_width"),
+    ("draft", {"tree_width": 2, "tree_sampled": True, "tree_nodes": 3}, "tree_sampled"),
+    ("draft", {"tree_sampled": "yes"}, "tree_sampled"),
 ])
 def test_bad_options_are_clear_errors(target_dir, noisy_draft, method, options, message):
     with pytest.raises(QuickdraftError, match=message):
@@ -147,3 +149,15 @@ def test_pruned_draft_tree_keeps_the_best_nodes_as_a_tree(target_dir, noisy_draf
         for i, p in enumerate(pars):
             kids.setdefault(p, []).append(draft.tokens[b, i].item())
         assert all(len(set(v)) == len(v) for v in kids.values())  # siblings distinct
+
+
+def test_sampled_tree_mixed_batch_is_seeded_and_greedy_rows_exact(target_dir, noisy_draft, plain_out):
+    """A batch mixing greedy and sampled rows drafts a sampled tree: greedy rows still
+    equal plain decoding, and a seeded sampled row repeats exactly."""
+    llm = make(target_dir, noisy_draft, "draft", {"tree_width": 3, "tree_sampled": True})
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=4, max_tokens=48, ignore_eos=True)] * 2
+    first = llm.generate(PROMPTS, params)
+    assert first[0].token_ids == plain_out[0] and first[2].token_ids == plain_out[2]
+    again = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert llm.stats.num_accepted_tokens > 0

@@ -40,14 +40,6 @@ FAIL = 1e-6  # a wrong control must give a p-value below this
 V = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------------------- helpers
 
 

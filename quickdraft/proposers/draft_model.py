@@ -8,6 +8,11 @@ token after them).
 Chain (tree_width 1): k tokens sampled one at a time with the rows' sampling parameters,
 keeping q exactly as sampled from.
 
+Sampled tree (tree_width w > 1, tree_sampled): at each depth w tokens drawn independently
+from q (SpecInfer's sampled siblings); the first continues the chain, so drafting costs what
+a chain costs, and the verifier's q-aware residual keeps it lossless. An all-greedy batch
+drafts a chain instead (its siblings would all be the argmax).
+
 Tree (tree_width w > 1, in the manner of EAGLE-2's expansion): the w likeliest tokens
 under the draft at the root, then at each further depth the w likeliest continuations
 of the current w leaves by cumulative draft log-probability (one draft forward per depth
@@ -31,15 +36,22 @@ from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_
 
 @register("draft")
 class DraftModelProposer(Proposer):
-    OPTIONS = ("tree_width", "tree_nodes")
+    OPTIONS = ("tree_width", "tree_nodes", "tree_sampled")
     needs_draft_model = True
 
-    def __init__(self, model: Transformer, tree_width: int = 1, tree_nodes: int | None = None):
+    def __init__(self, model: Transformer, tree_width: int = 1, tree_nodes: int | None = None,
+                 tree_sampled: bool = False):
         self.model = model
         self.tree_width = check_int("tree_width", tree_width, 1, 16)
         # the most nodes sent to the target (the best by cumulative draft log-probability);
         # None = all tree_width * k
         self.tree_nodes = None if tree_nodes is None else check_int("tree_nodes", tree_nodes, 1)
+        if not isinstance(tree_sampled, bool):
+            raise QuickdraftError(f"tree_sampled must be true or false, got {tree_sampled!r}")
+        if tree_sampled and tree_nodes is not None:
+            raise QuickdraftError("tree_nodes prunes top-w trees; it cannot be combined with tree_sampled")
+        self.tree_sampled = tree_sampled
+        self._sampled_tree = False  # the last draft was a sampled tree (see observe)
         self.cache: KVCache | None = None
         self.cached: list[int] = []
 
@@ -79,7 +91,10 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> Draft:
         logits = self._catch_up(batch)
-        if self.tree_width > 1:
+        # Greedy rows would draw w identical siblings: an all-greedy batch drafts a plain chain.
+        w = 1 if self.tree_width == 1 or (self.tree_sampled and batch.sampling.all_greedy) else self.tree_width
+        self._sampled_tree = self.tree_sampled and w > 1
+        if w > 1 and not self.tree_sampled:
             return self._propose_tree(batch, logits)
         B, k = len(batch.tokens), batch.k
         view = self.cache.rows(0, B)
@@ -88,15 +103,19 @@ class DraftModelProposer(Proposer):
         tokens, probs = [], []
         for i in range(k):
             q = process_logits(logits, batch.sampling)  # (B, V) float32
-            x = sample(q, batch.generators, batch.sampling.all_greedy)  # (B,)
-            tokens.append(x)
-            probs.append(q)
+            xs = [sample(q, batch.generators, batch.sampling.all_greedy) for _ in range(w)]  # w x (B,)
+            tokens += xs
+            probs += [q] * w
             if i < k - 1:  # the last draft token is never fed: the target will judge it
                 pos = torch.tensor(lengths, device=device)[:, None] + i
-                logits = self.model(x[:, None], pos, view, kv_len=max(lengths) + i + 1)[:, 0]
+                logits = self.model(xs[0][:, None], pos, view, kv_len=max(lengths) + i + 1)[:, 0]
         for b in range(B):
             self.cached[b] = lengths[b] + k - 1
-        return Draft(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1))
+        draft = Draft(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1))
+        if w > 1:  # sampled siblings: node i*w + j hangs under node (i-1)*w, the chain's token
+            depth = torch.arange(k * w, device=device) // w
+            draft.parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(B, k * w).contiguous()
+        return draft
 
     def _propose_tree(self, batch: ProposeBatch, logits: torch.Tensor) -> Draft:
         B, k, w = len(batch.tokens), batch.k, self.tree_width
@@ -156,7 +175,17 @@ class DraftModelProposer(Proposer):
 
     def observe(self, result: VerifyResult) -> None:
         # Chain: draft entries for accepted tokens stay valid; the rest will be overwritten.
-        # Tree: nodes sit at slots L + i, not on the chain; keep only the committed tokens.
+        # Sampled tree: the chain tokens (node i*w) were fed at chain positions; entries stay
+        # valid while the accepted path follows them.
+        # Top-w tree: nodes sit at slots L + i, not on the chain; keep only the committed tokens.
         tree = result.accepted_nodes is not None
+        w = self.tree_width
         for b, (n, prev) in enumerate(zip(result.num_accepted, result.prev_lengths)):
-            self.cached[b] = min(self.cached[b], prev if tree else prev + n)
+            if not tree:
+                keep = n
+            elif self._sampled_tree:
+                path = result.accepted_nodes[b]
+                keep = next((d for d, node in enumerate(path) if node != d * w), len(path))
+            else:
+                keep = 0
+            self.cached[b] = min(self.cached[b], prev + keep)
