@@ -71,6 +71,8 @@ def generate(
                                              help="Draft model: candidates per depth (>1 = token tree)."),
     spec_option: Optional[list[str]] = typer.Option(
         None, "--spec-option", "-o", help="Proposer option KEY=VALUE (repeatable), e.g. -o max_ngram=4."),
+    policy: str = typer.Option("fixed", "--policy", help="Speculation length: fixed | acceptance | goodput."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Cost profile from `quickdraft tune` (goodput)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
@@ -95,7 +97,7 @@ def generate(
                             max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos)
     options = parse_spec_options(spec_option, tree_width)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
-              spec_options=options)
+              spec_options=options, policy=policy, profile=profile)
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = _parse_ids(prompt) if ids else prompt

@@ -171,6 +171,8 @@ class SpecConfig:
     method: str = "draft"  # "none" = plain decoding, or a registered proposer (quickdraft.proposers)
     num_speculative_tokens: int = 5  # k: the most draft tokens any path proposes per step
     options: Mapping[str, Any] = field(default_factory=dict)  # the proposer's own options
+    policy: str = "fixed"  # speculation length per request and step: fixed | acceptance | goodput
+    profile: str | None = None  # cost profile JSON from `quickdraft tune` (the goodput policy)
 
     def __post_init__(self) -> None:
         from .proposers import PROPOSERS  # late: proposers import this module
@@ -185,6 +187,13 @@ class SpecConfig:
                 f"num_speculative_tokens must be between 1 and 64, got {self.num_speculative_tokens}")
         if self.method == "none" and self.options:
             raise QuickdraftError("method 'none' takes no speculation options")
+        from .policy import POLICIES
+
+        if self.policy not in POLICIES:
+            raise QuickdraftError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy == "goodput" and self.profile is None:
+            raise QuickdraftError("the goodput policy needs a cost profile: run `quickdraft tune --out FILE` "
+                                  "and pass it as profile")
 
     @property
     def k(self) -> int:

@@ -25,10 +25,11 @@ from .config import EngineConfig, QuickdraftError
 from .metrics import SpecStats
 from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks
-from .proposers.base import ProposeBatch, Proposer, VerifyResult
+from .proposers.base import Draft, ProposeBatch, Proposer, VerifyResult
 from .sampling import BatchSampling, SamplingParams, exponential_noise, make_generator, process_logits, \
     sample, uniform_noise
 from .tree import tree_mask, tree_structure
+from .policy import RowState, make_policy
 from .verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 
@@ -59,6 +60,7 @@ class _Request:
         self.sent_ids = 0  # how much of output/text earlier outputs carried
         self.sent_text = 0
         self.finish_reason: str | None = None
+        self.spec_state: RowState | None = None  # the speculation policy's view of this request
         self.stats = SpecStats()
         self.started = time.perf_counter()
 
@@ -93,6 +95,13 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.k = config.spec.k
         self._wants_target_tokens = proposer is not None and proposer.wants_target_tokens
+        self.policy = None
+        if self.k > 0:
+            profile = None
+            if config.spec.profile is not None:
+                from .bench.profile import load_profile
+                profile = load_profile(config.spec.profile)
+            self.policy = make_policy(config.spec.policy, self.k, profile, config.spec.method)
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         ctx = target.config.max_position_embeddings
@@ -203,6 +212,8 @@ class Engine:
         self._batch_sampling = None
         for i, r in enumerate(requests):
             r.started = time.perf_counter()
+            if self.policy is not None:
+                r.spec_state = self.policy.new_state()
             if self.proposer is not None:
                 self.proposer.start(start + i, r.prompt)
         view = self.cache.rows(start, start + len(requests))
@@ -221,11 +232,15 @@ class Engine:
         generators = [r.generator for r in rows]
         lengths = [len(r.tokens) for r in rows]
         # No row can use more than remaining - 1 drafts (the step adds one token of its own).
-        k = min(self.k, max(r.remaining for r in rows) - 1)
+        k_bound = min(self.k, max(r.remaining for r in rows) - 1)
+        ks = self.policy.choose([r.spec_state for r in rows], k_bound) if k_bound > 0 else [0] * len(rows)
+        k = max(ks)
         last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)[:, None]
         draft = None
         if k > 0:
             draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, generators))
+            if min(ks) < k:
+                draft = _limit_depth(draft, ks)
             if draft.tokens.shape[1] == 0:  # nothing proposed for any row
                 draft = None
         if draft is None or draft.parents is None:
@@ -237,6 +252,8 @@ class Engine:
             self.proposer.observe(VerifyResult(num_accepted, lengths, k, path, target_tokens))
         for r, toks, n, d in zip(rows, out, num_accepted, drafted):
             r.stats.observe(d, n, None if path is None else [1] * n + [0] * (k - n))
+            if self.policy is not None:
+                self.policy.observe(r.spec_state, d, n)
             self._append(r, toks[: n + 1])
         return list(rows)
 
@@ -344,3 +361,14 @@ class Engine:
             self.running.pop()
         if changed:
             self._batch_sampling = None
+
+
+def _limit_depth(draft: Draft, ks: list[int]) -> Draft:
+    """Cut row b's draft to ks[b] tokens deep (the policy chose fewer for it)."""
+    limit = torch.tensor(ks, device=draft.tokens.device)[:, None]
+    if draft.parents is None:
+        cols = torch.arange(draft.tokens.shape[1], device=draft.tokens.device)
+        depth = cols + 1
+    else:
+        depth = tree_structure(draft.parents, draft.tokens >= 0)[1]
+    return Draft(torch.where(depth <= limit, draft.tokens, -1), draft.probs, draft.parents)

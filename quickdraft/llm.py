@@ -40,7 +40,8 @@ class LLM:
                  method: str | None = None, num_speculative_tokens: int = 5,
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
-                 spec_options: Mapping[str, Any] | None = None):
+                 spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
+                 profile: str | Path | None = None):
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():
@@ -49,7 +50,8 @@ class LLM:
         if method is None:
             method = "draft" if draft is not None else "none"
         spec = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens,
-                          options=dict(spec_options or {}))
+                          options=dict(spec_options or {}), policy=policy,
+                          profile=None if profile is None else str(profile))
         cls = PROPOSERS.get(method)
         if cls is not None and cls.needs_draft_model and draft is None:
             raise QuickdraftError(f"method {method!r} needs a draft model folder")

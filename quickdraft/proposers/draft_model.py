@@ -36,11 +36,11 @@ from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_
 
 @register("draft")
 class DraftModelProposer(Proposer):
-    OPTIONS = ("tree_width", "tree_nodes", "tree_sampled")
+    OPTIONS = ("tree_width", "tree_nodes", "tree_sampled", "confidence_threshold")
     needs_draft_model = True
 
     def __init__(self, model: Transformer, tree_width: int = 1, tree_nodes: int | None = None,
-                 tree_sampled: bool = False):
+                 tree_sampled: bool = False, confidence_threshold: float = 0.0):
         self.model = model
         self.tree_width = check_int("tree_width", tree_width, 1, 16)
         # the most nodes sent to the target (the best by cumulative draft log-probability);
@@ -51,6 +51,12 @@ class DraftModelProposer(Proposer):
         if tree_sampled and tree_nodes is not None:
             raise QuickdraftError("tree_nodes prunes top-w trees; it cannot be combined with tree_sampled")
         self.tree_sampled = tree_sampled
+        if isinstance(confidence_threshold, bool) or not isinstance(confidence_threshold, (int, float)) \
+                or not 0.0 <= confidence_threshold < 1.0:
+            raise QuickdraftError(f"confidence_threshold must be a number in [0, 1), got {confidence_threshold!r}")
+        # chain mode: a row stops drafting once the draft's top probability (at temperature 1)
+        # falls under this; the step stops early when every row has stopped
+        self.confidence_threshold = float(confidence_threshold)
         self._sampled_tree = False  # the last draft was a sampled tree (see observe)
         self.cache: KVCache | None = None
         self.cached: list[int] = []
@@ -101,16 +107,26 @@ class DraftModelProposer(Proposer):
         lengths = [len(t) for t in batch.tokens]
         device = logits.device
         tokens, probs = [], []
+        stop_at = self.confidence_threshold if w == 1 else 0.0
+        going = torch.ones(B, dtype=torch.bool, device=device)
+        fed = 0
         for i in range(k):
+            if stop_at > 0:
+                going &= logits.float().softmax(-1).amax(-1) >= stop_at
+                if i > 0 and not bool(going.any()):  # a host sync, only with the confidence stop
+                    break
             q = process_logits(logits, batch.sampling)  # (B, V) float32
             xs = [sample(q, batch.generators, batch.sampling.all_greedy) for _ in range(w)]  # w x (B,)
+            if stop_at > 0:
+                xs = [torch.where(going, x, -1) for x in xs]
             tokens += xs
             probs += [q] * w
             if i < k - 1:  # the last draft token is never fed: the target will judge it
                 pos = torch.tensor(lengths, device=device)[:, None] + i
-                logits = self.model(xs[0][:, None], pos, view, kv_len=max(lengths) + i + 1)[:, 0]
+                logits = self.model(xs[0][:, None].clamp(min=0), pos, view, kv_len=max(lengths) + i + 1)[:, 0]
+                fed += 1
         for b in range(B):
-            self.cached[b] = lengths[b] + k - 1
+            self.cached[b] = lengths[b] + fed
         draft = Draft(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1))
         if w > 1:  # sampled siblings: node i*w + j hangs under node (i-1)*w, the chain's token
             depth = torch.arange(k * w, device=device) // w
