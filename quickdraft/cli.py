@@ -144,6 +144,10 @@ from .train import distill_command, train_command  # noqa: E402
 app.command("train")(train_command)
 app.command("distill")(distill_command)
 
+from .bench.verify_cmd import verify_command  # noqa: E402
+
+app.command("verify")(verify_command)
+
 
 @app.callback()
 def _root() -> None:
