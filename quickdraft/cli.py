@@ -144,9 +144,11 @@ from .train import distill_command, train_command  # noqa: E402
 app.command("train")(train_command)
 app.command("distill")(distill_command)
 
+from .bench.tune_cmd import tune_command  # noqa: E402
 from .bench.verify_cmd import verify_command  # noqa: E402
 
 app.command("verify")(verify_command)
+app.command("tune")(tune_command)
 
 
 @app.callback()

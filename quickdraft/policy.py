@@ -86,19 +86,21 @@ class AcceptancePolicy(SpecPolicy):
 class GoodputPolicy(SpecPolicy):
     name = "goodput"
 
-    def __init__(self, k_max: int, profile: dict, method: str, prior_weight: float = 4.0):
+    def __init__(self, k_max: int, profile, method: str, prior_weight: float = 4.0):
         super().__init__(k_max)
-        from .bench.profile import propose_time, step_time
+        from .bench.profile import Profile
 
-        if method not in profile.get("methods", {}):
+        if not isinstance(profile, Profile):
+            profile = Profile.from_dict(profile)
+        if method not in profile.methods:
             raise QuickdraftError(f"the profile has no measurements for method {method!r}; "
-                                  f"it has: {', '.join(profile.get('methods', {})) or 'none'} (run quickdraft tune)")
+                                  f"it has: {', '.join(profile.methods) or 'none'} (run quickdraft tune)")
         self.profile, self.method = profile, method
-        self._step_time, self._propose_time = step_time, propose_time
-        measured = profile["methods"][method]
-        self.prior_alpha = float(measured.get("alpha", 0.5))
+        measured = profile.methods[method]
+        self.measured = measured
+        self.prior_alpha = float(measured.alpha)
         self.prior_weight = prior_weight  # the profile's alpha counts as this many drafted tokens
-        self.k_measured = max(measured.get("ks", [k_max]))
+        self.k_measured = max(measured.ks)
         self._cache: dict[tuple[int, float, int], int] = {}
 
     def alpha(self, s: RowState) -> float:
@@ -108,10 +110,10 @@ class GoodputPolicy(SpecPolicy):
         key = (batch_size, round(alpha, 2), k_bound)
         if key not in self._cache:
             top = min(self.k_max, k_bound, self.k_measured)
-            best, best_rate = 0, 1.0 / self._step_time(self.profile, batch_size, 1)
+            best, best_rate = 0, 1.0 / self.profile.step_time(batch_size, 1)
             for k in range(1, top + 1):
-                cost = self._propose_time(self.profile, self.method, batch_size, k) + \
-                    self._step_time(self.profile, batch_size, k + 1)
+                cost = self.profile.propose_time(self.method, batch_size, k) + \
+                    self.profile.step_time(batch_size, self.measured.verify_tokens(k))
                 rate = expected_tokens(alpha, k) / cost
                 if rate > best_rate:
                     best, best_rate = k, rate

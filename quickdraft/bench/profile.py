@@ -1,0 +1,551 @@
+"""This hardware's costs, and the speculation length k they make best per batch size.
+
+A step of speculative decoding for a batch of B rows costs the proposer's time to draft k
+tokens, T_propose(B, k), plus one target forward over k + 1 query tokens per row, T(B, k+1),
+and emits E(k) tokens per row on average. Its goodput (tokens per second) is
+
+    goodput(B, k) = B * E(k) / (T_propose(B, k) + T(B, k + 1)),   goodput(B, 0) = B / T(B, 1)
+
+(k = 0 is plain decoding). T grows with B and q once the target's matmuls stop being bound by
+reading the weights, so a k that pays at batch 1 can lose at batch 32: the best k shrinks with
+B, down to 0. E(k) = 1 + sum_{i<k} P(the accepted run reaches draft position i+1), measured at
+k_max (for a chain the first i drafts do not depend on k), which is more faithful than the
+i.i.d. (1 - a^(k+1)) / (1 - a): acceptance on code is bursty.
+
+Two refinements keep other proposers honest; both reduce to the formula above for a draft
+model's chain. A proposer that drafts nothing in a share 1 - r of steps (no n-gram match)
+gets E(k) = 1 + r * sum(...), and a batch in which no row drafted (probability (1 - r)^B)
+runs a plain 1-token forward. A tree verifies 1 + N nodes, not k + 1 (`verify_q`, from the
+proposer's `max_draft_tokens(k)`: exact for chains and top-w trees, an upper bound for
+suffix and lookahead trees).
+
+The measured numbers live in a JSON profile (version 1, see `Profile`), written by
+`quickdraft tune` and read by the engine's adaptive policy through `step_time`,
+`propose_time` and `best_k`, which are cheap (no IO, memoised) and interpolate linearly in B
+between measured batch sizes (clamped outside).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from ..cache import KVCache
+from ..config import QuickdraftError
+from ..metrics import SpecStats
+from ..policy import expected_tokens
+from ..model.transformer import forward_chunks
+from ..proposers.base import ProposeBatch, Proposer
+from ..sampling import BatchSampling, SamplingParams, make_generator
+
+PROFILE_VERSION = 1
+Progress = Callable[[float], None] | None  # called with the share of one measurement just done
+
+
+# ---- the goodput model (pure) ------------------------------------------------------------
+
+def expected_tokens_measured(acceptance_per_pos: Sequence[float], k: int, draft_rate: float = 1.0) -> float:
+    """Tokens per step from measured acceptance: 1 + r * sum_{i<k} P(run reaches position i+1).
+    Positions past the measured ones continue geometrically at the last measured ratio."""
+    if k <= 0:
+        return 1.0
+    acc = list(acceptance_per_pos[:k])
+    if len(acc) < k:
+        last = acc[-1] if acc else 0.0
+        ratio = acc[-1] / acc[-2] if len(acc) >= 2 and acc[-2] > 0 else last
+        while len(acc) < k:
+            last *= ratio
+            acc.append(last)
+    return 1.0 + draft_rate * sum(acc)
+
+
+def solve_alpha(mean_acceptance_length: float, k: int) -> float:
+    """The i.i.d. alpha with expected_tokens(alpha, k) = mean_acceptance_length (bisection)."""
+    if k <= 0 or mean_acceptance_length <= 1.0:
+        return 0.0
+    if mean_acceptance_length >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < mean_acceptance_length else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through sorted xs, clamped outside."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    j = bisect_left(xs, x)
+    if xs[j] == x:
+        return ys[j]
+    x0, x1 = xs[j - 1], xs[j]
+    return ys[j - 1] + (ys[j] - ys[j - 1]) * (x - x0) / (x1 - x0)
+
+
+def _lookup(bs: Sequence[float], cols: Sequence[int], by_col: Sequence[Sequence[float]], b: float, c: float) -> float:
+    """A table measured at batch sizes bs (rows) and columns cols, stored column-major
+    (by_col[j][i]): linear in B within each column, then linear between columns; clamped."""
+    if c <= cols[0] or c >= cols[-1] or c in cols:
+        j = 0 if c <= cols[0] else len(cols) - 1 if c >= cols[-1] else cols.index(c)
+        return _interp(bs, by_col[j], b)
+    j = bisect_left(cols, c)
+    t0, t1 = _interp(bs, by_col[j - 1], b), _interp(bs, by_col[j], b)
+    return t0 + (t1 - t0) * (c - cols[j - 1]) / (cols[j] - cols[j - 1])
+
+
+# ---- the profile -------------------------------------------------------------------------
+
+@dataclass
+class MethodProfile:
+    options: dict[str, Any]  # the proposer's options (spec_options) when measured
+    ks: list[int]  # measured speculation lengths, increasing, >= 1
+    propose_s: list[list[float]]  # [per batch size][per k] median seconds of one propose()
+    acceptance_per_pos: list[float]  # P(accepted run reaches draft position i+1 | the step drafted)
+    alpha: float  # i.i.d. acceptance that gives the same mean acceptance length at max(ks)
+    draft_rate: float = 1.0  # share of steps in which the proposer drafted anything
+    verify_q: list[int] | None = None  # [per k] query tokens of the verify forward; None = k + 1
+
+    def verify_tokens(self, k: int) -> float:
+        if self.verify_q is None:
+            return k + 1.0
+        return _interp(self.ks, self.verify_q, k)
+
+
+@dataclass
+class Profile:
+    """A measured profile. JSON (version 1) is `to_dict()`: these fields, with `methods` as
+    {name: {"options", "ks", "propose_s", "acceptance_per_pos", "alpha", "draft_rate"
+    (optional, default 1), "verify_q" (optional, default k + 1)}} and `best_k_by_batch` under
+    "best_k". Treat it as read-only once built: lookups are memoised."""
+
+    device: str  # cpu | cuda | mps
+    cpu_or_gpu_name: str
+    torch: str  # torch.__version__
+    target: str  # the target's folder
+    dtype: str  # float32 | bfloat16 | float16
+    context: int  # tokens cached per row while timing
+    batch_sizes: list[int]  # increasing
+    query_lengths: list[int]  # increasing, from 1: query tokens per row of the timed target forwards
+    target_step_s: list[list[float]]  # [per batch size][per query length] median seconds
+    methods: dict[str, MethodProfile]
+    # JSON "best_k": {method: {str(B): k}} at the measured batch sizes, as chosen when tuning
+    best_k_by_batch: dict[str, dict[str, int]] = field(default_factory=dict)
+    created: str = ""  # ISO date
+    command: str = ""
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        self._bs = [float(b) for b in self.batch_sizes]
+        self._t_by_q = [[row[j] for row in self.target_step_s] for j in range(len(self.query_lengths))]
+        self._p_by_k = {name: [[row[j] for row in m.propose_s] for j in range(len(m.ks))]
+                        for name, m in self.methods.items()}
+        self._memo: dict[tuple, float | int] = {}
+
+    # -- lookups the adaptive policy calls every step (memoised) ---------------------------
+
+    def step_time(self, batch_size: float, q: float) -> float:
+        """Seconds of one target forward over q query tokens per row for batch_size rows."""
+        key = ("T", batch_size, q)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = _lookup(self._bs, self.query_lengths, self._t_by_q, batch_size, q)
+        return t
+
+    def propose_time(self, method: str, batch_size: float, k: float) -> float:
+        """Seconds of one propose() of k tokens for batch_size rows (0 at k = 0)."""
+        if k <= 0:
+            return 0.0
+        key = ("P", method, batch_size, k)
+        t = self._memo.get(key)
+        if t is None:
+            t = _lookup(self._bs, self._method(method).ks, self._p_by_k[method], batch_size, k)
+            self._memo[key] = t
+        return t
+
+    def goodput(self, method: str, batch_size: float, k: int) -> float:
+        """Predicted tokens per second for batch_size rows at speculation length k (0 = plain)."""
+        B = batch_size
+        if k <= 0:
+            return B / self.step_time(B, 1)
+        m = self._method(method)
+        r = m.draft_rate
+        E = expected_tokens_measured(m.acceptance_per_pos, k, r)
+        none_drafted = (1.0 - r) ** B  # every row came up empty: a plain 1-token forward
+        cost = self.propose_time(method, B, k) + (1.0 - none_drafted) * self.step_time(B, m.verify_tokens(k)) \
+            + none_drafted * self.step_time(B, 1)
+        return B * E / cost
+
+    def best_k(self, method: str, batch_size: float) -> int:
+        """The k (0 = no speculation, or one of the method's measured ks) of highest goodput;
+        ties go to the smaller k."""
+        key = ("K", method, batch_size)
+        k = self._memo.get(key)
+        if k is None:
+            best, k = self.goodput(method, batch_size, 0), 0
+            for cand in self._method(method).ks:
+                g = self.goodput(method, batch_size, cand)
+                if g > best * (1 + 1e-9):
+                    best, k = g, cand
+            self._memo[key] = k
+        return k
+
+    def best_k_table(self) -> dict[str, dict[str, int]]:
+        return {name: {str(b): self.best_k(name, b) for b in self.batch_sizes} for name in self.methods}
+
+    def _method(self, method: str) -> MethodProfile:
+        m = self.methods.get(method)
+        if m is None:
+            raise QuickdraftError(f"the profile has no method {method!r}; it has {', '.join(self.methods) or 'none'}")
+        return m
+
+    # -- JSON ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        methods = {}
+        for name, m in self.methods.items():
+            d = {"options": dict(m.options), "ks": list(m.ks), "propose_s": [list(r) for r in m.propose_s],
+                 "acceptance_per_pos": list(m.acceptance_per_pos), "alpha": m.alpha, "draft_rate": m.draft_rate}
+            if m.verify_q is not None:
+                d["verify_q"] = list(m.verify_q)
+            methods[name] = d
+        return {"version": self.version, "device": self.device, "cpu_or_gpu_name": self.cpu_or_gpu_name,
+                "torch": self.torch, "target": self.target, "dtype": self.dtype, "context": self.context,
+                "batch_sizes": list(self.batch_sizes), "query_lengths": list(self.query_lengths),
+                "target_step_s": [list(r) for r in self.target_step_s], "methods": methods,
+                "best_k": {n: dict(t) for n, t in self.best_k_by_batch.items()}, "created": self.created,
+                "command": self.command}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile") -> Profile:
+        """Validate a JSON-shaped profile; QuickdraftError naming the bad field otherwise."""
+        c = _Checker(where)
+        if not isinstance(data, Mapping):
+            c.fail("", "must be a JSON object")
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            c.fail("version", f"must be {PROFILE_VERSION}, got {version!r}")
+        for key in ("device", "cpu_or_gpu_name", "torch", "target", "dtype"):
+            c.string(data, key)
+        for key in ("created", "command"):
+            c.string(data, key, required=False)
+        context = c.integer(data, "context", 0)
+        bs = c.increasing(data, "batch_sizes", 1)
+        qs = c.increasing(data, "query_lengths", 1)
+        if qs[0] != 1:
+            c.fail("query_lengths", "must start at 1 (plain decoding's step)")
+        steps = c.matrix(data, "target_step_s", len(bs), len(qs), positive=True)
+        methods_in = data.get("methods")
+        if not isinstance(methods_in, Mapping):
+            c.fail("methods", "must be an object of method name -> measurements")
+        methods = {}
+        for name, m in methods_in.items():
+            mc = _Checker(f"{where}: methods.{name}")
+            if not isinstance(m, Mapping):
+                mc.fail("", "must be an object")
+            options = m.get("options", {})
+            if not isinstance(options, Mapping):
+                mc.fail("options", "must be an object")
+            ks = mc.increasing(m, "ks", 1)
+            propose = mc.matrix(m, "propose_s", len(bs), len(ks), positive=False)
+            acc = m.get("acceptance_per_pos")
+            if not isinstance(acc, list) or len(acc) < ks[-1] or not all(_is_num(a) and 0 <= a <= 1 for a in acc):
+                mc.fail("acceptance_per_pos", f"must be a list of at least {ks[-1]} numbers in [0, 1]")
+            alpha = mc.number(m, "alpha", 0.0, 1.0)
+            rate = mc.number(m, "draft_rate", 0.0, 1.0, default=1.0)
+            verify_q = None
+            if m.get("verify_q") is not None:
+                verify_q = mc.int_list(m, "verify_q", 2)
+                if len(verify_q) != len(ks):
+                    mc.fail("verify_q", f"must have one entry per k ({len(ks)})")
+            needed = max(verify_q) if verify_q else ks[-1] + 1
+            if needed > qs[-1]:
+                mc.fail("ks", f"verifying needs {needed} query tokens but query_lengths stop at {qs[-1]}")
+            methods[name] = MethodProfile(dict(options), ks, propose, [float(a) for a in acc], alpha, rate,
+                                          verify_q)
+        best = data.get("best_k", {})
+        if not isinstance(best, Mapping) or not all(
+                isinstance(t, Mapping) and all(isinstance(b, str) and _is_int(v) and v >= 0 for b, v in t.items())
+                for t in best.values()):
+            c.fail("best_k", "must be an object {method: {batch size: k}}")
+        return cls(data["device"], data["cpu_or_gpu_name"], data["torch"], data["target"], data["dtype"], context,
+                   bs, qs, steps, methods, {n: dict(t) for n, t in best.items()}, data.get("created", ""),
+                   data.get("command", ""), version)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class _Checker:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, key: str, message: str):
+        raise QuickdraftError(f"{self.where}{': ' + key if key else ''} {message}")
+
+    def string(self, d: Mapping, key: str, required: bool = True) -> None:
+        if (key in d or required) and not isinstance(d.get(key), str):
+            self.fail(key, "must be a string")
+
+    def integer(self, d: Mapping, key: str, low: int) -> int:
+        v = d.get(key)
+        if not _is_int(v) or v < low:
+            self.fail(key, f"must be an integer >= {low}, got {v!r}")
+        return v
+
+    def number(self, d: Mapping, key: str, low: float, high: float, default: float | None = None) -> float:
+        v = d.get(key, default)
+        if not _is_num(v) or not low <= v <= high:
+            self.fail(key, f"must be a number in [{low}, {high}], got {v!r}")
+        return float(v)
+
+    def int_list(self, d: Mapping, key: str, low: int) -> list[int]:
+        v = d.get(key)
+        if not isinstance(v, list) or not v or not all(_is_int(x) and x >= low for x in v):
+            self.fail(key, f"must be a non-empty list of integers >= {low}")
+        return list(v)
+
+    def increasing(self, d: Mapping, key: str, low: int) -> list[int]:
+        v = self.int_list(d, key, low)
+        if any(a >= b for a, b in zip(v, v[1:])):
+            self.fail(key, "must be strictly increasing")
+        return v
+
+    def matrix(self, d: Mapping, key: str, rows: int, cols: int, positive: bool) -> list[list[float]]:
+        v = d.get(key)
+        ok = isinstance(v, list) and len(v) == rows and all(
+            isinstance(r, list) and len(r) == cols and all(_is_num(x) and (x > 0 if positive else x >= 0) for x in r)
+            for r in v)
+        if not ok:
+            self.fail(key, f"must be {rows} lists (one per batch size) of {cols} "
+                           f"{'positive' if positive else 'non-negative'} numbers")
+        return [[float(x) for x in r] for r in v]
+
+
+def save_profile(path: str | Path, profile: Profile | Mapping) -> None:
+    data = profile.to_dict() if isinstance(profile, Profile) else dict(profile)
+    Profile.from_dict(data)  # never write a profile load_profile would refuse
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_profile(path: str | Path) -> Profile:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise QuickdraftError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise QuickdraftError(f"profile {path} is not valid JSON: {exc}") from None
+    return Profile.from_dict(data, where=f"profile {path}")
+
+
+# module-level spellings of the lookups
+def step_time(profile: Profile, batch_size: float, q: float) -> float:
+    return profile.step_time(batch_size, q)
+
+
+def propose_time(profile: Profile, method: str, batch_size: float, k: float) -> float:
+    return profile.propose_time(method, batch_size, k)
+
+
+def goodput(profile: Profile, method: str, batch_size: float, k: int) -> float:
+    return profile.goodput(method, batch_size, k)
+
+
+def best_k(profile: Profile, method: str, batch_size: float) -> int:
+    return profile.best_k(method, batch_size)
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _interleaved_medians(fns: Sequence[Callable[[], Any]], iters: int, warmup: int, device: torch.device,
+                         progress: Progress) -> list[float]:
+    """Median seconds of each fn, timed in rounds (every fn once per round), so that a slow
+    spell of the machine (another process, clock changes) spreads over all of them instead
+    of skewing the few timed while it lasted."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    rounds = max(1, iters)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            times[i].append(_time_once(fn, device))
+            if progress:
+                progress(1 / rounds)
+    return [statistics.median(t) for t in times]
+
+
+def _blocked_median(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device,
+                    progress: Progress) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, iters)):
+        times.append(_time_once(fn, device))
+        if progress:
+            progress(1 / max(1, iters))
+    return statistics.median(times)
+
+
+def _grid(values: list[float], cols: int) -> list[list[float]]:
+    return [values[i:i + cols] for i in range(0, len(values), cols)]
+
+
+@torch.inference_mode()
+def measure_target_steps(model, batch_sizes: Sequence[int], query_lengths: Sequence[int], context: int,
+                         iters: int, warmup: int = 2, seed: int = 0, progress: Progress = None) -> list[list[float]]:
+    """[per batch size][per query length] median seconds of one target forward over q query
+    tokens per row for B rows, each row with `context` tokens already cached."""
+    device, vocab = model.device, model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache.for_model(model, max(batch_sizes), context + max(query_lengths) + 1)
+    if context > 0:  # real keys and values for row 0, copied to every row
+        forward_chunks(model, [torch.randint(3, vocab, (context,), generator=gen).tolist()], [0], cache.rows(0, 1))
+        for b in range(1, max(batch_sizes)):
+            cache.move_row(0, b, context)
+    fns = []
+    for B in batch_sizes:
+        for q in query_lengths:
+            ids = torch.randint(3, vocab, (B, q), generator=gen).to(device)
+            positions = (context + torch.arange(q)).expand(B, q).to(device)
+            fns.append(lambda ids=ids, positions=positions, view=cache.rows(0, B), kv_len=context + q:
+                       model(ids, positions, view, kv_len=kv_len))
+    return _grid(_interleaved_medians(fns, iters, warmup, device, progress), len(query_lengths))
+
+
+def _proposer_of(source, device) -> tuple[Proposer, torch.device, int]:
+    """A fresh proposer for an LLM (its own engine's stays untouched), or the proposer given."""
+    if hasattr(source, "engine") and hasattr(source, "target"):  # an LLM
+        proposer = source.engine.proposer
+        if proposer is None:
+            raise QuickdraftError("this LLM decodes without speculation: there is no proposer to time")
+        spec = source.engine.config.spec
+        fresh = type(proposer).build(target=source.target, draft=source.draft, **dict(spec.options))
+        return fresh, source.target.device, source.target.config.vocab_size
+    if not isinstance(source, Proposer):
+        raise QuickdraftError("measure_propose needs an LLM or a Proposer")
+    model = getattr(source, "model", None)
+    dev = torch.device(device) if device is not None else model.device if model is not None else \
+        torch.device(getattr(source, "device", "cpu"))
+    vocab = model.config.vocab_size if model is not None else 1000
+    return source, dev, vocab
+
+
+@torch.inference_mode()
+def measure_propose(source, batch_sizes: Sequence[int], ks: Sequence[int], context: int, iters: int,
+                    temperature: float = 0.0, tokens: Sequence[int] | None = None, warmup: int = 2,
+                    device: str | torch.device | None = None, seed: int = 0,
+                    progress: Progress = None) -> list[list[float]]:
+    """[per batch size][per k] median seconds of one propose() for B rows of `context` tokens.
+
+    source: an LLM (a fresh proposer of its method and options is built) or a Proposer.
+    tokens: a token stream the rows' contexts are cut from (real text matters to n-gram and
+    suffix lookups); random ids when None. A proposer with a draft-model cache (`cached`,
+    per row) is timed as in a step: one pending token to catch up, then k drafts (all
+    (B, k) interleaved, like the target's steps). Others see their contexts grow by one
+    token per call, as in decoding, one (B, k) after another."""
+    proposer, dev, vocab = _proposer_of(source, device)
+    if tokens is None or len(tokens) == 0:
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(3, vocab, (max(4096, context + 1),), generator=gen).tolist()
+    stream = list(tokens)
+    max_b, calls = max(batch_sizes), warmup + max(1, iters)
+    stride = max(1, len(stream) // max_b)
+
+    def text(b: int, n: int) -> list[int]:
+        return [stream[(b * stride + i) % len(stream)] for i in range(n)]
+
+    proposer.reserve(max_b, context + calls + proposer.max_draft_tokens(max(ks)) + 2)
+    samplings = {B: BatchSampling.build([SamplingParams(temperature=temperature)] * B, dev) for B in batch_sizes}
+    gens = [make_generator(seed + b, dev) for b in range(max_b)]
+    if isinstance(getattr(proposer, "cached", None), list):
+        rows = [text(b, context + 1) for b in range(max_b)]
+        for b in range(max_b):
+            proposer.start(b, rows[b])
+        proposer.propose(ProposeBatch(rows, ks[0], samplings[max_b], gens))  # prefill the draft's cache
+
+        def step(B: int, k: int) -> None:
+            for b in range(B):
+                proposer.cached[b] = len(rows[b]) - 1  # as after a step: one token pending
+            proposer.propose(ProposeBatch(rows[:B], k, samplings[B], gens[:B]))
+        fns = [lambda B=B, k=k: step(B, k) for B in batch_sizes for k in ks]
+        return _grid(_interleaved_medians(fns, iters, warmup, dev, progress), len(ks))
+    out = []
+    for B in batch_sizes:
+        row = []
+        for k in ks:
+            full = [text(b, context + calls) for b in range(B)]
+            grown = [r[:context] for r in full]
+            for b in range(B):
+                proposer.start(b, list(grown[b]))
+
+            def grow_and_propose(B=B, k=k, grown=grown, full=full) -> None:
+                for b in range(B):
+                    grown[b].append(full[b][len(grown[b])])
+                proposer.propose(ProposeBatch(grown, k, samplings[B], gens[:B]))
+            row.append(_blocked_median(grow_and_propose, iters, warmup, dev, progress))
+            for b in range(B):
+                proposer.finish(b, grown[b], context)
+        out.append(row)
+    return out
+
+
+class Acceptance(NamedTuple):
+    per_pos: list[float]  # P(accepted run reaches draft position i+1 | the step drafted), i < k
+    alpha: float  # i.i.d. acceptance with the same mean acceptance length per drafting step
+    draft_rate: float  # drafting steps / steps
+    stats: SpecStats  # the run's counters, merged over requests
+    outputs: list  # the RequestOutputs
+
+
+def measure_acceptance(llm, prompts: Sequence, k: int, params: SamplingParams) -> Acceptance:
+    """Generate the workload with speculation at k (the LLM's num_speculative_tokens) and
+    read acceptance per draft position from SpecStats."""
+    spec = llm.engine.config.spec
+    if spec.k != k:
+        raise QuickdraftError(f"measure_acceptance: the LLM speculates {spec.k} tokens, not k={k}; "
+                              f"build it with num_speculative_tokens={k}")
+    outputs = llm.generate(list(prompts), params)
+    stats = SpecStats()
+    for o in outputs:
+        stats.merge(o.stats)
+    n = stats.num_drafts
+    per_pos = [(stats.accepted_per_pos[i] / n if n and i < len(stats.accepted_per_pos) else 0.0) for i in range(k)]
+    for i in range(1, k):  # a tree may count a deeper position without a shallower one: keep it monotone
+        per_pos[i] = min(per_pos[i], per_pos[i - 1])
+    rate = n / stats.num_steps if stats.num_steps else 0.0
+    return Acceptance(per_pos, solve_alpha(1.0 + sum(per_pos), k), rate, stats, outputs)
