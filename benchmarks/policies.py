@@ -1,0 +1,100 @@
+"""Speculation-length policies against fixed k and plain decoding, by batch size.
+
+Each batch size B runs B held-out code prompts at once (greedy, 64 new tokens) with plain
+decoding, fixed k, the acceptance-driven policy and the goodput policy (profile from
+`quickdraft tune`), in a rotated order per repeat; tokens/s are medians over repeats and
+ratios are to plain decoding in the same repeat.
+
+    python benchmarks/policies.py --profile benchmarks/results/tune_default_pair_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.workloads import code_completion
+from quickdraft.llm import default_model_dirs
+from quickdraft.train.corpus import load_corpus
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", type=Path, required=True)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--fixed-k", type=int, nargs="+", default=[2, 4, 6])
+    ap.add_argument("-k", type=int, default=6, help="k bound of the adaptive policies")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--name", default="policies_cpu")
+    args = ap.parse_args()
+    target, draft = default_model_dirs()
+    configs = {"plain": LLM(target, method="none")}
+    for k in args.fixed_k:
+        configs[f"fixed k={k}"] = LLM(target, draft=draft, num_speculative_tokens=k)
+    configs["acceptance"] = LLM(target, draft=draft, num_speculative_tokens=args.k, policy="acceptance")
+    configs["goodput"] = LLM(target, draft=draft, num_speculative_tokens=args.k, policy="goodput",
+                             profile=args.profile)
+    tok = configs["plain"].tokenizer
+    prompts = [tok.encode(t) for t in code_completion(load_corpus(None).heldout, max(args.batch_sizes))]
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    names = list(configs)
+    results = {}
+    for B in args.batch_sizes:
+        batch = prompts[:B]
+        for llm in configs.values():
+            llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        rows = {n: [] for n in names}
+        for r in range(args.repeats):
+            order = names[r % len(names):] + names[: r % len(names)]
+            got = {}
+            for n in order:
+                llm = configs[n]
+                llm.stats = type(llm.stats)()
+                t0 = time.perf_counter()
+                outs = llm.generate(batch, params)
+                got[n] = (time.perf_counter() - t0, outs, llm.stats)
+            base = [o.token_ids for o in got["plain"][1]]
+            for n in names:
+                secs, outs, s = got[n]
+                tokens = sum(len(o.token_ids) for o in outs)
+                rows[n].append({"tokens_per_s": tokens / secs, "vs_plain": got["plain"][0] / secs,
+                                "draft_tokens_per_step": s.num_draft_tokens / max(1, s.num_steps),
+                                "identical": [o.token_ids for o in outs] == base})
+        results[str(B)] = {n: {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in v),
+                               "vs_plain": statistics.median(x["vs_plain"] for x in v),
+                               "draft_tokens_per_step": statistics.median(x["draft_tokens_per_step"] for x in v),
+                               "identical": all(x["identical"] for x in v), "repeats": v}
+                           for n, v in rows.items()}
+        print(f"B={B}: " + ", ".join(f"{n} {results[str(B)][n]['vs_plain']:.2f}x" for n in names), flush=True)
+    setup = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "new_tokens": args.new_tokens, "repeats": args.repeats, "k": args.k, "profile": str(args.profile),
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "command": "python benchmarks/policies.py " + " ".join(sys.argv[1:])}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps({"setup": setup, "results": results}, indent=2) + "\n")
+    md = [f"# Speculation-length policies by batch size ({setup['cpu']}, {setup['threads']} threads)", "",
+          f"Bundled pair, greedy, {args.new_tokens} new tokens per request, B held-out code prompts at once, "
+          f"{args.repeats} repeats (medians; ratio to plain decoding paired per repeat), {setup['date']}.", "",
+          "| batch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for B, row in results.items():
+        md.append(f"| {B} | " + " | ".join(f"{row[n]['tokens_per_s']:.0f} tok/s ({row[n]['vs_plain']:.2f}x, "
+                                           f"{row[n]['draft_tokens_per_step']:.1f} drafted/step)"
+                                           f"{'' if row[n]['identical'] else ' NOT IDENTICAL'}" for n in names) + " |")
+    md += ["", f"Command: `{setup['command']}`", ""]
+    (args.out_dir / f"{args.name}.md").write_text("\n".join(md))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
