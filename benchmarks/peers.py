@@ -77,7 +77,6 @@ def main() -> None:
 
     tok = ours["ours-plain"].tokenizer
     prompts = [tok.encode(t) for t in code_completion(load_corpus(None).heldout, args.prompts)]
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     print(f"{len(prompts)} prompts, mean {statistics.mean(map(len, prompts)):.0f} tokens; {n} new tokens; "
           f"torch threads {threads}")
 
