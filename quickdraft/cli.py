@@ -144,11 +144,13 @@ from .train import distill_command, train_command  # noqa: E402
 app.command("train")(train_command)
 app.command("distill")(distill_command)
 
+from .bench.bench_cmd import bench_command  # noqa: E402
 from .bench.tune_cmd import tune_command  # noqa: E402
 from .bench.verify_cmd import verify_command  # noqa: E402
 
 app.command("verify")(verify_command)
 app.command("tune")(tune_command)
+app.command("bench")(bench_command)
 
 
 @app.callback()

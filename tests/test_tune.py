@@ -233,3 +233,29 @@ def test_tune_input_errors(target_dir, tmp_path):
     if not HAS_MPL:
         with pytest.raises(QuickdraftError, match="needs matplotlib"):
             tune(TuneConfig(target=target_dir, methods=("ngram",), plot=tmp_path / "p.png"))
+
+
+def test_bench_command_end_to_end(target_dir, draft_dir, tmp_path):
+    import json as _json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from quickdraft.bench.bench_cmd import bench_command
+
+    app = typer.Typer()
+    app.command("bench")(bench_command)
+    app.command("other")(lambda: None)  # keep typer in multi-command mode
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [0, 5, 7, 9]}\n{"prompt": [0, 3, 4]}\n')
+    r = CliRunner().invoke(app, ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--method", "draft",
+                                 "--method", "ngram", "--batch-sizes", "1,2", "--ks", "2", "--prompts", str(prompts),
+                                 "--new-tokens", "8", "--repeats", "1", "--iters", "1", "--out-dir", str(tmp_path),
+                                 "--name", "b"])
+    assert r.exit_code == 0, r.output
+    data = _json.loads((tmp_path / "b.json").read_text())
+    assert {(x["method"], x["batch_size"], x["k"]) for x in data["runs"]} == \
+        {("draft", 1, 2), ("draft", 2, 2), ("ngram", 1, 2), ("ngram", 2, 2)}
+    for x in data["runs"]:
+        assert x["tokens_per_s"] > 0 and x["speedup"] > 0 and x["predicted_speedup"] > 0
+    assert "| draft |" in (tmp_path / "b.md").read_text()
