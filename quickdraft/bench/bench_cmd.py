@@ -23,14 +23,7 @@ from typing import Optional
 import typer
 
 from ..config import QuickdraftError
-from .tune_cmd import parse_batch_sizes, read_prompts
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        return sorted({int(t) for t in text.replace(",", " ").split()})
-    except ValueError:
-        raise QuickdraftError(f"{name} expects integers separated by commas, got {text!r}") from None
+from .tune_cmd import parse_batch_sizes, parse_ints, read_prompts
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -182,7 +175,7 @@ def bench_command(
     methods = list(method or ["draft"])
     if "draft" in methods and draft is None:
         raise QuickdraftError("method 'draft' needs --draft")
-    bs, k_list, temps = parse_batch_sizes(batch_sizes), _ints(ks, "--ks"), _floats(temperatures, "--temperatures")
+    bs, k_list, temps = parse_batch_sizes(batch_sizes), list(parse_ints(ks, "--ks")), _floats(temperatures, "--temperatures")
     if not bs or min(bs) < 1 or not k_list or min(k_list) < 1 or repeats < 1 or new_tokens < 2:
         raise QuickdraftError("batch sizes and k values must be >= 1, repeats >= 1, new tokens >= 2")
     if prompts is not None:

@@ -56,12 +56,16 @@ class TuneConfig:
             raise QuickdraftError("method 'none' is plain decoding, which tune always measures (k = 0)")
 
 
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    """Sorted distinct integers from "1,2, 4" (commas or spaces); a clear error naming `flag`."""
     try:
-        sizes = sorted({int(t) for t in text.replace(",", " ").split()})
+        return tuple(sorted({int(t) for t in text.replace(",", " ").split()}))
     except ValueError:
-        raise QuickdraftError(f"--batch-sizes expects integers separated by commas, got {text!r}") from None
-    return tuple(sizes)
+        raise QuickdraftError(f"{flag} expects integers separated by commas, got {text!r}") from None
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    return parse_ints(text, "--batch-sizes")
 
 
 def read_prompts(path: Path) -> list:
