@@ -152,6 +152,10 @@ app.command("verify")(verify_command)
 app.command("tune")(tune_command)
 app.command("bench")(bench_command)
 
+from .server.serve import serve_command  # noqa: E402
+
+app.command("serve")(serve_command)
+
 
 @app.callback()
 def _root() -> None:

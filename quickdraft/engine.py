@@ -48,8 +48,9 @@ class RequestOutput:
 
 class _Request:
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, device: torch.device,
-                 tokenizer: Tokenizer | None):
+                 tokenizer: Tokenizer | None, max_k: int | None = None):
         self.id = request_id
+        self.max_k = max_k  # this request's own cap on num_speculative_tokens (None = the engine's)
         self.prompt = prompt
         self.params = params
         self.tokens = list(prompt)  # prompt + generated, committed
@@ -112,11 +113,14 @@ class Engine:
         self.running: list[_Request] = []
         self.cache: KVCache | None = None
         self._batch_sampling: BatchSampling | None = None  # rebuilt when the batch changes
+        self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
 
     # ---- requests -------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      num_speculative_tokens: int | None = None) -> list[int]:
+        """Validate a request without touching engine state (safe from any thread);
+        returns the prompt as a list. Raises QuickdraftError with a message for the user."""
         prompt = list(prompt_token_ids)
         vocab = self.target.config.vocab_size
         if not prompt:
@@ -129,7 +133,19 @@ class Engine:
                 f"{len(prompt) + params.max_tokens} exceeds the model's context length ({self.max_model_len})")
         if params.stop and self.tokenizer is None:
             raise QuickdraftError("stop strings need a tokenizer; this model folder has none")
-        request = _Request(request_id or uuid.uuid4().hex, prompt, params, self.device, self.tokenizer)
+        if num_speculative_tokens is not None and (
+                isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int)
+                or not 0 <= num_speculative_tokens <= self.k):
+            raise QuickdraftError(f"num_speculative_tokens must be an integer in [0, {self.k}] "
+                                  f"(the engine's k), got {num_speculative_tokens!r}")
+        return prompt
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, num_speculative_tokens: int | None = None) -> str:
+        """Queue a request; `num_speculative_tokens` caps its own speculation (0 = none)."""
+        prompt = self.check_request(prompt_token_ids, params, num_speculative_tokens)
+        request = _Request(request_id or uuid.uuid4().hex, prompt, params, self.device, self.tokenizer,
+                           num_speculative_tokens)
         self.waiting.append(request)
         return request.id
 
@@ -166,6 +182,10 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -234,6 +254,7 @@ class Engine:
         # No row can use more than remaining - 1 drafts (the step adds one token of its own).
         k_bound = min(self.k, max(r.remaining for r in rows) - 1)
         ks = self.policy.choose([r.spec_state for r in rows], k_bound) if k_bound > 0 else [0] * len(rows)
+        ks = [k if r.max_k is None else min(k, r.max_k) for r, k in zip(rows, ks)]
         k = max(ks)
         last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)[:, None]
         draft = None
@@ -251,7 +272,9 @@ class Engine:
         if draft is not None:
             self.proposer.observe(VerifyResult(num_accepted, lengths, k, path, target_tokens))
         for r, toks, n, d in zip(rows, out, num_accepted, drafted):
-            r.stats.observe(d, n, None if path is None else [1] * n + [0] * (k - n))
+            per_pos = None if path is None else [1] * n + [0] * (k - n)
+            r.stats.observe(d, n, per_pos)
+            self.stats.observe(d, n, per_pos)
             if self.policy is not None:
                 self.policy.observe(r.spec_state, d, n)
             self._append(r, toks[: n + 1])
@@ -338,6 +361,7 @@ class Engine:
                 break
         if r.finished:
             r.stats.num_output_tokens = len(r.output)
+            self.stats.num_output_tokens += len(r.output)
             r.stats.elapsed_s = time.perf_counter() - r.started
 
     @torch.inference_mode()

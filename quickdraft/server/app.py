@@ -1,0 +1,410 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over the AsyncEngine. No model logic.
+
+    POST /v1/completions, POST /v1/chat/completions (both with stream=true as SSE)
+    GET /v1/models, GET /health, GET /metrics
+
+Every error is OpenAI's body {"error": {"message", "type", "param", "code"}} with a 4xx
+status for anything the client sent (malformed JSON, wrong types, bad sampling values,
+a prompt over the context, an unknown model), 429 + Retry-After when the queue is full,
+503 while the model loads or after the engine died. An error after a stream started is a
+`data: {"error": ...}` event followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import QuickdraftError
+from ..engine import RequestOutput
+from ..sampling import SamplingParams
+from .async_engine import AsyncEngine, EngineDead, EngineError, QueueFull, now
+from .metrics import RequestTimer, ServerMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+
+log = logging.getLogger("quickdraft.server")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class ServerState:
+    """What the routes share: the model once loaded, the engine thread, the metrics."""
+
+    def __init__(self, load: Callable[[], Any], model_name: str, max_queue: int = 256,
+                 chat_template: str | None = None):
+        self._load = load  # () -> quickdraft.LLM, run on a thread at start-up
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self.chat_template = chat_template
+        self.llm = None
+        self.engine: AsyncEngine | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(self)
+        self.on_ready: Callable[[], None] | None = None
+        self.on_load_error: Callable[[str], None] | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        threading.Thread(target=self._load_model, args=(loop,), name="quickdraft-load", daemon=True).start()
+
+    def _load_model(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            llm = self._load()
+            if self.chat_template is not None:
+                if llm.tokenizer is None:
+                    raise QuickdraftError("--chat-template needs a tokenizer; the model folder has none")
+                llm.tokenizer.chat_template = self.chat_template
+                llm.tokenizer._compiled = None
+            engine = AsyncEngine(llm.engine, self.max_queue)
+            engine.start(loop)
+        except Exception as exc:  # noqa: BLE001 - reported and turned into an exit by the CLI
+            self.load_error = str(exc) if isinstance(exc, QuickdraftError) else f"{type(exc).__name__}: {exc}"
+            log.error("loading the model failed: %s", self.load_error)
+            if self.on_load_error is not None:
+                self.on_load_error(self.load_error)
+            return
+        self.llm, self.engine = llm, engine
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.dead is None
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise APIError(503, self.load_error or "the model is still loading; retry shortly",
+                           code="model_loading" if self.load_error is None else "model_load_failed")
+        if self.engine.dead is not None:
+            raise APIError(503, self.engine.dead, code="engine_dead")
+        return self.engine
+
+
+@dataclass
+class _Sub:
+    index: int  # choice index
+    prompt: list[int]
+    params: SamplingParams
+
+
+class _Job:
+    """One HTTP request's engine requests (n choices per prompt), sharing one output queue."""
+
+    def __init__(self, state: ServerState, subs: list[_Sub], k: int | None, arrival: float):
+        self.engine = state.require_engine()
+        self.engine.check_room(len(subs))
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.index: dict[str, int] = {}
+        self.done: set[str] = set()
+        self.timers: dict[str, RequestTimer] = {}
+        self.closed = False
+        self.metrics = state.metrics
+        for sub in subs:
+            rid = self.engine.submit(sub.prompt, sub.params, self.queue, k)
+            self.index[rid] = sub.index
+            self.timers[rid] = RequestTimer(state.metrics, arrival)
+            state.metrics.prompt_tokens.inc(len(sub.prompt))
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) as outputs arrive, until every choice finished."""
+        while len(self.done) < len(self.index):
+            item = await self.queue.get()
+            if isinstance(item, EngineError):
+                self.done.add(item.request_id)
+                raise QuickdraftError(item.message)
+            t = now()
+            timer = self.timers[item.request_id]
+            timer.output(t, len(item.new_token_ids))
+            if item.finished:
+                self.done.add(item.request_id)
+                timer.finish(t, item.finish_reason)
+            yield self.index[item.request_id], item
+
+    def close(self) -> None:
+        """Release every choice (aborting the unfinished ones); safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        for rid in self.index:
+            self.engine.release(rid, finished=rid in self.done)
+
+
+# ---- request -> engine inputs ------------------------------------------------------------
+
+async def _read_json(request: Request) -> Any:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body too large ({size} bytes; limit {MAX_BODY_BYTES})")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body too large ({len(body)} bytes; limit {MAX_BODY_BYTES})")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}") from None
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                       "model", code="model_not_found")
+
+
+def _sampling(req, max_tokens: int, seed_offset: int) -> SamplingParams:
+    seed = req.seed
+    if seed is not None and seed_offset:
+        seed = (seed + seed_offset) % (2**64)  # distinct choices from one seed
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            max_tokens=max_tokens, seed=seed, stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos)
+    except QuickdraftError as exc:
+        raise _param_error(exc) from None
+
+
+def _param_error(exc: QuickdraftError) -> APIError:
+    text = str(exc)
+    param = text[len("invalid "):].split(":", 1)[0] if text.startswith("invalid ") else None
+    return APIError(400, text, param)
+
+
+def _check(engine, prompt: list[int], params: SamplingParams, k: int | None) -> None:
+    try:
+        engine.check_request(prompt, params, k)
+    except QuickdraftError as exc:
+        text = str(exc)
+        param = ("max_tokens" if "context length" in text else
+                 "num_speculative_tokens" if "num_speculative_tokens" in text else
+                 "stop" if "stop" in text else "prompt")
+        raise APIError(400, text, param, code="context_length_exceeded" if "context length" in text else None) \
+            from None
+
+
+def _usage(prompts: list[list[int]], outs: dict[int, RequestOutput]) -> dict[str, int]:
+    p = sum(len(x) for x in prompts)
+    c = sum(len(o.token_ids) for o in outs.values())
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _watch_disconnect(request: Request, work: asyncio.Future) -> Any:
+    """Await `work`; cancel it if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+# ---- the app ------------------------------------------------------------------------------
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start(asyncio.get_running_loop())
+        yield
+        state.stop()
+
+    app = FastAPI(title="quickdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error_response(exc: APIError) -> JSONResponse:
+        state.metrics.errors.labels(status=str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
+                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(APIError(exc.status_code, message, type_="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.get("/health")
+    async def health():
+        if state.ready:
+            return Response(status_code=200)
+        reason = (state.engine.dead if state.engine is not None else state.load_error) or "loading"
+        return JSONResponse({"status": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "quickdraft"}]
+        if state.llm is not None:
+            data[0]["max_model_len"] = state.llm.engine.max_model_len
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = now()
+        req = parse_body(CompletionRequest, await _read_json(request))
+        engine = state.require_engine()
+        _check_model(state, req.model)
+        tok = state.llm.tokenizer
+        prompts: list[list[int]] = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                if p == "":
+                    raise APIError(400, "prompt is empty", "prompt")
+                if tok is None:
+                    raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+                p = tok.encode(p)
+            prompts.append(p)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts))
+        return await _respond(request, req, subs, prompts, arrival, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = now()
+        req = parse_body(ChatCompletionRequest, await _read_json(request))
+        engine = state.require_engine()
+        _check_model(state, req.model)
+        tok = state.llm.tokenizer
+        if tok is None or not tok.chat_template:
+            raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template; "
+                           "start the server with --chat-template FILE, or use /v1/completions)", "messages")
+        try:
+            prompt = tok.encode_chat([m.as_template_input() for m in req.messages])
+        except QuickdraftError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        except Exception as exc:  # noqa: BLE001 - a template failing on odd input is the input's fault
+            raise APIError(400, f"chat template failed on these messages: {type(exc).__name__}: {exc}",
+                           "messages") from None
+        limit = req.max_completion_tokens or req.max_tokens
+        if limit is None:
+            limit = engine.engine.max_model_len - len(prompt)
+            if limit < 1:
+                raise APIError(400, f"the messages take {len(prompt)} tokens, the model's context length is "
+                               f"{engine.engine.max_model_len}: no room to answer", "messages",
+                               code="context_length_exceeded")
+        subs = _subs(engine.engine, req, [prompt], [limit])
+        return await _respond(request, req, subs, [prompt], arrival, chat=True)
+
+    def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int]) -> list[_Sub]:
+        subs = []
+        for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
+            for j in range(req.n):
+                params = _sampling(req, mt, j)
+                if j == 0:
+                    _check(engine, prompt, params, req.num_speculative_tokens)
+                subs.append(_Sub(i * req.n + j, prompt, params))
+        return subs
+
+    async def _respond(request: Request, req, subs: list[_Sub], prompts: list[list[int]], arrival: float,
+                       chat: bool):
+        try:
+            job = _Job(state, subs, req.num_speculative_tokens, arrival)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
+        except EngineDead as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            stream = _stream(job, rid, created, len(subs), prompts, chat, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(job.close),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def collect() -> dict[int, RequestOutput]:
+            finals: dict[int, RequestOutput] = {}
+            async for index, out in job.events():
+                if out.finished:
+                    finals[index] = out
+            return finals
+
+        try:
+            finals = await _watch_disconnect(request, collect())
+        except QuickdraftError as exc:
+            raise APIError(500, str(exc), code="engine_error") from None
+        finally:
+            job.close()
+        choices = []
+        for index in range(len(subs)):
+            out = finals[index]
+            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": out.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text
+            choices.append(choice)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": state.model_name, "choices": choices, "usage": _usage(prompts, finals)}
+
+    async def _stream(job: _Job, rid: str, created: int, n: int, prompts: list[list[int]], chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                         "choices": choices, **extra})
+
+        finals: dict[int, RequestOutput] = {}
+        try:
+            if chat:
+                for i in range(n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            async for index, out in job.events():
+                if not out.new_text and not out.finished:
+                    continue
+                choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                          "finish_reason": out.finish_reason if out.finished else None}
+                if chat:
+                    choice["delta"] = {"content": out.new_text} if out.new_text else {}
+                else:
+                    choice["text"] = out.new_text
+                if out.finished:
+                    finals[index] = out
+                yield chunk([choice])
+            if include_usage:
+                yield chunk([], usage=_usage(prompts, finals))
+        except QuickdraftError as exc:
+            yield _sse(APIError(500, str(exc), code="engine_error").body())
+        finally:
+            job.close()
+        yield "data: [DONE]\n\n"
+
+    return app

@@ -1,0 +1,185 @@
+"""Request bodies of the OpenAI API (the parts quickdraft serves) and OpenAI's error body.
+
+Unknown fields are ignored, as OpenAI's own server does. Fields that OpenAI defines but
+quickdraft cannot honour (logprobs, penalties, logit_bias, echo, suffix, best_of) are a
+400 when set to anything but their neutral value, rather than being silently dropped:
+a client that asks for them would otherwise get a different answer than it thinks.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+MAX_N = 64  # choices per request
+MAX_STOP = 16  # stop strings per request
+
+Number = Annotated[float, Field(allow_inf_nan=False)]
+TokenIds = list[StrictInt]
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error",
+                              429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = Field(None, ge=0, le=100)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1)  # extra field (vLLM): 0 or -1 = off
+    min_p: Number | None = Field(None, ge=0, le=1)  # extra field (vLLM)
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = False  # extra field (vLLM)
+    num_speculative_tokens: StrictInt | None = Field(None, ge=0)  # extra field: this request's own k cap
+    user: StrictStr | None = None
+    # Defined by OpenAI, not supported: accepted only at their neutral value.
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                bad.append(name)
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+    def stop_list(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"at most {MAX_STOP} stop strings, got {len(stop)}", "stop")
+        if any(s == "" for s in stop):
+            raise APIError(400, "stop strings must not be empty", "stop")
+        return stop
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.suffix:
+            bad.append("suffix")
+        if self.logprobs is not None:
+            bad.append("logprobs")
+        if self.best_of not in (None, 1, self.n):
+            bad.append("best_of")
+        return bad
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (a string or a list of token ids each)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is empty", "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs:
+            bad.append("logprobs")
+        if self.top_logprobs:
+            bad.append("top_logprobs")
+        if self.tools:
+            bad.append("tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            bad.append("response_format")
+        return bad
+
+
+def parse_body(model: type[BaseModel], data: Any) -> Union[CompletionRequest, ChatCompletionRequest]:
+    """Validate a decoded JSON body; errors become a 400 naming the first bad field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        loc = [str(x) for x in first.get("loc", ())]
+        # pydantic adds the union member's type name to the location; keep the field path
+        path = [x for x in loc if not x.startswith(("str", "list[", "int", "bool", "float", "dict", "function-"))]
+        param = ".".join(path) or None
+        msg = first.get("msg", "invalid value")
+        if first.get("type") == "missing":
+            message = f"missing required field {param!r}"
+        else:
+            value = first.get("input")
+            shown = repr(value)
+            if len(shown) > 80:
+                shown = shown[:77] + "..."
+            message = f"invalid {param or 'body'}: {msg} (got {shown})"
+        raise APIError(400, message, param) from None
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, f"{bad[0]} is not supported by this server", bad[0])
+    return req
