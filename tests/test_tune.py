@@ -259,3 +259,62 @@ def test_bench_command_end_to_end(target_dir, draft_dir, tmp_path):
     for x in data["runs"]:
         assert x["tokens_per_s"] > 0 and x["speedup"] > 0 and x["predicted_speedup"] > 0
     assert "| draft |" in (tmp_path / "b.md").read_text()
+
+
+def _bench_app():
+    import typer
+
+    from quickdraft.bench.bench_cmd import bench_command
+
+    app = typer.Typer()
+    app.command("bench")(bench_command)
+    app.command("other")(lambda: None)  # keep typer in multi-command mode
+    return app
+
+
+def test_bench_with_peers_end_to_end(target_dir, draft_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [0, 5, 7, 9]}\n{"prompt": [0, 3, 4, 3, 4]}\n')
+    r = CliRunner().invoke(_bench_app(), [
+        "bench", "--target", str(target_dir), "--draft", str(draft_dir), "--method", "draft", "--method", "ngram",
+        "--batch-sizes", "1", "--ks", "2", "--prompts", str(prompts), "--new-tokens", "12", "--repeats", "2",
+        "--iters", "1", "--out-dir", str(tmp_path), "--name", "b", "--peers"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    peers = json.loads((tmp_path / "b.json").read_text())["peers"]
+    names = {"ours-plain", "ours-draft-k2", "ours-ngram-k2", "hf-plain", "hf-assisted", "hf-prompt-lookup-k2"}
+    assert set(peers["methods"]) == names
+    for name, m in peers["methods"].items():
+        assert m["tokens_per_s"] > 0 and len(m["repeats"]) == 2
+        # float32, same weights: every method, ours or transformers', writes plain greedy's tokens
+        assert m["identical_to_ours_plain"] is True, (name, m["repeats"])
+        assert all(x["tokens"] == 2 * 12 and x["first_difference_at"] == [None, None] for x in m["repeats"])
+    assert set(peers["ratios"]) == {"ours-plain / hf-plain", "ours-draft-k2 / hf-assisted",
+                                    "ours-ngram-k2 / hf-prompt-lookup-k2"}
+    for v in peers["ratios"].values():
+        assert len(v["per_repeat"]) == 2 and v["median_of_ratios"] > 0
+    assert peers["workload"]["batch"] == 1 and peers["dtype"] == "float32"
+    assert peers["methods"]["ours-draft-k2"]["mean_acceptance_length"] >= 1
+    md = (tmp_path / "b.md").read_text()
+    assert "## Peers" in md and "| ours-draft-k2 / hf-assisted |" in md and "NO (" not in md
+
+
+def test_bench_peers_without_transformers_is_one_line_and_skipped(target_dir, draft_dir, tmp_path, monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [0, 5, 7, 9]}\n')
+    r = CliRunner().invoke(_bench_app(), [
+        "bench", "--target", str(target_dir), "--method", "ngram", "--ks", "2", "--prompts", str(prompts),
+        "--new-tokens", "4", "--repeats", "1", "--iters", "1", "--out-dir", str(tmp_path), "--name", "b", "--peers"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    lines = [x for x in r.output.splitlines() if "--peers" in x]
+    assert lines == ["--peers skipped: transformers is not installed (pip install transformers)"]
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["peers"] == {"skipped": "transformers is not installed (pip install transformers)"}
+    assert {x["method"] for x in data["runs"]} == {"ngram"}
+    assert "Skipped: transformers is not installed" in (tmp_path / "b.md").read_text()

@@ -8,6 +8,10 @@ mean acceptance length, acceptance per position, the measured cost ratios c = T_
 E * T(1) / (T_propose(k) + T(k+1)) with E = (1 - a^(k+1)) / (1 - a) from the acceptance
 rate a, next to the measured one (steps that drafted nothing, as prompt lookup has, are
 counted as plain steps). Writes JSON, a markdown table and PNG plots.
+
+With `--peers` (needs transformers) the same run also times transformers' plain `generate`,
+assisted generation and prompt lookup on the same weights and prompts, greedy at batch 1,
+against ours, with token equality checked (`quickdraft.bench.peers`).
 """
 
 from __future__ import annotations
@@ -35,18 +39,22 @@ def _floats(text: str, name: str) -> list[float]:
 
 def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes: list[int], ks: list[int],
               temperatures: list[float], prompts: list, new_tokens: int, repeats: int, iters: int,
-              progress=None) -> dict:
+              progress=None, peers: bool = False, dtype: str | None = None, device: str | None = None) -> dict:
+    """Measure every (temperature, batch size, method, k) against plain decoding; with
+    `peers`, also transformers' plain, assisted and prompt-lookup generation (greedy,
+    batch 1) against ours on the same prompts (result["peers"], see peers.run_peers).
+    dtype and device go to every LLM (None: quickdraft's defaults)."""
     from .. import LLM, SamplingParams
     from ..policy import expected_tokens
     from .profile import measure_propose, measure_target_steps
 
-    plain = LLM(target, method="none")
+    plain = LLM(target, method="none", dtype=dtype, device=device)
     encoded = [plain.encode(p) for p in prompts]
     llms = {}
     for m in methods:
         for k in ks:
             llms[(m, k)] = LLM(target, draft=draft if m == "draft" else None, method=m, num_speculative_tokens=k,
-                               spec_options=spec_options)
+                               spec_options=spec_options, dtype=dtype, device=device)
     names = [("none", 0)] + list(llms)
     runs = []
     # step costs for the prediction, measured once per batch size
@@ -98,7 +106,16 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
                     "accepted_per_pos": [v / max(1, st.num_drafts) for v in st.accepted_per_pos],
                     "c": t_prop / (k * T1), "verify_ratio": Tk1 / T1, "predicted_speedup": predicted,
                 })
-    return {"runs": runs, "target_step_s": steps, "query_lengths": qs, "batch_sizes": batch_sizes}
+    result = {"runs": runs, "target_step_s": steps, "query_lengths": qs, "batch_sizes": batch_sizes}
+    if peers:
+        from ..llm import default_model_dirs
+        from .peers import PEER_OF, run_peers
+
+        if target is None:
+            target, draft = default_model_dirs()[0], draft or default_model_dirs()[1]
+        ours = {("none", 0): plain, **{mk: llm for mk, llm in llms.items() if mk[0] in PEER_OF}}
+        result["peers"] = run_peers(ours, target, draft, encoded, new_tokens, repeats, progress=progress)
+    return result
 
 
 def write_outputs(result: dict, out_dir: Path, name: str) -> list[Path]:
@@ -114,6 +131,11 @@ def write_outputs(result: dict, out_dir: Path, name: str) -> list[Path]:
                   f"{r['ms_per_token']:.2f} | {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | "
                   f"{r['acceptance_rate']:.3f} | {r['mean_acceptance_length']:.2f} | {r['c']:.3f} | "
                   f"{r['verify_ratio']:.2f} |")
+    peers = result.get("peers")
+    if peers is not None:
+        from .peers import markdown
+
+        md += ["", "## Peers", ""] + (markdown(peers) if "methods" in peers else [f"Skipped: {peers['skipped']}."])
     paths[1].write_text("\n".join(md) + "\n")
     try:
         import matplotlib
@@ -159,6 +181,8 @@ def bench_command(
     iters: int = typer.Option(5, "--iters", help="Timed repetitions of each step-cost measurement."),
     out_dir: Path = typer.Option(Path("bench-results"), "--out-dir"),
     name: str = typer.Option("bench", "--name"),
+    peers: bool = typer.Option(False, "--peers", help="Also time transformers' generate, assisted generation and "
+                                                      "prompt lookup (greedy, batch 1; needs transformers)."),
 ) -> None:
     """Compare speculative methods with plain decoding; write JSON, markdown and plots."""
     import torch
@@ -192,11 +216,21 @@ def bench_command(
         else:
             raise QuickdraftError(f"--workload must be code or editing, got {workload!r}")
     console = Console(stderr=True)
-    total = len(temps) * len(bs) * repeats
+    skipped = None
+    if peers:
+        from .peers import transformers_missing
+
+        skipped = transformers_missing()
+        if skipped:
+            print(f"--peers skipped: {skipped}", file=sys.stderr)
+            peers = False
+    total = len(temps) * len(bs) * repeats + (1 + repeats if peers else 0)
     with Progress(console=console) as bar:
         task = bar.add_task("bench", total=total)
         result = run_bench(target, draft, methods, parse_spec_options(spec_option), list(bs), k_list, temps, texts,
-                           new_tokens, repeats, iters, progress=lambda: bar.advance(task))
+                           new_tokens, repeats, iters, progress=lambda: bar.advance(task), peers=peers)
+    if skipped:
+        result["peers"] = {"skipped": skipped}
     result["setup"] = {"hardware": device_name("cuda" if torch.cuda.is_available() else "cpu"),
                        "torch": torch.__version__, "threads": torch.get_num_threads(),
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
