@@ -114,6 +114,8 @@ class Engine:
         self.cache: KVCache | None = None
         self._batch_sampling: BatchSampling | None = None  # rebuilt when the batch changes
         self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
+        self._admit_singly = 0  # admissions still to make one request per step (after a failed prefill)
+        self._stepping: list[_Request] = []  # the requests the current step is prefilling
 
     # ---- requests -------------------------------------------------------------------
 
@@ -193,8 +195,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill waiting requests if any fit, else run one speculative step
         for the running batch. Returns an output (with deltas) per request touched."""
-        admitted = self._admit()
+        admitted = self._stepping = self._admit()
         touched = self._prefill(admitted) if admitted else self._decode() if self.running else []
+        self._stepping = []
         outputs = [r.snapshot() for r in touched]
         self._release_finished()
         return outputs
@@ -211,7 +214,32 @@ class Engine:
         while (self.waiting and len(self.running) + len(admitted) < self.cache.max_slots
                and self._capacity_needed(self.waiting[0]) <= self.cache.capacity):
             admitted.append(self.waiting.popleft())
+            if self._admit_singly:
+                self._admit_singly -= 1
+                break
         return admitted
+
+    def recover_failed_step(self) -> tuple[list[_Request], bool]:
+        """After step() raised: if it was prefilling, take those requests out of the batch,
+        reset, and return them with True; else return the running batch with False (whose
+        rows the caller should abort: which one broke the step cannot be told)."""
+        admitted, self._stepping = self._stepping, []
+        if not admitted:
+            return list(self.running), False
+        ids = {r.id for r in admitted}
+        self.running = [r for r in self.running if r.id not in ids]
+        self._batch_sampling = None
+        for r in admitted:  # back to the state add_request left it in
+            r.tokens, r.output, r.text, r.sent_ids, r.sent_text = list(r.prompt), [], "", 0, 0
+            r.generator = make_generator(r.params.seed, self.device)
+            r.detok = Detokenizer(self.tokenizer, r.prompt) if self.tokenizer is not None else None
+        return admitted, True
+
+    def retry_singly(self, requests: list[_Request]) -> None:
+        """Put requests taken out by recover_failed_step back at the head of the queue, to be
+        admitted one per step, so that the one that fails again fails alone."""
+        self.waiting.extendleft(reversed(requests))
+        self._admit_singly = len(requests)
 
     def _size_cache(self) -> None:
         if self.fixed_size:

@@ -6,9 +6,11 @@ waiting request joins the running batch at the next step and an aborted one leav
 frees its cache slot at once. Outputs go back to each request's asyncio queue through the
 event loop's call_soon_threadsafe. The thread sleeps on the command queue when idle.
 
-A failing step only fails the requests it was working on: a failed prefill aborts the
-requests it admitted; a failed decode step aborts the running batch (their state is no
-longer trustworthy), and the engine goes on with the next requests. An error escaping the
+A failing step only fails the requests it was working on: a failed prefill of several
+requests puts them back to be prefilled one at a time, so only the one that fails alone is
+answered with an error; a failed decode step fails the running batch (which row broke it
+cannot be told apart, and their state is no longer trustworthy); the engine then goes on
+with the next requests. An error escaping the
 loop itself marks the engine dead (/health answers 503).
 """
 
@@ -133,19 +135,21 @@ class AsyncEngine:
                             engine.abort_request(rid)
                 if not engine.has_unfinished():
                     continue
-                before = {r.id for r in engine.waiting}
                 try:
                     outputs = engine.step()
                 except Exception as exc:  # fail only the requests this step worked on
                     log.error("engine step failed:\n%s", traceback.format_exc())
-                    admitted = [r.id for r in engine.running if r.id in before]
-                    failed = admitted or [r.id for r in engine.running]
+                    requests, prefill = engine.recover_failed_step()
+                    if prefill and len(requests) > 1:  # retry them one by one to find the culprit
+                        engine.retry_singly(requests)
+                        continue
                     message = f"the engine failed on this request: {type(exc).__name__}: {exc}"
-                    for rid in failed:
-                        engine.abort_request(rid)
-                        q = queues.pop(rid, None)
+                    for r in requests:
+                        if not prefill:
+                            engine.abort_request(r.id)
+                        q = queues.pop(r.id, None)
                         if q is not None:
-                            self._deliver(q, EngineError(rid, message))
+                            self._deliver(q, EngineError(r.id, message))
                     continue
                 for out in outputs:
                     q = queues.get(out.request_id)

@@ -157,6 +157,10 @@ class ChatCompletionRequest(_Sampling):
         return bad
 
 
+_TYPE_TAGS = {"str", "int", "bool", "float", "dict", "list", "none"}
+_TYPE_TAG_PREFIXES = ("list[", "dict[", "function-", "constrained-", "nullable[", "lax-", "strict-")
+
+
 def parse_body(model: type[BaseModel], data: Any) -> Union[CompletionRequest, ChatCompletionRequest]:
     """Validate a decoded JSON body; errors become a 400 naming the first bad field."""
     if not isinstance(data, dict):
@@ -167,7 +171,7 @@ def parse_body(model: type[BaseModel], data: Any) -> Union[CompletionRequest, Ch
         first = exc.errors(include_url=False)[0]
         loc = [str(x) for x in first.get("loc", ())]
         # pydantic adds the union member's type name to the location; keep the field path
-        path = [x for x in loc if not x.startswith(("str", "list[", "int", "bool", "float", "dict", "function-"))]
+        path = [x for x in loc if x not in _TYPE_TAGS and not x.startswith(_TYPE_TAG_PREFIXES)]
         param = ".".join(path) or None
         msg = first.get("msg", "invalid value")
         if first.get("type") == "missing":

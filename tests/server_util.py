@@ -1,0 +1,91 @@
+"""Start real quickdraft servers for tests: a `quickdraft serve` process, or uvicorn on a
+thread of the test process (for fault injection into the engine it serves)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server at {url} not healthy after {timeout} s")
+
+
+class ServerProcess:
+    """`python -m quickdraft.cli serve ARGS --port P` on 127.0.0.1; `.url` once healthy."""
+
+    def __init__(self, *args: str, log: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.log = open(log, "w") if log is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(self.port),
+                                      "--log-level", "warning", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_healthy(self.url, proc=self.proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if hasattr(self.log, "close"):
+            self.log.close()
+
+
+class ThreadServer:
+    """uvicorn serving build_app(state) on a thread of this process."""
+
+    def __init__(self, state, wait: bool = True):
+        import uvicorn
+
+        from quickdraft.server.app import build_app
+
+        self.state = state
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        if wait:
+            wait_healthy(self.url)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)

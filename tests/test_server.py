@@ -1,0 +1,555 @@
+"""The OpenAI-compatible server, tested as users meet it: a real `quickdraft serve` process on
+127.0.0.1, driven by the official `openai` client and by raw HTTP; plus uvicorn on a thread
+of this process where a fault has to be injected into the engine it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.llm import default_model_dirs
+from server_util import ServerProcess, ThreadServer, wait_healthy
+
+MODEL = "tiny"
+PROMPTS = [[0] + [(7 * i + 3 * j) % 360 + 2 for j in range(3 + i % 7)] for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def server(target_dir, draft_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    s = ServerProcess("--target", str(target_dir), "--draft", str(draft_dir), "-k", "4", "--max-num-seqs", "8",
+                      "--served-model-name", MODEL, log=log)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    return LLM(target_dir, method="none")
+
+
+def greedy(max_tokens=16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def post(server, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        return httpx.post(server.url + path, json=body, timeout=60, **kw)
+    return httpx.post(server.url + path, content=body, timeout=60,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+def sse_events(text: str) -> list:
+    """The data payloads of an SSE body, JSON-decoded except the final [DONE]."""
+    events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", text[-300:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+# ---- endpoints -------------------------------------------------------------------------
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_equals_offline_greedy_and_usage_is_exact(client, plain):
+    for prompt in (PROMPTS[3], "def add(a, b):"):
+        ref = plain.generate(prompt, greedy(20))[0]
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref.text
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(ref.token_ids) == 20
+        assert r.usage.total_tokens == r.usage.prompt_tokens + 20
+
+
+def test_stop_string_and_eos(client, plain):
+    ref = plain.generate(PROMPTS[5], greedy(30))[0]
+    stop = ref.text[len(ref.text) // 2:][:3]
+    assert stop.strip(), "the reference text is too short for a stop string"
+    cut = plain.generate(PROMPTS[5], greedy(30, stop=(stop,)))[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=30, temperature=0, stop=stop,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == cut.text and stop not in r.choices[0].text
+    assert r.usage.completion_tokens == len(cut.token_ids)
+
+
+def test_streaming_equals_non_streaming(client):
+    for prompt in PROMPTS[:4]:
+        full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == full.choices[0].text
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert reasons == ["length"]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+        assert chunks[-1].usage.prompt_tokens == len(prompt)
+
+
+def test_chat_completion_streaming_and_not(client, plain):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    ids = plain.tokenizer.encode_chat(messages)
+    ref = plain.generate(ids, greedy(12))[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.total_tokens == len(ids) + 12
+
+
+def test_n_choices_and_seed(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, n=3, seed=7,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1  # choices get distinct seeds
+    assert a.usage.completion_tokens == 36 and a.usage.prompt_tokens == len(PROMPTS[1])
+    batch = client.completions.create(model=MODEL, prompt=[PROMPTS[0], PROMPTS[2]], max_tokens=5, temperature=0,
+                                      n=2, extra_body={"ignore_eos": True})
+    assert len(batch.choices) == 4 and batch.choices[0].text == batch.choices[1].text
+    assert batch.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[2])
+
+
+def test_per_request_speculation_length_is_lossless(client):
+    texts = {k: client.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True, "num_speculative_tokens": k}).choices[0].text
+             for k in (0, 1, 4)}
+    assert len(set(texts.values())) == 1
+
+
+def test_unknown_fields_are_ignored(server):
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0,
+                                         "frobnicate": {"x": [1, 2]}, "user": "u1"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=16, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                 "num_requests_running", "num_requests_waiting"):
+        assert re.search(rf"^{name} ", text, re.M), name
+    assert metric(server, "spec_decode_num_draft_tokens_total") > 0
+    assert metric(server, "spec_decode_num_drafts_total") > 0
+    assert 'spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
+    per_pos = [float(v) for v in re.findall(r'^spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} (\S+)',
+                                            text, re.M)]
+    assert sum(per_pos) == metric(server, "spec_decode_num_accepted_tokens_total")
+    assert metric(server, 'request_success_total{finished_reason="length"}') >= 1
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+BAD = [
+    # (body, status, param)
+    (b"{not json", 400, None),
+    (b"", 400, None),
+    (b"[1, 2, 3]", 400, None),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "x", "min_p": 2}, 400, "min_p"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 10**6}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "stop": [1, 2]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "num_speculative_tokens": 99}, 400, "num_speculative_tokens"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [0, 5, 100000]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [0, -1]}, 400, "prompt"),
+    ({"model": "gpt-4o", "prompt": "x"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=range(len(BAD)))
+def test_bad_completion_requests(server, body, status, param):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    assert "Traceback" not in err["message"]
+
+
+def test_nan_and_infinity_are_rejected(server):
+    for raw in (b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
+                b'{"model": "tiny", "prompt": "x", "top_p": Infinity}'):
+        r = post(server, "/v1/completions", raw)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("temperature", "top_p")
+
+
+def test_bad_chat_requests(server):
+    cases = [({"model": MODEL, "messages": []}, "messages"),
+             ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+             ({"model": MODEL, "messages": "hello"}, "messages"),
+             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+              "max_completion_tokens")]
+    for body, param in cases:
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_context_length_errors_give_both_numbers(server):
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [0] * 600, "max_tokens": 4})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "600" in msg and "512" in msg and r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [0] * 500, "max_tokens": 100})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "500" in msg and "100" in msg and "512" in msg
+    r = post(server, "/v1/chat/completions",
+             {"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}]})
+    assert r.status_code == 400 and "512" in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+# ---- load, concurrency, disconnects ---------------------------------------------------
+
+def test_32_concurrent_greedy_requests_equal_one_at_a_time(server):
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True} for p in PROMPTS]
+
+    async def concurrent():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+            rs = await asyncio.gather(*(c.post(f"{server.url}/v1/completions", json=b) for b in bodies))
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    together = asyncio.run(concurrent())
+    alone = [post(server, "/v1/completions", b).json()["choices"][0]["text"] for b in bodies]
+    assert together == alone
+
+
+def _wait_idle(server, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(server, "num_requests_running") == 0 and metric(server, "num_requests_waiting") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("requests still held after their clients left")
+
+
+def test_disconnect_storm_then_a_normal_request(server, plain):
+    rng = random.Random(0)
+
+    async def one(c: httpx.AsyncClient, i: int) -> None:
+        body = {"model": MODEL, "prompt": PROMPTS[i % 32], "max_tokens": 200, "temperature": 0.7 * (i % 2),
+                "ignore_eos": True, "stream": True}
+        cut = rng.randint(0, 6)
+        async with c.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for _ in r.aiter_raw():
+                seen += 1
+                if seen >= cut:
+                    break  # leaving the block closes the connection mid-stream
+
+    async def storm():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as c:
+            await asyncio.gather(*(one(c, i) for i in range(100)))
+
+    asyncio.run(storm())
+    _wait_idle(server)  # every cut-off request was aborted and its slot freed
+    ref = plain.generate(PROMPTS[9], greedy(20))[0]
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[9], "max_tokens": 20, "temperature": 0,
+                                         "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.05)
+    _wait_idle(server)
+
+
+def test_queue_full_is_429_with_retry_after(tmp_path):
+    target, draft = default_model_dirs()
+    s = ServerProcess("--max-num-seqs", "1", "--max-queue", "1", "--method", "none", log=tmp_path / "log")
+    try:
+        long = {"model": "quickdraft-default", "prompt": "import os\n", "max_tokens": 600, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                async with c.stream("POST", f"{s.url}/v1/completions", json=long) as a, \
+                        c.stream("POST", f"{s.url}/v1/completions", json=long) as b:
+                    assert a.status_code == b.status_code == 200
+                    r = await c.post(f"{s.url}/v1/completions", json={**long, "stream": False})
+                    return r
+
+        r = asyncio.run(run())
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+        _wait_idle(s)
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"model": "quickdraft-default", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200
+    finally:
+        s.stop()
+
+
+# ---- start-up, faults -------------------------------------------------------------------
+
+def test_health_is_503_while_loading_then_200(target_dir):
+    from quickdraft.server.app import ServerState
+
+    release = threading.Event()
+
+    def load():
+        release.wait(30)
+        return LLM(target_dir, method="none")
+
+    ts = ThreadServer(ServerState(load, MODEL), wait=False)
+    try:
+        assert httpx.get(f"{ts.url}/health").status_code == 503
+        r = httpx.post(f"{ts.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        release.set()
+        wait_healthy(ts.url, timeout=30)
+    finally:
+        release.set()
+        ts.stop()
+
+
+POISON_PREFILL, POISON_DECODE = 300, 301
+
+
+@pytest.fixture
+def faulty_server(target_dir, draft_dir):
+    """A real engine with faults injected: a prefill containing token 300 raises, and a
+    decode step raises once a running request with token 301 in its prompt has 3 tokens."""
+    from quickdraft.server.app import ServerState
+
+    def load():
+        llm = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+        engine = llm.engine
+        prefill, decode = engine._prefill, engine._decode
+
+        def bad_prefill(requests):
+            if any(POISON_PREFILL in r.prompt for r in requests):
+                raise ValueError("injected prefill fault")
+            return prefill(requests)
+
+        def bad_decode():
+            if any(POISON_DECODE in r.prompt and len(r.output) >= 3 for r in engine.running):
+                raise RuntimeError("injected decode fault")
+            return decode()
+
+        engine._prefill, engine._decode = bad_prefill, bad_decode
+        return llm
+
+    ts = ThreadServer(ServerState(load, MODEL))
+    yield ts
+    ts.stop()
+
+
+def test_error_after_streaming_started_is_an_event_then_done(faulty_server):
+    body = {"model": MODEL, "prompt": [0, POISON_DECODE, 5], "max_tokens": 50, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    r = post(faulty_server, "/v1/completions", body)
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert any(e.get("choices") for e in events[:-1])  # tokens came first
+    assert "error" in events[-1] and "injected decode fault" in events[-1]["error"]["message"]
+    # the server goes on
+    ok = post(faulty_server, "/v1/completions", {"model": MODEL, "prompt": [0, 5], "max_tokens": 4})
+    assert ok.status_code == 200
+
+
+def test_a_failing_request_does_not_lose_the_others(faulty_server, plain):
+    good = [PROMPTS[i] for i in range(6)]
+    refs = [o.text for o in plain.generate(good, greedy(24))]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            reqs = [c.post(f"{faulty_server.url}/v1/completions",
+                           json={"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+                    for p in good]
+            reqs.insert(3, c.post(f"{faulty_server.url}/v1/completions",
+                                  json={"model": MODEL, "prompt": [0, POISON_PREFILL], "max_tokens": 24}))
+            return await asyncio.gather(*reqs)
+
+    rs = asyncio.run(run())
+    bad = rs.pop(3)
+    assert bad.status_code == 500 and "injected prefill fault" in bad.json()["error"]["message"]
+    assert [r.status_code for r in rs] == [200] * 6
+    assert [r.json()["choices"][0]["text"] for r in rs] == refs
+    assert httpx.get(f"{faulty_server.url}/health").status_code == 200
+
+
+def test_engine_death_turns_health_503(target_dir):
+    from quickdraft.server.app import ServerState
+
+    def load():
+        llm = LLM(target_dir, method="none")
+
+        def die():
+            raise SystemExit("injected engine death")
+
+        llm.engine.step = die
+        return llm
+
+    ts = ThreadServer(ServerState(load, MODEL))
+    try:
+        r = httpx.post(f"{ts.url}/v1/completions", json={"model": MODEL, "prompt": [0, 5], "max_tokens": 4},
+                       timeout=30)
+        assert r.status_code == 500 and "injected engine death" in r.json()["error"]["message"]
+        assert httpx.get(f"{ts.url}/health").status_code == 503
+        r = httpx.post(f"{ts.url}/v1/completions", json={"model": MODEL, "prompt": [0, 5], "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        ts.stop()
+
+
+def test_serve_cli_errors_are_one_line(tmp_path):
+    for args in (["--target", str(tmp_path / "missing")], ["--port", "70000"], ["--max-num-seqs", "0"]):
+        p = subprocess.run([sys.executable, "-m", "quickdraft.cli", "serve", *args], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().startswith("error:") and "Traceback" not in p.stderr
+    (tmp_path / "empty").mkdir()
+    p = subprocess.run([sys.executable, "-m", "quickdraft.cli", "serve", "--target", str(tmp_path / "empty"),
+                        "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "error:" in p.stderr
+
+
+# ---- property-based: nothing a client sends gets a 5xx or a dropped connection ----------
+
+def _fuzz_strategies():
+    """Bodies that are mostly well formed (each field valid two times in three, junk JSON
+    otherwise), so that requests get through to generation as well as to every check;
+    plus arbitrary JSON and bytes."""
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80),
+                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
+    junk = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                        max_leaves=12)
+
+    def mostly(valid):
+        return st.one_of(valid, valid, junk)
+
+    token = st.integers(min_value=-2, max_value=400)
+    prompt = st.one_of(st.text(max_size=30), st.lists(token, min_size=0, max_size=20),
+                       st.lists(st.lists(st.integers(0, 383), min_size=1, max_size=5), max_size=3))
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bot"]),
+                                     "content": mostly(st.text(max_size=20))})
+    optional = {
+        "max_tokens": mostly(st.integers(-2, 40)), "max_completion_tokens": mostly(st.integers(-2, 40)),
+        "n": mostly(st.integers(-1, 4)), "temperature": mostly(st.floats(-1, 3)),
+        "top_p": mostly(st.floats(-0.5, 1.5)), "top_k": mostly(st.integers(-3, 50)),
+        "min_p": mostly(st.floats(-0.5, 1.5)), "seed": mostly(st.integers()),
+        "stop": mostly(st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=20))),
+        "stream": mostly(st.booleans()), "ignore_eos": mostly(st.booleans()),
+        "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
+        "num_speculative_tokens": mostly(st.integers(-2, 6)), "logprobs": junk, "echo": junk,
+        "surprise": junk,
+    }
+    model = st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), junk)
+    completions = st.fixed_dictionaries({"model": model, "prompt": mostly(prompt)}, optional=optional)
+    chats = st.fixed_dictionaries({"model": model, "messages": mostly(st.lists(message, max_size=3))},
+                                  optional=optional)
+    valid = {  # every field in range: these reach generation with random parameters
+        "max_tokens": st.integers(1, 40), "n": st.integers(1, 3), "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1),
+        "seed": st.integers(-(2**63), 2**64 - 1), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
+        "stream": st.booleans(), "ignore_eos": st.booleans(), "num_speculative_tokens": st.integers(0, 4),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    }
+    good_prompt = st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 383), min_size=1, max_size=20))
+    good_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                                    "content": st.text(max_size=20)}), min_size=1, max_size=3)
+    valid_completions = st.fixed_dictionaries({"model": st.just(MODEL), "prompt": good_prompt}, optional=valid)
+    valid_chats = st.fixed_dictionaries({"model": st.just(MODEL), "messages": good_messages}, optional=valid)
+    return st.one_of(completions, chats, valid_completions, valid_chats, junk, st.binary(max_size=40))
+
+
+def test_random_requests_never_get_a_5xx(server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(body=_fuzz_strategies(), data=st.data())
+    def check(body, data):
+        chat = isinstance(body, dict) and "messages" in body
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        if data.draw(st.integers(0, 9)) == 0:  # sometimes the other endpoint
+            path = "/v1/completions" if chat else "/v1/chat/completions"
+        if isinstance(body, bytes):
+            content = body
+        else:
+            content = json.dumps(body).encode()  # NaN / Infinity go out as JSON's extensions
+        r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=120)
+        assert r.status_code < 500, (content[:300], r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert err["message"] and "Traceback" not in err["message"]
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            events = sse_events(r.text)
+            assert not any("error" in e for e in events)
+        else:
+            assert r.json()["choices"]
+
+    check()
+    assert httpx.get(f"{server.url}/health").status_code == 200
