@@ -152,9 +152,11 @@ app.command("verify")(verify_command)
 app.command("tune")(tune_command)
 app.command("bench")(bench_command)
 
+from .server.bench_serve import bench_serve_command  # noqa: E402
 from .server.serve import serve_command  # noqa: E402
 
 app.command("serve")(serve_command)
+app.command("bench-serve")(bench_serve_command)
 
 
 @app.callback()
