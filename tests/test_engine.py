@@ -230,3 +230,74 @@ def test_abort_a_running_request_keeps_the_others(target_dir, draft_dir, plain_o
                 done[out.request_id] = out.token_ids
     assert ids[0] not in done
     assert [done[i] for i in ids[1:]] == plain_out[1:]
+
+
+def _engine(target_dir, draft_dir, k=3, max_num_seqs=4):
+    from quickdraft import Engine, EngineConfig, SpecConfig
+    from quickdraft.proposers.draft_model import DraftModelProposer
+
+    llm = LLM(target_dir, draft=draft_dir)
+    return Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", k),
+                                                                          max_num_seqs=max_num_seqs,
+                                                                          max_model_len=128))
+
+
+def _run(engine) -> dict:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_per_request_speculation_cap(target_dir, draft_dir, plain_out):
+    """num_speculative_tokens caps one request's drafts (0 = plain decoding for it) inside a
+    batch whose other rows speculate; every output still equals plain decoding."""
+    engine = _engine(target_dir, draft_dir, k=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(p, params, num_speculative_tokens=cap) for p, cap in zip(PROMPTS, (0, 1, None))]
+    done = _run(engine)
+    assert [done[i].token_ids for i in ids] == plain_out
+    assert done[ids[0]].stats.num_draft_tokens == 0 and done[ids[0]].stats.num_steps > 0
+    assert done[ids[1]].stats.accepted_per_pos[1:] == [] and done[ids[1]].stats.num_draft_tokens > 0
+    assert len(done[ids[2]].stats.accepted_per_pos) == 4
+    total = engine.stats  # the engine-wide counters are the sum over requests
+    assert total.num_draft_tokens == sum(done[i].stats.num_draft_tokens for i in ids)
+    assert total.num_output_tokens == 120
+    for bad in (-1, 5, 1.5, True):
+        with pytest.raises(QuickdraftError, match="num_speculative_tokens"):
+            engine.check_request(PROMPTS[0], params, bad)
+
+
+def test_a_failed_prefill_is_retried_one_request_at_a_time(target_dir, draft_dir, plain_out):
+    """What the server does when a step raises: the requests being prefilled come back out,
+    are retried singly, and only the one that fails alone is lost."""
+    engine = _engine(target_dir, draft_dir)
+    prefill = engine._prefill
+    poison = [0, 333]
+
+    def faulty(requests):
+        if any(r.prompt == poison for r in requests):
+            raise RuntimeError("injected")
+        return prefill(requests)
+
+    engine._prefill = faulty
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in (PROMPTS[0], poison, PROMPTS[1], PROMPTS[2])]
+    failures = []
+    done = {}
+    while engine.has_unfinished():
+        try:
+            outs = engine.step()
+        except RuntimeError:
+            requests, prefill_failed = engine.recover_failed_step()
+            assert prefill_failed and not any(r.id in {q.id for q in requests} for r in engine.running)
+            if len(requests) > 1:
+                engine.retry_singly(requests)
+            else:
+                failures.append(requests[0].id)
+            continue
+        done.update({o.request_id: o.token_ids for o in outs if o.finished})
+    assert failures == [ids[1]]
+    assert [done[i] for i in (ids[0], ids[2], ids[3])] == plain_out
