@@ -26,6 +26,8 @@ class CacheView:
     k: list[torch.Tensor]  # per layer: (B, H_kv, capacity + 1, D)
     v: list[torch.Tensor]
     capacity: int
+    parent: KVCache | None = None  # the cache these rows belong to (static-shape steps pad into it)
+    start: int = 0
 
     @property
     def trash(self) -> int:
@@ -49,7 +51,7 @@ class KVCache:
                    cfg.head_dim, p.dtype, p.device)
 
     def rows(self, start: int, end: int) -> CacheView:
-        return CacheView([k[start:end] for k in self.k], [v[start:end] for v in self.v], self.capacity)
+        return CacheView([k[start:end] for k in self.k], [v[start:end] for v in self.v], self.capacity, self, start)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst` (used to keep

@@ -88,6 +88,11 @@ def generate(
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available)."),
     compare: bool = typer.Option(False, "--compare",
                                  help="Also decode without speculation and report the speedup."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
+                                           help="torch.compile the steps (default: on for CUDA/ROCm only)."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="Target weights: int8 (weight-only)."),
+    draft_quantization: Optional[str] = typer.Option(None, "--draft-quantization",
+                                                     help="Draft weights: int8 (weight-only)."),
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from .llm import LLM
@@ -97,7 +102,8 @@ def generate(
                             max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos)
     options = parse_spec_options(spec_option, tree_width)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
-              spec_options=options, policy=policy, profile=profile)
+              spec_options=options, policy=policy, profile=profile, compile=compile, quantization=quantization,
+              draft_quantization=draft_quantization)
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = _parse_ids(prompt) if ids else prompt

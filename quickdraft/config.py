@@ -205,6 +205,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_num_seqs: int = 64  # rows of the running batch (KV-cache slots)
     max_model_len: int | None = None  # cache length per slot; None = the target's context length
+    compile: bool = False  # torch.compile the decode / verify / draft steps (quickdraft.compile)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -103,6 +103,13 @@ class Engine:
                 from .bench.profile import load_profile
                 profile = load_profile(config.spec.profile)
             self.policy = make_policy(config.spec.policy, self.k, profile, config.spec.method)
+        self._forward = target  # the decode / verify forward: the model, or its compiled step
+        if config.compile:
+            from .compile import StepFunction
+
+            self._forward = StepFunction(target, name="target")
+            if proposer is not None:
+                proposer.compile(lambda model, name: StepFunction(model, name=name))
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         ctx = target.config.max_position_embeddings
@@ -314,8 +321,8 @@ class Engine:
         draft_tokens = last[:, :0] if draft is None else draft.tokens
         k = draft_tokens.shape[1]
         positions = torch.tensor(lengths, device=self.device)[:, None] - 1 + torch.arange(k + 1, device=self.device)
-        logits = self.target(torch.cat([last, draft_tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
-                             kv_len=max(lengths) + k)  # (B, k+1, V)
+        logits = self._forward(torch.cat([last, draft_tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
+                               kv_len=max(lengths) + k)  # (B, k+1, V)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted = greedy_verify(draft_tokens, argmax)
@@ -344,8 +351,8 @@ class Engine:
         slots = torch.cat([L[:, None] - 1, torch.where(valid, L[:, None] + nodes, -1)], 1)
         queries = torch.cat([nodes.new_full((B, 1), -1), nodes.expand(B, N)], 1)
         mask = tree_mask(L, queries, anc, kv_len)
-        logits = self.target(torch.cat([last, draft.tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
-                             kv_len=kv_len, slots=slots, attn_mask=mask)  # (B, 1+N, V)
+        logits = self._forward(torch.cat([last, draft.tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
+                               kv_len=kv_len, slots=slots, attn_mask=mask)  # (B, 1+N, V)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax, (anc, depth))

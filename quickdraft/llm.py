@@ -13,6 +13,7 @@ from .config import EngineConfig, QuickdraftError, SpecConfig
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device
+from .model.quant import quantize
 from .model.tokenizer import Tokenizer, eos_token_ids
 from .proposers import PROPOSERS
 from .sampling import SamplingParams
@@ -41,7 +42,11 @@ class LLM:
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
-                 profile: str | Path | None = None):
+                 profile: str | Path | None = None, compile: bool | None = None,
+                 quantization: str | None = None, draft_quantization: str | None = None):
+        """compile: torch.compile the decode / verify / draft steps (None = on for CUDA/ROCm,
+        off elsewhere). quantization / draft_quantization: "int8" weight-only for the target
+        / the draft (output follows the target as loaded, quantised or not)."""
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():
@@ -57,19 +62,35 @@ class LLM:
             raise QuickdraftError(f"method {method!r} needs a draft model folder")
         dev = resolve_device(device)
         target_dir = checkpoint_dir(target)
-        self.target = load_model(target_dir, dtype=dtype, device=dev)
+        self.target = quantize(load_model(target_dir, dtype=dtype, device=dev), quantization)
         self.tokenizer = Tokenizer.from_dir(target_dir)
         proposer = None
         self.draft = None
         if cls is not None:
             if cls.needs_draft_model:
                 draft_dir = checkpoint_dir(draft)
-                self.draft = load_model(draft_dir, dtype=dtype, device=dev)
+                self.draft = quantize(load_model(draft_dir, dtype=dtype, device=dev), draft_quantization)
                 check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
             proposer = cls.build(target=self.target, draft=self.draft, **spec.options)
-        config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        if compile is None:
+            compile = dev.type == "cuda"
+        config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
+        if compile:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the steps now (one short greedy request), not inside the first real one."""
+        import sys
+
+        start = time.perf_counter()
+        print("quickdraft: compiling the decode / verify / draft steps (once; PyTorch caches the result on disk)...",
+              file=sys.stderr, flush=True)
+        k = self.engine.k
+        self.engine.generate([([0] * 8, SamplingParams(temperature=0, max_tokens=k + 4, ignore_eos=True))])
+        self.engine.stats = SpecStats()
+        print(f"quickdraft: compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         if isinstance(prompt, str):

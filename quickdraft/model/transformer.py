@@ -211,10 +211,11 @@ class Transformer(nn.Module):
 
 
 def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int],
-                   cache: CacheView) -> torch.Tensor:
+                   cache: CacheView, step=None) -> torch.Tensor:
     """Feed each row its own run of tokens (ragged; right-padded here) starting at
     position starts[b], writing the cache; returns the logits after each row's last
-    token, (B, V). Used for prefill and for a draft catching up with accepted tokens."""
+    token, (B, V). Used for prefill and for a draft catching up with accepted tokens.
+    `step` (a compiled StepFunction) is used instead of the model when given."""
     B, T = len(chunks), max(len(c) for c in chunks)
     device = model.device
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -224,5 +225,5 @@ def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int
         positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
     last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.long)[:, None]
     kv_len = max(s + len(c) for s, c in zip(starts, chunks))
-    logits = model(ids.to(device), positions.to(device), cache, logits_at=last.to(device), kv_len=kv_len)
+    logits = (step or model)(ids.to(device), positions.to(device), cache, logits_at=last.to(device), kv_len=kv_len)
     return logits[:, 0]

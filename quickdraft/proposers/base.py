@@ -110,6 +110,11 @@ class Proposer:
     def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
         """The request in `row` is leaving (finished or aborted): tokens = prompt + output."""
 
+    def compile(self, make_step) -> None:
+        """Compile this proposer's model steps: `make_step(model, name)` returns a callable
+        with the model's forward signature (quickdraft.compile.StepFunction). Proposers
+        without a model ignore it."""
+
     def propose(self, batch: ProposeBatch) -> Draft:
         raise NotImplementedError
 

@@ -60,6 +60,10 @@ class DraftModelProposer(Proposer):
         self._sampled_tree = False  # the last draft was a sampled tree (see observe)
         self.cache: KVCache | None = None
         self.cached: list[int] = []
+        self._step = model  # the draft's forward for one-token steps (compiled by compile())
+
+    def compile(self, make_step) -> None:
+        self._step = make_step(self.model, "draft")
 
     @classmethod
     def build(cls, *, target, draft=None, **options) -> DraftModelProposer:
@@ -89,7 +93,9 @@ class DraftModelProposer(Proposer):
         """Feed each row the committed tokens its cache lacks; logits after the last (B, V)."""
         B = len(batch.tokens)
         pending = [t[c:] for t, c in zip(batch.tokens, self.cached[:B])]
-        logits = forward_chunks(self.model, pending, self.cached[:B], self.cache.rows(0, B))
+        short = max(len(p) for p in pending) <= 2  # the usual 1-2 tokens; a prompt's catch-up is a prefill
+        logits = forward_chunks(self.model, pending, self.cached[:B], self.cache.rows(0, B),
+                                step=self._step if short else None)
         for b, t in enumerate(batch.tokens):
             self.cached[b] = len(t)
         return logits
@@ -123,7 +129,7 @@ class DraftModelProposer(Proposer):
             probs += [q] * w
             if i < k - 1:  # the last draft token is never fed: the target will judge it
                 pos = torch.tensor(lengths, device=device)[:, None] + i
-                logits = self.model(xs[0][:, None].clamp(min=0), pos, view, kv_len=max(lengths) + i + 1)[:, 0]
+                logits = self._step(xs[0][:, None].clamp(min=0), pos, view, kv_len=max(lengths) + i + 1)[:, 0]
                 fed += 1
         for b in range(B):
             self.cached[b] = lengths[b] + fed
@@ -158,7 +164,7 @@ class DraftModelProposer(Proposer):
             pos = (L - 1 + d)[:, None].expand(B, w)
             slots = L[:, None] + leaves
             mask = tree_mask(L, leaves, anc, kv_len)
-            out = self.model(tokens[rows, leaves], pos, view, kv_len=kv_len, slots=slots, attn_mask=mask)
+            out = self._step(tokens[rows, leaves], pos, view, kv_len=kv_len, slots=slots, attn_mask=mask)
             V = out.shape[-1]
             cand = (score[:, :, None] + out.float().log_softmax(-1)).view(B, w * V)
             score, flat = cand.topk(w, -1)  # (B, w), sorted: siblings end up likeliest first

@@ -35,6 +35,11 @@ def serve_command(
                                                  "(for models without one)."),
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     device: Optional[str] = typer.Option(None, "--device"),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
+                                           help="torch.compile the steps (default: on for CUDA/ROCm only)."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="Target weights: int8 (weight-only)."),
+    draft_quantization: Optional[str] = typer.Option(None, "--draft-quantization",
+                                                     help="Draft weights: int8 (weight-only)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve the OpenAI API (completions, chat completions, streaming) with speculative decoding."""
@@ -68,7 +73,8 @@ def serve_command(
 
         return LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
-                   profile=profile)
+                   profile=profile, compile=compile, quantization=quantization,
+                   draft_quantization=draft_quantization)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     state = ServerState(load, name, max_queue=max_queue, chat_template=template)

@@ -1,0 +1,145 @@
+"""Compiled steps (torch.compile), int8 weight-only drafts, memory accounting (issue 7).
+
+Compiled and eager decoding give the same greedy tokens in float32 and the compiled
+engine keeps the target's distribution; an int8 draft changes acceptance only."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.compile import StepFunction
+from quickdraft.model.quant import Int8Linear, quantize, weight_bytes
+
+from test_lossless import N, PROMPT, chi2_pvalue, exact_joint, pair, sampled_joint  # noqa: F401
+
+PROMPTS = [[0, 5, 7, 9, 11], [0, 3], [0, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_out(target_dir):
+    return [o.token_ids for o in LLM(target_dir, method="none").generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,options", [("draft", {}), ("draft", {"tree_width": 2}), ("ngram", {})],
+                         ids=["draft-chain", "draft-tree", "ngram"])
+def test_compiled_greedy_equals_eager(target_dir, draft_dir, plain_out, method, options):
+    llm = LLM(target_dir, draft_dir if method == "draft" else None, method=method, num_speculative_tokens=3,
+              spec_options=options, compile=True)
+    assert isinstance(llm.engine._forward, StepFunction) and llm.engine._forward.failed is None
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
+    assert [o.token_ids for o in llm.generate(PROMPTS[1:2], GREEDY)] == plain_out[1:2]  # another batch size
+    if method == "draft":
+        assert isinstance(llm.engine.proposer._step, StepFunction) and llm.engine.proposer._step.failed is None
+
+
+@pytest.mark.slow
+def test_static_shapes_pad_the_batch_and_read_the_whole_cache(target_dir, draft_dir, plain_out):
+    """The CUDA-graph layout, run on CPU: batch padded to a bucket (3 -> 4 rows), keys over
+    the whole static cache, padding rows writing to the trash column."""
+    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, max_model_len=128, max_num_seqs=8)
+    engine = llm.engine
+    calls = []
+    step = StepFunction(llm.target, name="target", static=True)
+    compiled = step._compiled
+
+    def spy(ids, *args, **kw):
+        calls.append((ids.shape[0], kw["kv_len"]))
+        return compiled(ids, *args, **kw)
+
+    step._compiled = spy
+    engine._forward = step
+    engine.proposer.compile(lambda model, name: StepFunction(model, name=name, static=True))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
+    assert calls and all(b == 4 and kv == engine.cache.capacity for b, kv in calls[:5])
+    assert step.failed is None and engine.proposer._step.failed is None
+
+
+def test_compile_failure_falls_back_to_eager_with_one_log_line(target_dir, plain_out, caplog):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    llm = LLM(target_dir, method="none")
+    step = StepFunction(llm.target, name="target", backend=broken_backend)
+    llm.engine._forward = step
+    with caplog.at_level(logging.WARNING, logger="quickdraft"):
+        out = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert out == plain_out
+    assert step.failed and "no compiler here" in step.failed
+    warnings = [r for r in caplog.records if "running it eagerly" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+@pytest.mark.slow
+def test_compiled_engine_keeps_the_target_distribution(pair):  # noqa: F811
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N, compile=True)
+    kw = dict(temperature=1.0, top_k=8)
+    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **kw))
+    assert llm.engine._forward.failed is None
+    assert 0.05 < llm.stats.acceptance_rate < 0.95
+    assert chi2_pvalue(counts, exact_joint(target, SamplingParams(**kw))) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(draft, SamplingParams(**kw))) < 1e-6
+
+
+# ---- int8 ---------------------------------------------------------------------------------
+
+def test_int8_linear_matches_float_and_both_kernels_agree():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=True)
+    q = Int8Linear(lin)
+    x = torch.randn(5, 3, 64)
+    ref = lin(x)
+    out = q(x)
+    assert out.shape == ref.shape and q.weight.dtype == torch.int8
+    assert (out - ref).abs().max() / ref.abs().max() < 0.02
+    q._fused = False  # the dequantising fallback gives the same numbers
+    assert torch.allclose(q(x), out, atol=1e-4)
+    with pytest.raises(Exception, match="unknown quantization"):
+        quantize(torch.nn.Sequential(lin), "int4")
+
+
+def test_int8_draft_is_lossless_and_smaller(target_dir, draft_dir, plain_out):
+    full = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+    small = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization="int8")
+    assert any(isinstance(m, Int8Linear) for m in small.draft.modules())
+    assert not any(isinstance(m, Int8Linear) for m in small.target.modules())
+    assert weight_bytes(small.draft) < weight_bytes(full.draft)
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == plain_out
+    assert small.stats.num_draft_tokens > 0
+
+
+def test_int8_draft_keeps_the_target_distribution(pair):  # noqa: F811
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N, draft_quantization="int8")
+    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
+    assert 0.05 < llm.stats.acceptance_rate < 0.95
+    assert chi2_pvalue(counts, exact_joint(target, SamplingParams())) > 1e-3
+
+
+def test_int8_target_output_follows_the_quantised_target(target_dir, draft_dir):
+    plain_q = LLM(target_dir, method="none", quantization="int8")
+    spec_q = LLM(target_dir, draft_dir, num_speculative_tokens=3, quantization="int8")
+    assert [o.token_ids for o in spec_q.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in plain_q.generate(PROMPTS, GREEDY)]
+
+
+def test_memory_footprint(target_dir, draft_dir):
+    from quickdraft.bench.memory import footprint
+
+    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+    f = footprint(llm, batch=2, context=100)
+    cfg = llm.target.config
+    per_pos = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # k and v, float32
+    assert f["plain_total"] == f["target_weights"] + 2 * 101 * per_pos
+    assert f["target_cache"] == 2 * (101 + llm.engine._draft_room) * per_pos
+    assert f["speculative_total"] == f["target_weights"] + f["target_cache"] + f["draft_weights"] + f["draft_cache"]
+    assert np.isclose(f["added_fraction"], (f["speculative_total"] - f["plain_total"]) / f["plain_total"])
+    resident = list(llm.target.parameters()) + list(llm.target.buffers())  # rope's inv_freq is a buffer
+    assert f["target_weights"] == sum(t.numel() * 4 for t in resident)
