@@ -118,7 +118,7 @@ def run_peers(ours: dict, target_dir: Path, draft_dir: Optional[Path], prompts: 
                     peer, {"prompt_lookup_num_tokens": k})
                 runners[peer] = lambda ps, n, extra=extra: run_hf(extra, ps, n)
             pairs.append((name, peer))
-        names = ["ours-plain"] + sorted(n for n in runners if n != "ours-plain")
+        names = sorted(runners, key=lambda n: (n.startswith("hf-"), not n.endswith("-plain"), n))  # ours, then peers
 
         for name in names:  # warm-up: one full-length call each (first calls pay one-time costs)
             runners[name](prompts[:1], new_tokens)
