@@ -121,9 +121,10 @@ def hardware(device: torch.device) -> dict:
                     capability=f"{p.major}.{p.minor}", device_count=torch.cuda.device_count(),
                     bf16_supported=torch.cuda.is_bf16_supported())
         try:
-            info["nvidia_smi"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit",
-                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+            r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
+                                "clocks.max.memory,power.limit", "--format=csv"], capture_output=True, text=True,
+                               timeout=20)
+            info["nvidia_smi"] = (r.stdout + r.stderr).strip()
         except (OSError, subprocess.SubprocessError) as exc:
             info["nvidia_smi"] = f"unavailable: {exc}"
     try:
@@ -348,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     part("tune", "e", lambda: tune_default_pair(device, args.out, s), min_left=150.0 if not args.small else 15.0)
     part("bench", "e", lambda: bench_default_pair(device, args.out, s), min_left=120.0 if not args.small else 10.0)
     report["total_seconds"] = time.perf_counter() - start
+    if device.type == "cuda":
+        report["cuda_max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {path} in {report['total_seconds']:.0f} s")
     return 0
