@@ -42,6 +42,14 @@ class KVCache:
         shape = (max_slots, num_kv_heads, capacity + 1, head_dim)  # +1: the trash column
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if torch.device(device).type == "cuda":
+            # Compiled steps write the cache in place; CUDA graphs allow that only for inputs
+            # whose address never changes, which these are (allocated once).
+            for t in self.k + self.v:
+                try:
+                    torch._dynamo.mark_static_address(t)
+                except (AttributeError, RuntimeError):  # an older torch: CUDA graphs may be skipped
+                    break
 
     @classmethod
     def for_model(cls, model, max_slots: int, capacity: int) -> KVCache:
