@@ -280,6 +280,7 @@ class Engine:
         return requests
 
     def _decode(self) -> list[_Request]:
+        started = time.perf_counter()
         rows = self.running
         if self._batch_sampling is None:
             self._batch_sampling = BatchSampling.build([r.params for r in rows], self.device)
@@ -313,6 +314,8 @@ class Engine:
             if self.policy is not None:
                 self.policy.observe(r.spec_state, d, n)
             self._append(r, toks[: n + 1])
+        if self.policy is not None:
+            self.policy.observe_step(len(rows), k, time.perf_counter() - started)
         return list(rows)
 
     def _verify_chain(self, draft, last, lengths, sampling, generators):

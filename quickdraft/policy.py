@@ -59,6 +59,9 @@ class SpecPolicy:
         """Per row, the drafts to propose this step (0..k_bound)."""
         return [min(self.k_max, k_bound)] * len(states)
 
+    def observe_step(self, batch_size: int, k: int, seconds: float) -> None:
+        """The engine's wall time for a decode step of batch_size rows drafting (at most) k."""
+
     def observe(self, state: RowState, drafted: int, accepted: int) -> None:
         if drafted > 0:  # running acceptance estimate, recent steps weighted more
             state.drafted = 0.9 * state.drafted + drafted
@@ -85,7 +88,20 @@ class AcceptancePolicy(SpecPolicy):
 
 
 class GoodputPolicy(SpecPolicy):
+    """Goodput from the profile, corrected by what the engine measures as it runs.
+
+    The profile times the two forwards in isolation; a real step also pays for sampling,
+    bookkeeping and the draft's catch-up, which grow with batch size and k. So the engine
+    reports every decode step's wall time (observe_step) and the policy keeps a running
+    mean per (batch size, k): a measured cost replaces the profile's; an unmeasured one is
+    the profile's scaled by how far off the profile was for that batch size (or, failing
+    that, for that k at the nearest batch size). Every `probe_every`-th step that would not
+    speculate drafts the best k > 0 once, so acceptance estimates and costs stay current
+    and the policy can turn speculation back on.
+    """
+
     name = "goodput"
+    probe_every = 32
 
     def __init__(self, k_max: int, profile, method: str, prior_weight: float = 4.0):
         super().__init__(k_max)
@@ -102,27 +118,53 @@ class GoodputPolicy(SpecPolicy):
         self.prior_alpha = float(measured.alpha)
         self.prior_weight = prior_weight  # the profile's alpha counts as this many drafted tokens
         self.k_measured = max(measured.ks)
-        self._cache: dict[tuple[int, float, int], int] = {}
+        self.step_s: dict[tuple[int, int], float] = {}  # (batch size, k) -> running mean of measured steps
+        self._idle = 0  # steps since the policy last speculated
 
     def alpha(self, s: RowState) -> float:
         return (s.accepted + self.prior_alpha * self.prior_weight) / (s.drafted + self.prior_weight)
 
+    def predicted_cost(self, batch_size: int, k: int) -> float:
+        """The profile's seconds for one step of batch_size rows drafting k."""
+        if k == 0:
+            return self.profile.step_time(batch_size, 1)
+        return self.profile.propose_time(self.method, batch_size, k) + \
+            self.profile.step_time(batch_size, self.measured.verify_tokens(k))
+
+    def cost(self, batch_size: int, k: int) -> float:
+        """Seconds of one step: measured if seen, else the profile's, calibrated."""
+        seen = self.step_s.get((batch_size, k))
+        if seen is not None:
+            return seen
+        ratios = [t / self.predicted_cost(b, j) for (b, j), t in self.step_s.items() if b == batch_size]
+        if not ratios:
+            same_k = [(abs(b - batch_size), t / self.predicted_cost(b, j)) for (b, j), t in self.step_s.items()
+                      if j == k]
+            ratios = [min(same_k)[1]] if same_k else [1.0]
+        ratios.sort()
+        return self.predicted_cost(batch_size, k) * ratios[len(ratios) // 2]
+
+    def observe_step(self, batch_size: int, k: int, seconds: float) -> None:
+        key = (batch_size, k)
+        old = self.step_s.get(key)
+        self.step_s[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
     def _rate(self, alphas: list[float], batch_size: int, k: int) -> float:
         """Predicted output tokens per second of the batch when every row drafts k."""
         if k == 0:
-            return batch_size / self.profile.step_time(batch_size, 1)
-        cost = self.profile.propose_time(self.method, batch_size, k) + \
-            self.profile.step_time(batch_size, self.measured.verify_tokens(k))
-        return sum(expected_tokens(a, k) for a in alphas) / cost
+            return batch_size / self.cost(batch_size, 0)
+        return sum(expected_tokens(a, k) for a in alphas) / self.cost(batch_size, k)
 
     def best_k(self, alpha: float, batch_size: int, k_bound: int) -> int:
         """The best k for `batch_size` rows that all accept with probability alpha."""
-        key = (batch_size, round(alpha, 2), k_bound)
-        if key not in self._cache:
-            top = min(self.k_max, k_bound, self.k_measured)
-            rates = [self._rate([alpha] * batch_size, batch_size, k) for k in range(top + 1)]
-            self._cache[key] = max(range(top + 1), key=lambda k: (rates[k], -k))
-        return self._cache[key]
+        return self._best([alpha] * batch_size, k_bound, 0)
+
+    def _best(self, alphas: list[float], k_bound: int, low: int) -> int:
+        top = min(self.k_max, k_bound, self.k_measured)
+        if top < low:
+            return 0
+        B = len(alphas)
+        return max(range(low, top + 1), key=lambda c: (self._rate(alphas, B, c), -c))
 
     def choose(self, states: list[RowState], k_bound: int) -> list[int]:
         # One k for the whole batch: rows share the padded draft and verify forwards, so a
@@ -130,10 +172,11 @@ class GoodputPolicy(SpecPolicy):
         # row's acceptance (measured: per-row choices ran at 0.67x plain at batch 32).
         B = len(states)
         alphas = [round(self.alpha(s), 2) for s in states]
-        if len(set(alphas)) == 1:
-            return [self.best_k(alphas[0], B, k_bound)] * B
-        top = min(self.k_max, k_bound, self.k_measured)
-        k = max(range(top + 1), key=lambda c: (self._rate(alphas, B, c), -c))
+        k = self._best(alphas, k_bound, 0)
+        self._idle = self._idle + 1 if k == 0 else 0
+        if k == 0 and self._idle >= self.probe_every:  # look again: acceptance and costs change
+            k = self._best(alphas, k_bound, 1)
+            self._idle = 0
         return [k] * B
 
 

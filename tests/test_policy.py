@@ -80,6 +80,30 @@ def test_goodput_policy_on_synthetic_profiles():
     assert good.alpha(s) < 0.1 and good.choose([s], 6) == [0]
 
 
+def test_goodput_policy_calibrates_on_measured_steps_and_probes():
+    good = GoodputPolicy(6, synthetic_profile(STEP, PROPOSE, 0.8), "draft")
+    assert good.best_k(0.8, 1, 6) == 6
+    # The engine finds speculative steps at batch 1 cost far more than the profile says
+    # (e.g. sampling overhead): 60 ms at k = 6, the plain step as predicted.
+    good.observe_step(1, 6, 0.060)
+    good.observe_step(1, 0, 0.010)
+    assert good.cost(1, 6) == pytest.approx(0.060)
+    # unmeasured ks at batch 1 are scaled by the median ratio measured there (here 60/15.5 and 1)
+    ratio = sorted([0.060 / good.predicted_cost(1, 6), 1.0])[1]
+    assert good.cost(1, 3) == pytest.approx(good.predicted_cost(1, 3) * ratio)
+    assert good.best_k(0.8, 1, 6) < 6
+    # a batch size never seen borrows the ratio of the nearest one measured at the same k
+    assert good.cost(8, 6) == pytest.approx(good.predicted_cost(8, 6) * 0.060 / good.predicted_cost(1, 6))
+    # running means: a new measurement moves the estimate a fifth of the way
+    good.observe_step(1, 0, 0.020)
+    assert good.cost(1, 0) == pytest.approx(0.8 * 0.010 + 0.2 * 0.020)
+    # probing: a batch that would never speculate drafts the best k > 0 every probe_every steps
+    never = GoodputPolicy(6, synthetic_profile(STEP, PROPOSE, 0.8), "draft")
+    states = [never.new_state() for _ in range(32)]
+    picks = [never.choose(states, 6)[0] for _ in range(3 * never.probe_every)]
+    assert picks.count(0) == len(picks) - 3 and all(k > 0 for k in picks[never.probe_every - 1::never.probe_every])
+
+
 def test_make_policy_errors():
     with pytest.raises(QuickdraftError, match="policy must be one of"):
         make_policy("bogus", 4)
@@ -116,4 +140,7 @@ def test_goodput_policy_through_the_engine(target_dir, draft_dir, plain_out, tmp
     path.write_text(json.dumps(synthetic_profile(STEP, PROPOSE, alpha)))
     llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=6, policy="goodput", profile=path)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
-    assert (llm.stats.num_draft_tokens > 0) == expect_drafts
+    if expect_drafts:
+        assert llm.stats.num_draft_tokens > 0
+    else:  # only the periodic probes draft: one batch step in probe_every
+        assert llm.stats.num_drafts <= len(PROMPTS) * (1 + llm.stats.num_steps // GoodputPolicy.probe_every)
