@@ -17,9 +17,13 @@ c. decode: a randomly initialised Llama-3-8B-shaped target (hidden 4096, 32 laye
 d. verify: the same target's step time T(B, q) (quickdraft's KV cache, `context` tokens
    cached per row) for q = 1..16 and B = 1..64, and T(B, q) / T(B, 1): what verifying q - 1
    drafts costs over a plain step at each batch size.
+   The same with the engine's compiled steps (CUDA graphs), beside it.
 e. tune and bench of the bundled pair on the device (quickdraft.bench.tune_cmd.tune and
    bench_cmd.run_bench, modest settings, float32 so that greedy outputs compare exactly),
    bench with transformers as peers when it is installed.
+
+f. benchmarks/compiled.py on the device: the bundled pair with eager vs compiled steps and a
+   full-precision vs an int8 draft (speedup over plain decoding of the same mode, acceptance).
 
 A part that would start past the time budget (--budget-s) is skipped and says so.
 """
@@ -168,14 +172,15 @@ def build_random_target(shape: dict, dtype: torch.dtype, device: torch.device, s
     return model.eval().requires_grad_(False)
 
 
-def decode(model, device: torch.device, bw: dict | None, s: Settings) -> dict:
+def decode(model, device: torch.device, bw: dict | None, s: Settings, compile: bool = False) -> dict:
+    """compile: the engine's compiled steps (CUDA graphs on CUDA: quickdraft.compile)."""
     from quickdraft import SamplingParams
     from quickdraft.config import EngineConfig, SpecConfig
     from quickdraft.engine import Engine
 
     cfg = model.config
     engine = Engine(model, None, EngineConfig(spec=SpecConfig(method="none"), max_num_seqs=1,
-                                              max_model_len=s.decode_prompt + s.decode_tokens + 8))
+                                              max_model_len=s.decode_prompt + s.decode_tokens + 8, compile=compile))
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, cfg.vocab_size, (s.decode_prompt,), generator=gen).tolist()
 
@@ -198,7 +203,8 @@ def decode(model, device: torch.device, bw: dict | None, s: Settings) -> dict:
            "parameters": sum(p.numel() for p in params.values()), "weight_bytes": total,
            "weight_bytes_read_per_token": read, "prompt_tokens": s.decode_prompt, "new_tokens": s.decode_tokens,
            "repeats": s.decode_repeats, "ms_per_token": 1e3 * per_token, "ms_per_token_per_repeat": [1e3 * x for x in pairs],
-           "tokens_per_s": 1 / per_token,
+           "tokens_per_s": 1 / per_token, "compiled": compile,
+           "compile_fell_back": getattr(engine._forward, "failed", None),
            "timing": "quickdraft Engine, method none, greedy, batch 1: (t(n tokens) - t(1 token)) / (n - 1)"}
     if bw is not None and "gb_per_s" in bw:
         roof = read / (bw["gb_per_s"] * 1e9)
@@ -276,6 +282,23 @@ def bench_default_pair(device: torch.device, out: Path, s: Settings) -> dict:
     return summary
 
 
+def compiled_pair(out: Path, s: Settings) -> dict:
+    """benchmarks/compiled.py on this device: the default pair, eager vs compiled steps,
+    full vs int8 draft (its JSON lands in OUT)."""
+    script = Path(__file__).with_name("compiled.py")
+    prompts, tokens, repeats = (2, 8, 1) if s is SMALL else (4, 64, 3)
+    cmd = [sys.executable, str(script), "--prompts", str(prompts), "--new-tokens", str(tokens), "--repeats",
+           str(repeats), "--out-dir", str(out), "--name", "compiled_pair"]
+    if s is SMALL:  # a quick pass through the script without compiling the bundled pair
+        cmd += ["--configs", "plain-eager", "draft-eager", "int8-draft-eager", "--threads", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiled.py exited {done.returncode}: {done.stderr[-2000:]}")
+    result = json.loads((out / "compiled_pair.json").read_text())
+    return {name: {k: v for k, v in c.items() if k not in ("repeats", "memory")}
+            for name, c in result["configs"].items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and part e's files")
@@ -283,15 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda | cpu | mps (default: cuda if available, else cpu)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip parts that would start after this many seconds (default 420, 50 with --small)")
-    ap.add_argument("--parts", default="abcde", help="which parts to run, e.g. abcd (default: all)")
+    ap.add_argument("--parts", default="abcdef", help="which parts to run, e.g. abcd (default: all)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no CUDA device")
     if device.type == "cpu" and not args.small:
         ap.error("the full check builds an 8B-parameter model: it needs a GPU (use --small on CPU)")
-    if set(args.parts) - set("abcde") or not args.parts:
-        ap.error(f"--parts takes letters from abcde, got {args.parts!r}")
+    if set(args.parts) - set("abcdef") or not args.parts:
+        ap.error(f"--parts takes letters from abcdef, got {args.parts!r}")
     s = SMALL if args.small else FULL
     if args.small and device.type == "cpu":
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads; on a shared CPU extra ones stall
@@ -337,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "traceback": traceback.format_exc()}
     if model is not None:
         part("decode", "c", lambda: decode(model, device, bw, s))
+        part("decode_compiled", "c", lambda: decode(model, device, bw, s, compile=True),
+             min_left=90.0 if not args.small else 5.0)
         part("verify", "d", lambda: verify_cost(model, device, s), min_left=60.0 if not args.small else 5.0)
     elif "c" in args.parts or "d" in args.parts:
         for key, letter in (("decode", "c"), ("verify", "d")):
@@ -348,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     part("tune", "e", lambda: tune_default_pair(device, args.out, s), min_left=150.0 if not args.small else 15.0)
     part("bench", "e", lambda: bench_default_pair(device, args.out, s), min_left=120.0 if not args.small else 10.0)
+    part("compiled_pair", "f", lambda: compiled_pair(args.out, s), min_left=120.0 if not args.small else 10.0)
     report["total_seconds"] = time.perf_counter() - start
     if device.type == "cuda":
         report["cuda_max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

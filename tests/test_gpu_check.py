@@ -26,7 +26,8 @@ def test_gpu_check_small_on_cpu(tmp_path):
     r = _run("--small", "--device", "cpu", "--out", str(tmp_path), "--budget-s", "600")
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "gpu_check.json").read_text())
-    for key in ("hardware", "bandwidth", "random_target", "decode", "verify", "tune", "bench"):
+    for key in ("hardware", "bandwidth", "random_target", "decode", "decode_compiled", "verify", "tune", "bench",
+                "compiled_pair"):
         assert "error" not in data[key] and "skipped" not in data[key], (key, data[key])
     assert data["small"] is True and data["device"] == "cpu"
     assert data["hardware"]["device"] == "cpu" and data["hardware"]["torch"]
@@ -35,6 +36,10 @@ def test_gpu_check_small_on_cpu(tmp_path):
     assert d["dtype"] == "bfloat16" and d["ms_per_token"] > 0 and d["roofline_ms_per_token"] > 0
     assert 0 < d["fraction_of_roofline"] == pytest.approx(d["roofline_ms_per_token"] / d["ms_per_token"])
     assert d["weight_bytes_read_per_token"] < d["weight_bytes"] == 2 * d["parameters"]
+    c = data["decode_compiled"]
+    assert c["compiled"] is True and c["compile_fell_back"] is None and c["ms_per_token"] > 0
+    assert set(data["compiled_pair"]) == {"plain-eager", "draft-eager", "int8-draft-eager"}
+    assert all(x["identical_to_plain"] for x in data["compiled_pair"].values())
     v = data["verify"]
     assert v["batch_sizes"] == [1, 2, 4] and v["query_lengths"] == [1, 2, 3, 4]
     assert len(v["ratio_to_q1"]) == 3 and all(len(row) == 4 and row[0] == 1.0 for row in v["ratio_to_q1"])
@@ -59,7 +64,7 @@ def test_gpu_check_part_selection_and_bad_arguments(tmp_path):
     r = _run("--device", "cpu", "--out", str(tmp_path))
     assert r.returncode == 2 and "needs a GPU (use --small on CPU)" in r.stderr
     r = _run("--small", "--device", "cpu", "--out", str(tmp_path), "--parts", "xyz")
-    assert r.returncode == 2 and "--parts takes letters from abcde" in r.stderr
+    assert r.returncode == 2 and "--parts takes letters from abcdef" in r.stderr
 
 
 def test_gpu_check_records_a_skipped_part(tmp_path):
