@@ -19,6 +19,16 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list/tensor on `device` without a stream synchronisation: on CUDA the data is
+    staged in pinned memory and copied asynchronously (a copy from pageable memory would
+    wait for the GPU's queue to drain). Elsewhere a plain copy."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class CacheView:
     """Rows [start, end) of a KVCache, as seen by one forward of batch size end - start."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, to_device
 from .config import EngineConfig, QuickdraftError
 from .metrics import SpecStats
 from .model.tokenizer import Detokenizer, Tokenizer
@@ -292,7 +292,7 @@ class Engine:
         ks = self.policy.choose([r.spec_state for r in rows], k_bound) if k_bound > 0 else [0] * len(rows)
         ks = [k if r.max_k is None else min(k, r.max_k) for r, k in zip(rows, ks)]
         k = max(ks)
-        last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)[:, None]
+        last = to_device([r.tokens[-1] for r in rows], self.device)[:, None]
         draft = None
         if k > 0:
             draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, generators))
@@ -323,7 +323,7 @@ class Engine:
         B = len(lengths)
         draft_tokens = last[:, :0] if draft is None else draft.tokens
         k = draft_tokens.shape[1]
-        positions = torch.tensor(lengths, device=self.device)[:, None] - 1 + torch.arange(k + 1, device=self.device)
+        positions = to_device(lengths, self.device)[:, None] - 1 + torch.arange(k + 1, device=self.device)
         logits = self._forward(torch.cat([last, draft_tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
                                kv_len=max(lengths) + k)  # (B, k+1, V)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
@@ -347,7 +347,7 @@ class Engine:
         device = self.device
         valid = draft.tokens >= 0
         anc, depth = tree_structure(draft.parents, valid)
-        L = torch.tensor(lengths, device=device)
+        L = to_device(lengths, device)
         kv_len = max(lengths) + N
         nodes = torch.arange(N, device=device)
         positions = torch.cat([L[:, None] - 1, torch.where(valid, L[:, None] - 1 + depth, -1)], 1)  # (B, 1+N)
@@ -427,7 +427,7 @@ class Engine:
 
 def _limit_depth(draft: Draft, ks: list[int]) -> Draft:
     """Cut row b's draft to ks[b] tokens deep (the policy chose fewer for it)."""
-    limit = torch.tensor(ks, device=draft.tokens.device)[:, None]
+    limit = to_device(ks, draft.tokens.device)[:, None]
     if draft.parents is None:
         cols = torch.arange(draft.tokens.shape[1], device=draft.tokens.device)
         depth = cols + 1

@@ -138,6 +138,9 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
     rows = torch.arange(B, device=device)
     valid = tokens >= 0
     anc, depth = structure if structure is not None else tree_structure(parents, valid)
+    # Host syncs in tree verification (chains have none): the tree's depth and widest sibling
+    # set size the loops and buffers below. Both are bounded by the draft's shape (k, width),
+    # which could replace them with static bounds for CUDA graphs at the cost of padded work.
     D = int(depth.max())
     children = _children(parents, valid)  # (B, N + 1, W) node ids, root = row 0
     cur = torch.zeros(B, dtype=torch.long, device=device)  # 0 = root, 1 + i = node i
@@ -191,7 +194,7 @@ def _children(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     idx = torch.arange(N, device=device)
     same = (owner[:, :, None] == owner[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
     rank = same.sum(-1)  # (B, N): how many earlier siblings
-    W = int(rank.max()) + 1 if N else 1
+    W = int(rank.max()) + 1 if N else 1  # a host sync (see tree_rejection_sample)
     children = torch.full((B, N + 2, W), -1, dtype=torch.long, device=device)
     children[torch.arange(B, device=device)[:, None], owner, rank] = idx.expand(B, N)
     return children[:, : N + 1]
@@ -201,7 +204,7 @@ def _emit_path(tokens: torch.Tensor, on_path: torch.Tensor, depth: torch.Tensor,
                last: torch.Tensor):
     """Order the nodes flagged on_path (B, N) by depth; emit their tokens, then `last`."""
     B, N = tokens.shape
-    D = int(depth.max()) if N else 0
+    D = int(depth.max()) if N else 0  # a host sync (see tree_rejection_sample)
     idx = torch.arange(N, device=tokens.device).expand(B, N)
     path = torch.full((B, D + 1), -1, dtype=torch.long, device=tokens.device)
     path.scatter_(1, torch.where(on_path, depth - 1, D), idx)  # off-path nodes land in column D

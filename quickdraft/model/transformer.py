@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import CacheView
+from ..cache import CacheView, to_device
 from ..config import ModelConfig, RopeConfig
 
 
@@ -225,5 +225,6 @@ def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int
         positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
     last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.long)[:, None]
     kv_len = max(s + len(c) for s, c in zip(starts, chunks))
-    logits = (step or model)(ids.to(device), positions.to(device), cache, logits_at=last.to(device), kv_len=kv_len)
+    logits = (step or model)(to_device(ids, device), to_device(positions, device), cache,
+                             logits_at=to_device(last, device), kv_len=kv_len)
     return logits[:, 0]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
+from ..cache import KVCache, to_device
 from ..config import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
 from ..sampling import process_logits, sample
@@ -115,6 +115,7 @@ class DraftModelProposer(Proposer):
         tokens, probs = [], []
         stop_at = self.confidence_threshold if w == 1 else 0.0
         going = torch.ones(B, dtype=torch.bool, device=device)
+        start = to_device(lengths, device)[:, None]
         fed = 0
         for i in range(k):
             if stop_at > 0:
@@ -128,7 +129,7 @@ class DraftModelProposer(Proposer):
             tokens += xs
             probs += [q] * w
             if i < k - 1:  # the last draft token is never fed: the target will judge it
-                pos = torch.tensor(lengths, device=device)[:, None] + i
+                pos = start + i
                 logits = self._step(xs[0][:, None].clamp(min=0), pos, view, kv_len=max(lengths) + i + 1)[:, 0]
                 fed += 1
         for b in range(B):
@@ -142,9 +143,9 @@ class DraftModelProposer(Proposer):
     def _propose_tree(self, batch: ProposeBatch, logits: torch.Tensor) -> Draft:
         B, k, w = len(batch.tokens), batch.k, self.tree_width
         device = logits.device
-        L = torch.tensor([len(t) for t in batch.tokens], device=device)
+        L = to_device([len(t) for t in batch.tokens], device)
         N = w * k
-        kv_len = int(L.max()) + N
+        kv_len = max(len(t) for t in batch.tokens) + N  # from the host lists: no device sync
         # the engine sized caches for the nodes the target sees (tree_nodes); drafting holds all N
         self.cache.grow(kv_len)
         view = self.cache.rows(0, B)
