@@ -275,13 +275,17 @@ def build_app(state: ServerState) -> FastAPI:
             data[0]["max_model_len"] = state.llm.engine.max_model_len
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def _begin(request: Request, model):
+        """Parse and check what every generation request shares: body, engine, model name."""
         arrival = now()
-        req = parse_body(CompletionRequest, await _read_json(request))
+        req = parse_body(model, await _read_json(request))
         engine = state.require_engine()
         _check_model(state, req.model)
-        tok = state.llm.tokenizer
+        return arrival, req, engine, state.llm.tokenizer
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival, req, engine, tok = await _begin(request, CompletionRequest)
         prompts: list[list[int]] = []
         for p in req.prompts():
             if isinstance(p, str):
@@ -297,11 +301,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        arrival = now()
-        req = parse_body(ChatCompletionRequest, await _read_json(request))
-        engine = state.require_engine()
-        _check_model(state, req.model)
-        tok = state.llm.tokenizer
+        arrival, req, engine, tok = await _begin(request, ChatCompletionRequest)
         if tok is None or not tok.chat_template:
             raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template; "
                            "start the server with --chat-template FILE, or use /v1/completions)", "messages")
