@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--draft-k", type=int, nargs="+", default=[5, 2], help="k of our draft chain (each a row)")
     ap.add_argument("--ngram-k", type=int, nargs="+", default=[5], help="k of our ngram and transformers' "
                                                                          "prompt_lookup_num_tokens")
+    ap.add_argument("--compile", action="store_true", help="our side with compiled steps (torch.compile); "
+                    "transformers' generate runs as it ships")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--name", default="peers_cpu")
     args = ap.parse_args()
@@ -63,7 +65,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
 
     target_dir, draft_dir = default_model_dirs()
-    kw = {"dtype": "float32", "device": "cpu"}
+    kw = {"dtype": "float32", "device": "cpu", "compile": args.compile}
     ours = {("none", 0): LLM(target_dir, method="none", **kw)}
     ours.update({("draft", k): LLM(target_dir, draft=draft_dir, num_speculative_tokens=k, **kw) for k in args.draft_k})
     ours.update({("ngram", k): LLM(target_dir, method="ngram", num_speculative_tokens=k, **kw) for k in args.ngram_k})
@@ -84,6 +86,7 @@ def main() -> None:
         "benchmark": "peers",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": cmd,
+        "ours_compiled": args.compile,
         "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
                      "torch_threads": threads, "loadavg_1m_before": load_before,
                      "loadavg_1m_after": os.getloadavg()[0]},
@@ -94,7 +97,8 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     h = result["hardware"]
-    md = [f"# quickdraft vs transformers on the default pair ({h['cpu_model']}, {threads} threads)", ""]
+    md = [f"# quickdraft{' (compiled steps)' if args.compile else ''} vs transformers on the default pair "
+          f"({h['cpu_model']}, {threads} threads)", ""]
     md += markdown(peers)
     md += ["", f"Hardware: {h['cpu_model']}, {h['logical_cores']} logical cores, torch threads {threads} "
                f"(1-minute load average {h['loadavg_1m_before']:.2f} before, {h['loadavg_1m_after']:.2f} after). "
