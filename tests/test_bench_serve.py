@@ -249,11 +249,12 @@ def test_crossover_interpolates_where_speculation_stops_paying():
     rates = [1, 2, 4, 8]
     plain = [10.0, 10.0, 12.0, 20.0]
     spec = [6.0, 7.0, 10.0, 26.0]  # 2 ms better at 4 req/s, 6 ms worse at 8: crosses a quarter of the way
-    assert crossover(rates, plain, spec) == {"status": "crossed", "rate": pytest.approx(5.0)}
+    assert crossover(rates, plain, spec) == {"status": "crossed", "rate": pytest.approx(5.0), "pays_again_at": []}
     assert crossover(rates[::-1], plain[::-1], spec[::-1])["rate"] == pytest.approx(5.0)  # order does not matter
-    assert crossover(rates, plain, [5, 5, 5, 5]) == {"status": "still-pays", "rate": None}
-    assert crossover(rates, plain, [10, 5, 5, 5]) == {"status": "never-paid", "rate": None}
-    assert crossover(rates, plain, [6, 10, 12, 30])["rate"] == pytest.approx(2.0)  # equal = stopped paying
+    assert crossover(rates, plain, [5, 5, 5, 5]) == {"status": "still-pays", "rate": None, "pays_again_at": []}
+    assert crossover(rates, plain, [10, 5, 5, 5]) == {"status": "never-paid", "rate": None, "pays_again_at": []}
+    c = crossover(rates, plain, [6, 10, 12, 19])  # equal at 2 req/s = stopped paying; below again at 8
+    assert c == {"status": "crossed", "rate": pytest.approx(2.0), "pays_again_at": [8]}
     assert crossover(rates, [None] * 4, spec)["status"] is None
 
 

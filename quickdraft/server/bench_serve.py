@@ -297,13 +297,14 @@ def crossover(rates: list[float], baseline: list[float], spec: list[float]) -> d
     better at the lowest rate) or "still-pays" (better at every measured rate)."""
     pairs = sorted((r, s - b) for r, b, s in zip(rates, baseline, spec) if b is not None and s is not None)
     if not pairs:
-        return {"status": None, "rate": None}
+        return {"status": None, "rate": None, "pays_again_at": []}
     if pairs[0][1] >= 0:
-        return {"status": "never-paid", "rate": None}
-    for (r0, d0), (r1, d1) in zip(pairs, pairs[1:]):
+        return {"status": "never-paid", "rate": None, "pays_again_at": []}
+    for i, ((r0, d0), (r1, d1)) in enumerate(zip(pairs, pairs[1:])):
         if d1 >= 0:
-            return {"status": "crossed", "rate": r0 + (r1 - r0) * (-d0) / (d1 - d0)}
-    return {"status": "still-pays", "rate": None}
+            return {"status": "crossed", "rate": r0 + (r1 - r0) * (-d0) / (d1 - d0),
+                    "pays_again_at": [r for r, d in pairs[i + 2:] if d < 0]}  # noise, or a second regime
+    return {"status": "still-pays", "rate": None, "pays_again_at": []}
 
 
 def parse_values(text: str, name: str, integer: bool = False) -> list[float]:
