@@ -206,6 +206,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # rows of the running batch (KV-cache slots)
     max_model_len: int | None = None  # cache length per slot; None = the target's context length
     compile: bool = False  # torch.compile the decode / verify / draft steps (quickdraft.compile)
+    preallocate: bool = False  # caches for max_num_seqs x max_model_len at once (a server); else sized per batch
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

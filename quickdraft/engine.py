@@ -114,7 +114,9 @@ class Engine:
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         ctx = target.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or ctx, ctx)
-        self.fixed_size = config.max_model_len is not None  # else caches are sized per batch
+        # Fixed-size caches (max_num_seqs rows x max_model_len) let requests join a running batch
+        # at any time; sized per batch (offline generate), they only fit what waited at the start.
+        self.fixed_size = config.max_model_len is not None or config.preallocate
         self.device = target.device
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []

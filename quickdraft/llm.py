@@ -43,10 +43,14 @@ class LLM:
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
                  profile: str | Path | None = None, compile: bool | None = None,
-                 quantization: str | None = None, draft_quantization: str | None = None):
+                 quantization: str | None = None, draft_quantization: str | None = None,
+                 preallocate: bool = False):
         """compile: torch.compile the decode / verify / draft steps (None = on for CUDA/ROCm,
         off elsewhere). quantization / draft_quantization: "int8" weight-only for the target
-        / the draft (output follows the target as loaded, quantised or not)."""
+        / the draft (output follows the target as loaded, quantised or not). preallocate: KV
+        caches for max_num_seqs requests of max_model_len tokens at once, so requests can join
+        a running batch whenever a row is free (what a server wants); else they are sized for
+        each batch of generate()."""
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():
@@ -74,7 +78,8 @@ class LLM:
             proposer = cls.build(target=self.target, draft=self.draft, **spec.options)
         if compile is None:
             compile = dev.type == "cuda"
-        config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile)
+        config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
+                              preallocate=preallocate)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
         if compile:

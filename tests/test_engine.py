@@ -301,3 +301,24 @@ def test_a_failed_prefill_is_retried_one_request_at_a_time(target_dir, draft_dir
         done.update({o.request_id: o.token_ids for o in outs if o.finished})
     assert failures == [ids[1]]
     assert [done[i] for i in (ids[0], ids[2], ids[3])] == plain_out
+
+
+def test_preallocated_caches_let_requests_join_a_running_batch(target_dir, draft_dir, plain_out):
+    """A server's engine (preallocate): a request arriving while another runs joins the batch at
+    the next step, up to max_num_seqs, instead of waiting for the batch to empty."""
+    from quickdraft import Engine, EngineConfig, SpecConfig
+    from quickdraft.proposers.draft_model import DraftModelProposer
+
+    llm = LLM(target_dir, draft=draft_dir)
+    engine = Engine(llm.target, DraftModelProposer(llm.draft),
+                    EngineConfig(SpecConfig("draft", 3), max_num_seqs=3, preallocate=True))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(PROMPTS[0], params)]
+    engine.step()
+    assert engine.cache.max_slots == 3 and engine.cache.capacity >= engine.max_model_len
+    for p in PROMPTS[1:]:
+        ids.append(engine.add_request(p, params))
+        engine.step()
+    assert engine.num_running == 3  # both joined while the first was running
+    done = _run(engine)
+    assert [done[i].token_ids for i in ids] == plain_out

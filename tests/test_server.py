@@ -134,6 +134,17 @@ def test_chat_completion_streaming_and_not(client, plain):
     assert chunks[-1].usage.total_tokens == len(ids) + 12
 
 
+def test_token_ids_beside_the_text(server):
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    full = post(server, "/v1/completions", body).json()
+    ids = full["choices"][0]["token_ids"]
+    assert len(ids) == full["usage"]["completion_tokens"] == 20
+    events = sse_events(post(server, "/v1/completions", {**body, "stream": True}).text)
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == ids
+    assert "".join(c["text"] for e in events for c in e["choices"]) == full["choices"][0]["text"]
+
+
 def test_n_choices_and_seed(client):
     kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, n=3, seed=7,
               extra_body={"ignore_eos": True, "top_k": 50})

@@ -344,7 +344,7 @@ def build_app(state: ServerState) -> FastAPI:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = _stream(job, rid, created, len(subs), prompts, chat, include_usage)
+            stream = _stream(job, rid, created, len(subs), prompts, chat, include_usage, req.return_token_ids)
             return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(job.close),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -369,12 +369,14 @@ def build_app(state: ServerState) -> FastAPI:
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
                 choice["text"] = out.text
+            if req.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": state.model_name, "choices": choices, "usage": _usage(prompts, finals)}
 
     async def _stream(job: _Job, rid: str, created: int, n: int, prompts: list[list[int]], chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[dict], **extra) -> str:
@@ -388,7 +390,7 @@ def build_app(state: ServerState) -> FastAPI:
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
             async for index, out in job.events():
-                if not out.new_text and not out.finished:
+                if not out.new_text and not out.finished and not (return_token_ids and out.new_token_ids):
                     continue
                 choice: dict[str, Any] = {"index": index, "logprobs": None,
                                           "finish_reason": out.finish_reason if out.finished else None}
@@ -396,6 +398,8 @@ def build_app(state: ServerState) -> FastAPI:
                     choice["delta"] = {"content": out.new_text} if out.new_text else {}
                 else:
                     choice["text"] = out.new_text
+                if return_token_ids:
+                    choice["token_ids"] = list(out.new_token_ids)
                 if out.finished:
                     finals[index] = out
                 yield chunk([choice])

@@ -59,6 +59,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # extra field (vLLM)
     num_speculative_tokens: StrictInt | None = Field(None, ge=0)  # extra field: this request's own k cap
+    return_token_ids: StrictBool = False  # extra field (vLLM): token ids beside the text, per chunk when streaming
     user: StrictStr | None = None
     # Defined by OpenAI, not supported: accepted only at their neutral value.
     presence_penalty: Number | None = None

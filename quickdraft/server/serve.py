@@ -28,7 +28,8 @@ def serve_command(
     max_num_seqs: int = typer.Option(32, "--max-num-seqs", help="Requests in the running batch at most."),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting for a slot at most (then 429)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context per request "
-                                                "(default: the model's)."),
+                                                "(default: the model's). KV caches for --max-num-seqs requests "
+                                                "of this length are allocated at start-up."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients "
                                                     "send (default: the target path, or 'quickdraft-default')."),
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A jinja chat template file "
@@ -74,7 +75,7 @@ def serve_command(
         return LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
                    profile=profile, compile=compile, quantization=quantization,
-                   draft_quantization=draft_quantization)
+                   draft_quantization=draft_quantization, preallocate=True)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     state = ServerState(load, name, max_queue=max_queue, chat_template=template)
