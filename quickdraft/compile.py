@@ -101,8 +101,15 @@ def _pad_static(input_ids, positions, cache: CacheView, kv_len, slots, attn_mask
     Bp = next((b for b in BUCKETS if b >= B), B)
     Bp = B if Bp > rows else Bp
     S = cache.capacity
-    if Bp > B:
+    if cache.parent is not None and cache.start == 0:
+        # the cache's own tensors, not views of them: their addresses never change, which is
+        # what lets a CUDA graph write them (KVCache marks them static); rows past the batch
+        # are sliced off inside the compiled step
+        parent = cache.parent
+        cache = CacheView(parent.k, parent.v, parent.capacity, parent, 0)
+    elif Bp > B:
         cache = cache.parent.rows(cache.start, cache.start + Bp)
+    if Bp > B:
         pad = Bp - B
         input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, T)])
         positions = torch.cat([positions, positions.new_full((pad, T), -1)])

@@ -49,15 +49,16 @@ def test_static_shapes_pad_the_batch_and_read_the_whole_cache(target_dir, draft_
     step = StepFunction(llm.target, name="target", static=True)
     compiled = step._compiled
 
-    def spy(ids, *args, **kw):
-        calls.append((ids.shape[0], kw["kv_len"]))
-        return compiled(ids, *args, **kw)
+    def spy(ids, positions, cache, **kw):
+        # the cache's own tensors (static addresses for CUDA graphs), not per-step views
+        calls.append((ids.shape[0], kw["kv_len"], cache.k[0] is engine.cache.k[0]))
+        return compiled(ids, positions, cache, **kw)
 
     step._compiled = spy
     engine._forward = step
     engine.proposer.compile(lambda model, name: StepFunction(model, name=name, static=True))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
-    assert calls and all(b == 4 and kv == engine.cache.capacity for b, kv in calls[:5])
+    assert calls and all(b == 4 and kv == engine.cache.capacity and own for b, kv, own in calls[:5])
     assert step.failed is None and engine.proposer._step.failed is None
 
 

@@ -94,7 +94,8 @@ class Attention(nn.Module):
             ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]
             ck[write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D) at (row, :, position)
             cv[write_pos] = v.transpose(1, 2)
-            k, v = ck[:, :, :kv_len], cv[:, :, :kv_len]
+            # the view may hold more rows than the batch (static-shape steps pass the whole cache)
+            k, v = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
