@@ -94,6 +94,25 @@ class StepFunction:
                           attn_mask=attn_mask)
 
 
+def warm_up(step, model, query_lengths, gather: bool = False) -> None:
+    """Compile `step` (a StepFunction over `model`) for each query length now, on a scratch
+    one-row cache, rather than on the first request that needs the shape. `gather`: also the
+    variant that keeps only the last position's logits (forward_chunks, a draft's catch-up)."""
+    from .cache import KVCache
+
+    if not isinstance(step, StepFunction) or step.failed is not None or step.static:
+        return  # static (CUDA-graph) steps depend on the real cache's shape: compiled on first use
+    device = model.device
+    with torch.inference_mode():  # the engine's caches are inference tensors: guards check it
+        cache = KVCache.for_model(model, 1, 64)
+        for T in sorted(set(query_lengths)):
+            for start in (8, 9):  # two context lengths: a dynamic graph settles on symbolic sizes
+                ids = torch.zeros(1, T, dtype=torch.long, device=device)
+                pos = torch.arange(start, start + T, device=device)[None]
+                for last in ([None, torch.full((1, 1), T - 1, device=device)] if gather else [None]):
+                    step(ids, pos, cache.rows(0, 1), kv_len=start + T, logits_at=last)
+
+
 def _pad_static(input_ids, positions, cache: CacheView, kv_len, slots, attn_mask, logits_at):
     """Pad the batch to a bucket (within the cache's rows) and read keys over the whole cache."""
     B, T = input_ids.shape

@@ -126,6 +126,16 @@ class Engine:
         self._admit_singly = 0  # admissions still to make one request per step (after a failed prefill)
         self._stepping: list[_Request] = []  # the requests the current step is prefilling
 
+    def warm_up(self) -> None:
+        """Compile the decode and verify steps for the query lengths this engine uses (1 and
+        2..k+1, or 1 + the tree's nodes), and the proposer's; a no-op without compile."""
+        from .compile import warm_up
+
+        room = self._draft_room
+        warm_up(self._forward, self.target, (1, 2, self.k + 1, room + 1) if self.k else (1,))
+        if self.proposer is not None and self.k:
+            self.proposer.warm_up(self.k)
+
     # ---- requests -------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,

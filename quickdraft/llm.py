@@ -93,6 +93,7 @@ class LLM:
         print("quickdraft: compiling the decode / verify / draft steps (once; PyTorch caches the result on disk)...",
               file=sys.stderr, flush=True)
         k = self.engine.k
+        self.engine.warm_up()  # every query length the steps use
         self.engine.generate([([0] * 8, SamplingParams(temperature=0, max_tokens=k + 4, ignore_eos=True))])
         self.engine.stats = SpecStats()
         print(f"quickdraft: compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)

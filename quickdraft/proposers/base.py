@@ -110,6 +110,9 @@ class Proposer:
     def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
         """The request in `row` is leaving (finished or aborted): tokens = prompt + output."""
 
+    def warm_up(self, k: int) -> None:
+        """Compile this proposer's steps for the shapes drafting k tokens uses (after compile())."""
+
     def compile(self, make_step) -> None:
         """Compile this proposer's model steps: `make_step(model, name)` returns a callable
         with the model's forward signature (quickdraft.compile.StepFunction). Proposers

@@ -65,6 +65,12 @@ class DraftModelProposer(Proposer):
     def compile(self, make_step) -> None:
         self._step = make_step(self.model, "draft")
 
+    def warm_up(self, k: int) -> None:
+        from ..compile import warm_up
+
+        # one-token draft steps; catch-up after all k were accepted feeds 2; tree levels feed w
+        warm_up(self._step, self.model, (1, 2, self.tree_width), gather=True)
+
     @classmethod
     def build(cls, *, target, draft=None, **options) -> DraftModelProposer:
         if draft is None:
