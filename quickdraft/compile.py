@@ -73,25 +73,21 @@ class StepFunction:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView, *,
                  kv_len: int | None = None, slots: torch.Tensor | None = None,
                  attn_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
-        args = (input_ids, positions, cache, kv_len, slots, attn_mask, logits_at)
+        kw = dict(kv_len=kv_len, slots=slots, attn_mask=attn_mask, logits_at=logits_at)
         if self.failed is not None:
-            return self._eager(*args)
+            return self.model(input_ids, positions, cache, **kw)
         B = input_ids.shape[0]
-        if self.static:
-            args = _pad_static(*args)
+        ids, pos, view, ckw = _pad_static(input_ids, positions, cache, **kw) if self.static else \
+            (input_ids, positions, cache, kw)
         try:
-            out = self._compiled(args[0], args[1], args[2], logits_at=args[6], kv_len=args[3], slots=args[4],
-                                 attn_mask=args[5])
+            out = self._compiled(ids, pos, view, **ckw)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, once, loudly
-            root = getattr(exc, "inner_exception", None) or exc.__cause__ or exc  # dynamo wraps a backend's error; the cause says what went wrong
+            # dynamo wraps a backend's error; the wrapped one says what went wrong
+            root = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
             first = (str(root).strip().splitlines() or [""])[0]
             self._fail(f"{type(root).__name__}: {first}")
-            return self._eager(input_ids, positions, cache, kv_len, slots, attn_mask, logits_at)
+            return self.model(input_ids, positions, cache, **kw)
         return out[:B] if out.shape[0] != B else out
-
-    def _eager(self, input_ids, positions, cache, kv_len, slots, attn_mask, logits_at):
-        return self.model(input_ids, positions, cache, logits_at=logits_at, kv_len=kv_len, slots=slots,
-                          attn_mask=attn_mask)
 
 
 def warm_up(step, model, query_lengths, gather: bool = False) -> None:
@@ -113,7 +109,7 @@ def warm_up(step, model, query_lengths, gather: bool = False) -> None:
                     step(ids, pos, cache.rows(0, 1), kv_len=start + T, logits_at=last)
 
 
-def _pad_static(input_ids, positions, cache: CacheView, kv_len, slots, attn_mask, logits_at):
+def _pad_static(input_ids, positions, cache: CacheView, *, kv_len, slots, attn_mask, logits_at):
     """Pad the batch to a bucket (within the cache's rows) and read keys over the whole cache."""
     B, T = input_ids.shape
     rows = cache.parent.max_slots - cache.start if cache.parent is not None else B
@@ -141,4 +137,4 @@ def _pad_static(input_ids, positions, cache: CacheView, kv_len, slots, attn_mask
         full[:B, :, : attn_mask.shape[-1]] = attn_mask
         full[B:, :, 0] = True  # a padding row must see one key (softmax over nothing is NaN)
         attn_mask = full
-    return input_ids, positions, cache, S, slots, attn_mask, logits_at
+    return input_ids, positions, cache, dict(kv_len=S, slots=slots, attn_mask=attn_mask, logits_at=logits_at)

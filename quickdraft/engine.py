@@ -53,17 +53,21 @@ class _Request:
         self.max_k = max_k  # this request's own cap on num_speculative_tokens (None = the engine's)
         self.prompt = prompt
         self.params = params
-        self.tokens = list(prompt)  # prompt + generated, committed
-        self.output: list[int] = []
-        self.generator = make_generator(params.seed, device)
-        self.detok = Detokenizer(tokenizer, prompt) if tokenizer is not None else None
-        self.text = ""
-        self.sent_ids = 0  # how much of output/text earlier outputs carried
-        self.sent_text = 0
+        self.start_over(device, tokenizer)
         self.finish_reason: str | None = None
         self.spec_state: RowState | None = None  # the speculation policy's view of this request
         self.stats = SpecStats()
         self.started = time.perf_counter()
+
+    def start_over(self, device: torch.device, tokenizer: Tokenizer | None) -> None:
+        """Nothing generated yet (a new request, or one whose prefill is retried)."""
+        self.tokens = list(self.prompt)  # prompt + generated, committed
+        self.output: list[int] = []
+        self.generator = make_generator(self.params.seed, device)
+        self.detok = Detokenizer(tokenizer, self.prompt) if tokenizer is not None else None
+        self.text = ""
+        self.sent_ids = 0  # how much of output/text earlier outputs carried
+        self.sent_text = 0
 
     @property
     def finished(self) -> bool:
@@ -249,9 +253,7 @@ class Engine:
         self.running = [r for r in self.running if r.id not in ids]
         self._batch_sampling = None
         for r in admitted:  # back to the state add_request left it in
-            r.tokens, r.output, r.text, r.sent_ids, r.sent_text = list(r.prompt), [], "", 0, 0
-            r.generator = make_generator(r.params.seed, self.device)
-            r.detok = Detokenizer(self.tokenizer, r.prompt) if self.tokenizer is not None else None
+            r.start_over(self.device, self.tokenizer)
         return admitted, True
 
     def retry_singly(self, requests: list[_Request]) -> None:
