@@ -39,6 +39,19 @@ def default_compile_mode(device: torch.device) -> tuple[bool, str | None]:
     return False, None
 
 
+def _no_duck_sizing() -> None:
+    """By default dynamo gives input sizes that happen to be equal one symbol (a warm-up
+    batch of 2 rows and a query of 2 tokens would then compile a graph that only serves
+    batch == query length, and every other batch size would recompile in the middle of a
+    request). Every dimension gets its own symbol instead."""
+    try:
+        import torch.fx.experimental._config as fx_config
+    except ImportError:  # pragma: no cover - very old torch
+        return
+    if hasattr(fx_config, "use_duck_shape"):
+        fx_config.use_duck_shape = False
+
+
 def _raise_recompile_limits(n: int) -> None:
     cfg = torch._dynamo.config
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
@@ -48,93 +61,120 @@ def _raise_recompile_limits(n: int) -> None:
 
 
 class StepFunction:
-    """`model(input_ids, positions, cache, kv_len=..., slots=..., attn_mask=..., logits_at=...)`,
-    compiled; a drop-in for calling the model in the decode / verify / draft hot paths."""
+    """A compiled hot-path function: by default the model's forward,
+    `model(input_ids, positions, cache, kv_len=..., slots=..., attn_mask=..., logits_at=...)`,
+    a drop-in for calling the model in the decode / verify / draft paths; or `fn(model, *args,
+    **kwargs)` compiled as one graph (the draft's whole k-token chain, quickdraft.proposers.
+    draft_model.draft_chain), with `pad` making its static-shape arguments."""
 
     def __init__(self, model, *, name: str = "model", static: bool | None = None, mode: str | None = None,
-                 backend: str | Callable = "inductor"):
+                 backend: str | Callable = "inductor", fn: Callable | None = None, pad: Callable | None = None):
         self.model = model
         self.name = name
         dev_static, dev_mode = default_compile_mode(model.device)
         self.static = dev_static if static is None else static
         self.mode = dev_mode if mode is None and backend == "inductor" else mode
         self.failed: str | None = None
+        if fn is None:
+            self._eager, self._pad = model, _pad_static
+            target = model.forward
+        else:
+            def target(*args, **kwargs):
+                return fn(model, *args, **kwargs)
+
+            self._eager, self._pad = target, pad
         _raise_recompile_limits(256)
+        _no_duck_sizing()
         if not torch._dynamo.is_dynamo_supported():
             self._fail("torch.compile is not supported with this Python / PyTorch")
             self._compiled = None
         else:
-            self._compiled = torch.compile(model.forward, dynamic=not self.static, mode=self.mode, backend=backend)
+            self._compiled = torch.compile(target, dynamic=not self.static, mode=self.mode, backend=backend)
 
     def _fail(self, reason: str) -> None:
         self.failed = reason
         log.warning("quickdraft: compiling the %s step failed (%s); running it eagerly", self.name, reason)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView, *,
-                 kv_len: int | None = None, slots: torch.Tensor | None = None,
-                 attn_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
-        kw = dict(kv_len=kv_len, slots=slots, attn_mask=attn_mask, logits_at=logits_at)
+    def __call__(self, *args, **kwargs):
         if self.failed is not None:
-            return self.model(input_ids, positions, cache, **kw)
-        B = input_ids.shape[0]
-        ids, pos, view, ckw = _pad_static(input_ids, positions, cache, **kw) if self.static else \
-            (input_ids, positions, cache, kw)
+            return self._eager(*args, **kwargs)
+        B = args[0].shape[0]
+        cargs, ckwargs = self._pad(*args, **kwargs) if self.static else (args, kwargs)
         try:
-            out = self._compiled(ids, pos, view, **ckw)
+            out = self._compiled(*cargs, **ckwargs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, once, loudly
             # dynamo wraps a backend's error; the wrapped one says what went wrong
             root = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
             first = (str(root).strip().splitlines() or [""])[0]
             self._fail(f"{type(root).__name__}: {first}")
-            return self.model(input_ids, positions, cache, **kw)
+            return self._eager(*args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(o[:B] if o.shape[0] != B else o for o in out)
         return out[:B] if out.shape[0] != B else out
 
 
 def warm_up(step, model, query_lengths, gather: bool = False) -> None:
     """Compile `step` (a StepFunction over `model`) for each query length now, on a scratch
-    one-row cache, rather than on the first request that needs the shape. `gather`: also the
-    variant that keeps only the last position's logits (forward_chunks, a draft's catch-up)."""
+    cache, rather than on the first request that needs the shape. Batch sizes 1 and 2: a
+    dynamic graph specialises on size 1, so 2 settles the symbolic one every larger batch
+    uses. `gather`: also the variant that keeps only the last position's logits
+    (forward_chunks, a draft's catch-up)."""
     from .cache import KVCache
 
-    if not isinstance(step, StepFunction) or step.failed is not None or step.static:
-        return  # static (CUDA-graph) steps depend on the real cache's shape: compiled on first use
+    if not warms_up(step):
+        return
     device = model.device
     with torch.inference_mode():  # the engine's caches are inference tensors: guards check it
-        cache = KVCache.for_model(model, 1, 64)
-        for T in sorted(set(query_lengths)):
-            for start in (8, 9):  # two context lengths: a dynamic graph settles on symbolic sizes
-                ids = torch.zeros(1, T, dtype=torch.long, device=device)
-                pos = torch.arange(start, start + T, device=device)[None]
-                for last in ([None, torch.full((1, 1), T - 1, device=device)] if gather else [None]):
-                    step(ids, pos, cache.rows(0, 1), kv_len=start + T, logits_at=last)
+        cache = KVCache.for_model(model, 2, 64)
+        for B in (1, 2):
+            for T in sorted(set(query_lengths)):
+                for start in (8, 9):  # two context lengths: a dynamic graph settles on symbolic sizes
+                    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+                    pos = torch.arange(start, start + T, device=device).repeat(B, 1)  # contiguous, as the engine passes
+                    for last in ([None, torch.full((B, 1), T - 1, device=device)] if gather else [None]):
+                        step(ids, pos, cache.rows(0, B), kv_len=start + T, logits_at=last)
 
 
-def _pad_static(input_ids, positions, cache: CacheView, *, kv_len, slots, attn_mask, logits_at):
-    """Pad the batch to a bucket (within the cache's rows) and read keys over the whole cache."""
-    B, T = input_ids.shape
+def warms_up(step) -> bool:
+    """Whether `step` is compiled ahead of use: dynamic-shape steps are; static (CUDA-graph)
+    steps depend on the real cache's shape and are compiled on first use."""
+    return isinstance(step, StepFunction) and step.failed is None and not step.static
+
+
+def static_rows(cache: CacheView, B: int) -> tuple[int, CacheView]:
+    """The padded batch size (a bucket within the cache's rows) and the cache view a
+    static-shape step reads: the cache's own tensors where the batch starts at row 0 (their
+    addresses never change, which is what lets a CUDA graph write them; KVCache marks them
+    static; rows past the batch are sliced off inside the step), else the padded rows."""
     rows = cache.parent.max_slots - cache.start if cache.parent is not None else B
     Bp = next((b for b in BUCKETS if b >= B), B)
     Bp = B if Bp > rows else Bp
-    S = cache.capacity
     if cache.parent is not None and cache.start == 0:
-        # the cache's own tensors, not views of them: their addresses never change, which is
-        # what lets a CUDA graph write them (KVCache marks them static); rows past the batch
-        # are sliced off inside the compiled step
         parent = cache.parent
         cache = CacheView(parent.k, parent.v, parent.capacity, parent, 0)
     elif Bp > B:
         cache = cache.parent.rows(cache.start, cache.start + Bp)
-    if Bp > B:
-        pad = Bp - B
-        input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, T)])
-        positions = torch.cat([positions, positions.new_full((pad, T), -1)])
-        if slots is not None:
-            slots = torch.cat([slots, slots.new_full((pad, T), -1)])
-        if logits_at is not None:
-            logits_at = torch.cat([logits_at, logits_at.new_zeros(pad, logits_at.shape[1])])
+    return Bp, cache
+
+
+def pad_rows(t: torch.Tensor | None, rows: int, value) -> torch.Tensor | None:
+    """`t` with rows appended up to `rows`, filled with `value`."""
+    if t is None or t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0],) + tuple(t.shape[1:]), value)])
+
+
+def _pad_static(input_ids, positions, cache: CacheView, *, kv_len=None, slots=None, attn_mask=None, logits_at=None):
+    """Pad the batch to a bucket (within the cache's rows) and read keys over the whole cache.
+    Padding rows have position -1: their k/v go to the trash column."""
+    B, T = input_ids.shape
+    Bp, cache = static_rows(cache, B)
+    S = cache.capacity
+    input_ids, positions = pad_rows(input_ids, Bp, 0), pad_rows(positions, Bp, -1)
+    slots, logits_at = pad_rows(slots, Bp, -1), pad_rows(logits_at, Bp, 0)
     if attn_mask is not None:
         full = attn_mask.new_zeros(Bp, T, S)
         full[:B, :, : attn_mask.shape[-1]] = attn_mask
         full[B:, :, 0] = True  # a padding row must see one key (softmax over nothing is NaN)
         attn_mask = full
-    return input_ids, positions, cache, dict(kv_len=S, slots=slots, attn_mask=attn_mask, logits_at=logits_at)
+    return (input_ids, positions, cache), dict(kv_len=S, slots=slots, attn_mask=attn_mask, logits_at=logits_at)

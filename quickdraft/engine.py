@@ -113,7 +113,7 @@ class Engine:
 
             self._forward = StepFunction(target, name="target")
             if proposer is not None:
-                proposer.compile(lambda model, name: StepFunction(model, name=name))
+                proposer.compile(lambda model, name, **kw: StepFunction(model, name=name, **kw))
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         ctx = target.config.max_position_embeddings

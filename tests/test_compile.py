@@ -33,10 +33,17 @@ def test_compiled_greedy_equals_eager(target_dir, draft_dir, plain_out, method, 
     llm = LLM(target_dir, draft_dir if method == "draft" else None, method=method, num_speculative_tokens=3,
               spec_options=options, compile=True)
     assert isinstance(llm.engine._forward, StepFunction) and llm.engine._forward.failed is None
+    chain = method == "draft" and not options  # drafted as one compiled graph
+    if chain:
+        proposer = llm.engine.proposer
+        assert {(B, k) for B, k, *_ in proposer._chain_ready} == {(False, 3), (True, 3)}  # batch 1 and > 1
+        fused = _count_calls(proposer._chain)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
     assert [o.token_ids for o in llm.generate(PROMPTS[1:2], GREEDY)] == plain_out[1:2]  # another batch size
     if method == "draft":
         assert isinstance(llm.engine.proposer._step, StepFunction) and llm.engine.proposer._step.failed is None
+    if chain:
+        assert fused[0] > 0 and proposer._chain.failed is None
 
 
 @pytest.mark.slow
@@ -56,10 +63,22 @@ def test_static_shapes_pad_the_batch_and_read_the_whole_cache(target_dir, draft_
 
     step._compiled = spy
     engine._forward = step
-    engine.proposer.compile(lambda model, name: StepFunction(model, name=name, static=True))
+    engine.proposer.compile(lambda model, name, **kw: StepFunction(model, name=name, static=True, **kw))
+    chain_calls = []
+    chain = engine.proposer._chain
+    compiled_chain = chain._compiled
+
+    def chain_spy(ids, positions, cache, **kw):
+        chain_calls.append((ids.shape[0], kw["kv_len"], kw["grow"], cache.k[0] is engine.proposer.cache.k[0]))
+        return compiled_chain(ids, positions, cache, **kw)
+
+    chain._compiled = chain_spy
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
     assert calls and all(b == 4 and kv == engine.cache.capacity and own for b, kv, own in calls[:5])
-    assert step.failed is None and engine.proposer._step.failed is None
+    # the draft's whole chain as one static graph: padded rows, whole cache, no growing key range
+    cap = engine.proposer.cache.capacity
+    assert chain_calls and all(c == (4, cap, False, True) for c in chain_calls[:5])
+    assert step.failed is None and engine.proposer._step.failed is None and chain.failed is None
 
 
 def test_compile_failure_falls_back_to_eager_with_one_log_line(target_dir, plain_out, caplog):
@@ -79,14 +98,32 @@ def test_compile_failure_falls_back_to_eager_with_one_log_line(target_dir, plain
 
 @pytest.mark.slow
 def test_compiled_engine_keeps_the_target_distribution(pair):  # noqa: F811
+    """Plain temperature runs the draft's whole chain as one compiled graph (warmed up);
+    top-k, a mix the warm-up did not compile, runs it one compiled forward at a time."""
     target, draft = pair
     llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N, compile=True)
-    kw = dict(temperature=1.0, top_k=8)
-    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **kw))
-    assert llm.engine._forward.failed is None
-    assert 0.05 < llm.stats.acceptance_rate < 0.95
-    assert chi2_pvalue(counts, exact_joint(target, SamplingParams(**kw))) > 1e-3
-    assert chi2_pvalue(counts, exact_joint(draft, SamplingParams(**kw))) < 1e-6
+    proposer = llm.engine.proposer
+    fused = _count_calls(proposer._chain)
+    for kw, expect_fused in ((dict(temperature=1.0), True), (dict(temperature=1.0, top_k=8), False)):
+        before = fused[0]
+        counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **kw))
+        assert (fused[0] > before) == expect_fused
+        assert 0.05 < llm.stats.acceptance_rate < 0.95
+        assert chi2_pvalue(counts, exact_joint(target, SamplingParams(**kw))) > 1e-3
+        assert chi2_pvalue(counts, exact_joint(draft, SamplingParams(**kw))) < 1e-6
+    assert llm.engine._forward.failed is None and proposer._chain.failed is None
+
+
+def _count_calls(step: StepFunction) -> list[int]:
+    """Count the calls of a StepFunction's compiled function (a one-element list)."""
+    calls, compiled = [0], step._compiled
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return compiled(*args, **kwargs)
+
+    step._compiled = counted
+    return calls
 
 
 # ---- int8 ---------------------------------------------------------------------------------

@@ -215,7 +215,8 @@ def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int
                    cache: CacheView, step=None) -> torch.Tensor:
     """Feed each row its own run of tokens (ragged; right-padded here) starting at
     position starts[b], writing the cache; returns the logits after each row's last
-    token, (B, V). Used for prefill and for a draft catching up with accepted tokens.
+    token, (B, V) (meaningless for an empty run, which feeds nothing). Used for prefill and
+    for a draft catching up with accepted tokens.
     `step` (a compiled StepFunction) is used instead of the model when given."""
     B, T = len(chunks), max(len(c) for c in chunks)
     device = model.device
@@ -224,7 +225,7 @@ def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int
     for b, (chunk, start) in enumerate(zip(chunks, starts)):
         ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
         positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
-    last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.long)[:, None]
+    last = torch.tensor([max(len(c) - 1, 0) for c in chunks], dtype=torch.long)[:, None]
     kv_len = max(s + len(c) for s, c in zip(starts, chunks))
     logits = (step or model)(to_device(ids, device), to_device(positions, device), cache,
                              logits_at=to_device(last, device), kv_len=kv_len)

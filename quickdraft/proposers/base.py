@@ -115,8 +115,9 @@ class Proposer:
 
     def compile(self, make_step) -> None:
         """Compile this proposer's model steps: `make_step(model, name)` returns a callable
-        with the model's forward signature (quickdraft.compile.StepFunction). Proposers
-        without a model ignore it."""
+        with the model's forward signature, `make_step(model, name, fn=f, pad=p)` one for
+        `f(model, ...)` as a whole (quickdraft.compile.StepFunction). Proposers without a
+        model ignore it."""
 
     def propose(self, batch: ProposeBatch) -> Draft:
         raise NotImplementedError

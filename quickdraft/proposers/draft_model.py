@@ -24,12 +24,14 @@ cache (slot L + i, as in quickdraft.tree) and are simply overwritten next step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..cache import KVCache, to_device
 from ..config import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
-from ..sampling import process_logits, sample
+from ..sampling import BatchSampling, SamplingParams, exponential_noise, process_logits, race, sample
 from ..tree import tree_mask
 from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_options, register
 
@@ -61,15 +63,42 @@ class DraftModelProposer(Proposer):
         self.cache: KVCache | None = None
         self.cached: list[int] = []
         self._step = model  # the draft's forward for one-token steps (compiled by compile())
+        self._chain = None  # the whole k-token chain as one compiled graph (compile())
+        self._chain_ready: set[tuple] = set()  # the chain variants compiled ahead of use (warm_up)
 
     def compile(self, make_step) -> None:
         self._step = make_step(self.model, "draft")
+        if self.confidence_threshold == 0 and (self.tree_width == 1 or self.tree_sampled):
+            self._chain = make_step(self.model, "draft chain", fn=draft_chain, pad=_pad_chain)
 
     def warm_up(self, k: int) -> None:
-        from ..compile import warm_up
+        from ..compile import warm_up, warms_up
 
         # one-token draft steps; catch-up after all k were accepted feeds 2; tree levels feed w
         warm_up(self._step, self.model, (1, 2, self.tree_width), gather=True)
+        if not warms_up(self._chain):
+            return
+        # The k-token chain for greedy and for plain-temperature batches, batch sizes 1 and 2
+        # (a dynamic graph specialises on 1). Other k (near a request's end, adaptive k) and
+        # other sampling mixes (top-k/top-p/min-p) run the same chain one compiled forward at
+        # a time rather than stall a request to compile.
+        cache, cached = self.cache, self.cached
+        self.cache, self.cached = KVCache.for_model(self.model, 2, 64), [0, 0]  # a scratch cache
+        try:
+            self._warm_chains(k)
+        finally:
+            self.cache, self.cached = cache, cached
+
+    @torch.inference_mode()
+    def _warm_chains(self, k: int) -> None:
+        for B in (1, 2):
+            for temperature in (0.0, 1.0):
+                sampling = BatchSampling.build([SamplingParams(temperature=temperature)] * B, self.model.device)
+                w = self.tree_width if temperature > 0 else 1
+                for length in (8, 9):  # two context lengths: the graph settles on symbolic sizes
+                    self.cached[:B] = [length - 2] * B
+                    self._draft_chain([[0] * length] * B, k, sampling, w,
+                                      [torch.Generator(self.model.device) for _ in range(B)], warming=True)
 
     @classmethod
     def build(cls, *, target, draft=None, **options) -> DraftModelProposer:
@@ -108,43 +137,89 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> Draft:
-        logits = self._catch_up(batch)
         # Greedy rows would draw w identical siblings: an all-greedy batch drafts a plain chain.
         w = 1 if self.tree_width == 1 or (self.tree_sampled and batch.sampling.all_greedy) else self.tree_width
         self._sampled_tree = self.tree_sampled and w > 1
-        if w > 1 and not self.tree_sampled:
-            return self._propose_tree(batch, logits)
         B, k = len(batch.tokens), batch.k
-        view = self.cache.rows(0, B)
+        if w > 1 and not self.tree_sampled:
+            return self._propose_tree(batch, self._catch_up(batch))
         lengths = [len(t) for t in batch.tokens]
-        device = logits.device
-        tokens, probs = [], []
-        stop_at = self.confidence_threshold if w == 1 else 0.0
-        going = torch.ones(B, dtype=torch.bool, device=device)
-        start = to_device(lengths, device)[:, None]
-        fed = 0
-        for i in range(k):
-            if stop_at > 0:
-                going &= logits.float().softmax(-1).amax(-1) >= stop_at
-                if i > 0 and not bool(going.any()):  # a host sync, only with the confidence stop
-                    break
-            q = process_logits(logits, batch.sampling)  # (B, V) float32
-            xs = [sample(q, batch.generators, batch.sampling.all_greedy) for _ in range(w)]  # w x (B,)
-            if stop_at > 0:
-                xs = [torch.where(going, x, -1) for x in xs]
-            tokens += xs
-            probs += [q] * w
-            if i < k - 1:  # the last draft token is never fed: the target will judge it
-                pos = start + i
-                logits = self._step(xs[0][:, None].clamp(min=0), pos, view, kv_len=max(lengths) + i + 1)[:, 0]
-                fed += 1
+        if self.confidence_threshold > 0 and w == 1:
+            logits = self._catch_up(batch)
+            tokens, probs, fed = self._confident_chain(batch, logits, lengths, self.cache.rows(0, B))
+        else:
+            tokens, probs = self._draft_chain(batch.tokens, k, batch.sampling, w, batch.generators)
+            fed = k - 1
         for b in range(B):
             self.cached[b] = lengths[b] + fed
-        draft = Draft(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1))
+        draft = Draft(tokens=tokens, probs=probs)
         if w > 1:  # sampled siblings: node i*w + j hangs under node (i-1)*w, the chain's token
-            depth = torch.arange(k * w, device=device) // w
+            depth = torch.arange(k * w, device=tokens.device) // w
             draft.parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(B, k * w).contiguous()
         return draft
+
+    def _draft_chain(self, rows: list[list[int]], k, sampling, w, generators, warming: bool = False):
+        """Catch up and draft (draft_chain): as one compiled graph where one is ready for
+        this batch shape and sampling mix, else one (compiled) forward at a time; the same
+        tokens either way. Each row's last <= 2 uncached tokens go into the chain (right-padded
+        to 2, the one query length it is compiled for); a longer backlog (a new request's
+        prompt) is prefilled first."""
+        B, device = len(rows), self.model.device
+        view = self.cache.rows(0, B)
+        cached = self.cached[:B]
+        if any(len(t) - c > 2 for t, c in zip(rows, cached)):
+            heads = [t[c: max(c, len(t) - 2)] for t, c in zip(rows, cached)]
+            forward_chunks(self.model, heads, cached, view)
+            cached = [c + len(h) for c, h in zip(cached, heads)]
+        ids = torch.zeros(B, 2, dtype=torch.long)
+        pos = torch.full((B, 2), -1, dtype=torch.long)
+        last = torch.zeros(B, 1, dtype=torch.long)
+        for b, (t, c) in enumerate(zip(rows, cached)):
+            n = len(t) - c
+            if n > 0:
+                ids[b, :n] = torch.tensor(t[c:], dtype=torch.long)
+                pos[b, :n] = torch.arange(c, len(t))
+                last[b, 0] = n - 1
+        noise = None
+        if not sampling.all_greedy:  # every draw of the chain up front, row b from generators[b]
+            V = self.model.config.vocab_size
+            noise = exponential_noise(generators, k * w * V, device).view(B, k, w, V)
+        args = (to_device(ids, device), to_device(pos, device), view)
+        kwargs = dict(last=to_device(last, device), kv_len=max(len(t) for t in rows), k=k, sampling=sampling,
+                      noise=noise, width=w)
+        chain = self._chain
+        if chain is not None and chain.failed is not None:
+            chain = None
+        elif chain is not None and not chain.static:  # static (CUDA-graph) chains compile on first use
+            key = (B > 1, k, w, _flags(sampling))
+            if warming:
+                self._chain_ready.add(key)
+            elif key not in self._chain_ready:
+                chain = None
+        if chain is None:
+            return draft_chain(self._step, *args, **kwargs)
+        return chain(*args, **kwargs)
+
+    def _confident_chain(self, batch: ProposeBatch, logits, lengths, view):
+        """The chain with the confidence stop: a row stops drafting once the draft's top
+        probability falls under the threshold, the step once every row has (a host sync per
+        token, which is why this is not the compiled chain)."""
+        B, k = len(batch.tokens), batch.k
+        going = torch.ones(B, dtype=torch.bool, device=logits.device)
+        start = to_device(lengths, logits.device)[:, None]
+        tokens, probs, fed = [], [], 0
+        for i in range(k):
+            going &= logits.float().softmax(-1).amax(-1) >= self.confidence_threshold
+            if i > 0 and not bool(going.any()):  # the host sync
+                break
+            q = process_logits(logits, batch.sampling)  # (B, V) float32
+            tokens.append(torch.where(going, sample(q, batch.generators, batch.sampling.all_greedy), -1))
+            probs.append(q)
+            if i < k - 1:  # the last draft token is never fed: the target will judge it
+                logits = self._step(tokens[-1][:, None].clamp(min=0), start + i, view,
+                                    kv_len=max(lengths) + i + 1)[:, 0]
+                fed += 1
+        return torch.stack(tokens, 1), torch.stack(probs, 1), fed
 
     def _propose_tree(self, batch: ProposeBatch, logits: torch.Tensor) -> Draft:
         B, k, w = len(batch.tokens), batch.k, self.tree_width
@@ -218,3 +293,53 @@ class DraftModelProposer(Proposer):
             else:
                 keep = 0
             self.cached[b] = min(self.cached[b], prev + keep)
+
+
+def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, last: torch.Tensor, kv_len: int,
+                k: int, sampling: BatchSampling, noise: torch.Tensor | None, width: int = 1, grow: bool = True):
+    """Catch up on the last committed tokens, then draft k tokens: sample from the draft's
+    distribution, feed the token, repeat.
+
+    ids, positions (B, T): each row's committed tokens the draft has not seen (position -1:
+    padding); last (B, 1): the index of each row's last one; kv_len: the keys the catch-up
+    reads (one more for each fed draft token when `grow`; static-shape steps read the whole
+    cache). noise (B, k, width, V) Exp(1) draws (None for an all-greedy batch): `width`
+    tokens per depth drawn independently from q (a sampled tree's siblings), the first
+    continuing the chain.
+    Returns tokens (B, k * width) and q (B, k * width, V), the exact distribution each token
+    was drawn from. One function of tensors, so that a compiler makes the whole draft one
+    graph (StepFunction(fn=draft_chain)); `model` is the draft's forward, compiled or not.
+    """
+    logits = model(ids, positions, cache, kv_len=kv_len, logits_at=last)[:, 0]
+    start = positions.gather(1, last)  # (B, 1) the last committed token's position
+    start = torch.where(start >= 0, start + 1, -1)  # where the first draft token goes
+    tokens, probs = [], []
+    for i in range(k):
+        q = process_logits(logits, sampling)  # (B, V) float32
+        xs = [q.argmax(-1)] if noise is None else [race(q, noise[:, i, j]) for j in range(width)]
+        tokens += xs
+        probs += [q] * len(xs)
+        if i < k - 1:  # the last draft token is never fed: the target will judge it
+            pos = torch.where(start >= 0, start + i, -1)
+            logits = model(xs[0][:, None], pos, cache, kv_len=kv_len + 1 + i if grow else kv_len)[:, 0]
+    return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+
+def _flags(s: BatchSampling) -> tuple[bool, ...]:
+    """What a compiled chain specialises on besides shapes."""
+    return (s.all_greedy, s.any_greedy, s.any_top_k, s.any_top_p, s.any_min_p)
+
+
+def _pad_chain(ids, positions, cache, *, last, kv_len, k, sampling, noise, width, grow=True):
+    """Static shapes for draft_chain (CUDA graphs): the batch padded to a bucket, keys over
+    the whole cache."""
+    from ..compile import pad_rows, static_rows
+
+    Bp, cache = static_rows(cache, ids.shape[0])
+    if Bp > ids.shape[0]:
+        sampling = dataclasses.replace(sampling, temperature=pad_rows(sampling.temperature, Bp, 1.0),
+                                       top_k=pad_rows(sampling.top_k, Bp, 0), top_p=pad_rows(sampling.top_p, Bp, 1.0),
+                                       min_p=pad_rows(sampling.min_p, Bp, 0.0))
+    return (pad_rows(ids, Bp, 0), pad_rows(positions, Bp, -1), cache), \
+        dict(last=pad_rows(last, Bp, 0), kv_len=cache.capacity, k=k, sampling=sampling,
+             noise=pad_rows(noise, Bp, 1.0), width=width, grow=False)
