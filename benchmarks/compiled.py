@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 | float16")
+    ap.add_argument("--draft-dtype", default=None, help="the draft's precision (default: --dtype)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--name", default="compiled_cpu")
     args = ap.parse_args()
@@ -67,7 +68,8 @@ def main() -> None:
         uses_draft, compiled, quant = CONFIGS[name]
         t0 = time.perf_counter()
         llms[name] = LLM(target_dir, draft_dir if uses_draft else None, method="draft" if uses_draft else "none",
-                         num_speculative_tokens=args.k, compile=compiled, draft_quantization=quant, dtype=args.dtype)
+                         num_speculative_tokens=args.k, compile=compiled, draft_quantization=quant, dtype=args.dtype,
+                         draft_dtype=args.draft_dtype if uses_draft else None)
         compile_s[name] = time.perf_counter() - t0
         print(f"{name}: loaded{' and compiled' if compiled else ''} in {compile_s[name]:.1f} s", flush=True)
     tok = llms[args.configs[0]].tokenizer
@@ -120,7 +122,8 @@ def main() -> None:
         summary[name]["memory"] = {f"batch_{b}": footprint(llm, b) for b in (1, 32)}
         summary[name]["repeats"] = rows
     result = {"configs": summary, "setup": {
-        "k": args.k, "dtype": str(llms[args.configs[0]].target.dtype).removeprefix("torch."), "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats, "batch": 1,
+        "k": args.k, "dtype": str(llms[args.configs[0]].target.dtype).removeprefix("torch."),
+        "draft_dtype": args.draft_dtype, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats, "batch": 1,
         "threads": torch.get_num_threads(), "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
         "python": platform.python_version(), "load_before": os.getloadavg(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

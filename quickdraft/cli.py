@@ -93,6 +93,8 @@ def generate(
     quantization: Optional[str] = typer.Option(None, "--quantization", help="Target weights: int8 (weight-only)."),
     draft_quantization: Optional[str] = typer.Option(None, "--draft-quantization",
                                                      help="Draft weights: int8 (weight-only)."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should "
+                                              "differ from --dtype (changes speed only, not the output)."),
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from .llm import LLM
@@ -103,7 +105,7 @@ def generate(
     options = parse_spec_options(spec_option, tree_width)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
               spec_options=options, policy=policy, profile=profile, compile=compile, quantization=quantization,
-              draft_quantization=draft_quantization)
+              draft_quantization=draft_quantization, draft_dtype=draft_dtype)
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = _parse_ids(prompt) if ids else prompt

@@ -44,10 +44,12 @@ class LLM:
                  spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
                  profile: str | Path | None = None, compile: bool | None = None,
                  quantization: str | None = None, draft_quantization: str | None = None,
-                 preallocate: bool = False):
+                 preallocate: bool = False, draft_dtype: str | torch.dtype | None = None):
         """compile: torch.compile the decode / verify / draft steps (None = on for CUDA/ROCm,
         off elsewhere). quantization / draft_quantization: "int8" weight-only for the target
-        / the draft (output follows the target as loaded, quantised or not). preallocate: KV
+        / the draft (output follows the target as loaded, quantised or not). draft_dtype: the
+        draft's precision when it should differ from the target's (`dtype`); it changes
+        acceptance and speed only, never the output's distribution. preallocate: KV
         caches for max_num_seqs requests of max_model_len tokens at once, so requests can join
         a running batch whenever a row is free (what a server wants); else they are sized for
         each batch of generate()."""
@@ -73,7 +75,7 @@ class LLM:
         if cls is not None:
             if cls.needs_draft_model:
                 draft_dir = checkpoint_dir(draft)
-                self.draft = quantize(load_model(draft_dir, dtype=dtype, device=dev), draft_quantization)
+                self.draft = quantize(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev), draft_quantization)
                 check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
             proposer = cls.build(target=self.target, draft=self.draft, **spec.options)
         if compile is None:

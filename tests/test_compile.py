@@ -143,6 +143,15 @@ def test_int8_linear_matches_float_and_both_kernels_agree():
         quantize(torch.nn.Sequential(lin), "int4")
 
 
+def test_draft_precision_differs_from_the_target_and_output_does_not_change(target_dir, plain_out):
+    # the target as its own draft: a float32 draft would agree on every token; in bfloat16 it
+    # agrees on most, and the output is still exactly the float32 target's
+    llm = LLM(target_dir, target_dir, num_speculative_tokens=3, draft_dtype="bfloat16")
+    assert llm.target.dtype == torch.float32 and llm.draft.dtype == torch.bfloat16
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
+    assert llm.stats.num_accepted_tokens > 0
+
+
 def test_int8_draft_is_lossless_and_smaller(target_dir, draft_dir, plain_out):
     full = LLM(target_dir, draft_dir, num_speculative_tokens=3)
     small = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization="int8")

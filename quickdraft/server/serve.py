@@ -41,6 +41,8 @@ def serve_command(
     quantization: Optional[str] = typer.Option(None, "--quantization", help="Target weights: int8 (weight-only)."),
     draft_quantization: Optional[str] = typer.Option(None, "--draft-quantization",
                                                      help="Draft weights: int8 (weight-only)."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should "
+                                              "differ from --dtype (changes speed only, not the output)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve the OpenAI API (completions, chat completions, streaming) with speculative decoding."""
@@ -75,7 +77,7 @@ def serve_command(
         return LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
                    profile=profile, compile=compile, quantization=quantization,
-                   draft_quantization=draft_quantization, preallocate=True)
+                   draft_quantization=draft_quantization, draft_dtype=draft_dtype, preallocate=True)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     state = ServerState(load, name, max_queue=max_queue, chat_template=template)
