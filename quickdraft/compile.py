@@ -113,12 +113,13 @@ class StepFunction:
         return out[:B] if out.shape[0] != B else out
 
 
-def warm_up(step, model, query_lengths, gather: bool = False) -> None:
+def warm_up(step, model, query_lengths, gather: bool = False, tree_lengths=()) -> None:
     """Compile `step` (a StepFunction over `model`) for each query length now, on a scratch
     cache, rather than on the first request that needs the shape. Batch sizes 1 and 2: a
     dynamic graph specialises on size 1, so 2 settles the symbolic one every larger batch
     uses. `gather`: also the variant that keeps only the last position's logits
-    (forward_chunks, a draft's catch-up)."""
+    (forward_chunks, a draft's catch-up); `tree_lengths`: query lengths also run with token-tree
+    attention (explicit slots and mask)."""
     from .cache import KVCache
 
     if not warms_up(step):
@@ -127,12 +128,15 @@ def warm_up(step, model, query_lengths, gather: bool = False) -> None:
     with torch.inference_mode():  # the engine's caches are inference tensors: guards check it
         cache = KVCache.for_model(model, 2, 64)
         for B in (1, 2):
-            for T in sorted(set(query_lengths)):
+            for T, tree in [(T, False) for T in sorted(set(query_lengths))] + [(T, True) for T in sorted(set(tree_lengths))]:
                 for start in (8, 9):  # two context lengths: a dynamic graph settles on symbolic sizes
                     ids = torch.zeros(B, T, dtype=torch.long, device=device)
                     pos = torch.arange(start, start + T, device=device).repeat(B, 1)  # contiguous, as the engine passes
-                    for last in ([None, torch.full((B, 1), T - 1, device=device)] if gather else [None]):
-                        step(ids, pos, cache.rows(0, B), kv_len=start + T, logits_at=last)
+                    kw = dict(kv_len=start + T)
+                    if tree:
+                        kw.update(slots=pos.clone(), attn_mask=torch.ones(B, T, start + T, dtype=torch.bool, device=device))
+                    for last in ([None, torch.full((B, 1), T - 1, device=device)] if gather and not tree else [None]):
+                        step(ids, pos, cache.rows(0, B), logits_at=last, **kw)
 
 
 def warms_up(step) -> bool:

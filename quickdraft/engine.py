@@ -136,7 +136,8 @@ class Engine:
         from .compile import warm_up
 
         room = self._draft_room
-        warm_up(self._forward, self.target, (1, 2, self.k + 1, room + 1) if self.k else (1,))
+        trees = (room + 1,) if self.k and self.proposer.may_draft_trees(self.k) else ()
+        warm_up(self._forward, self.target, (1, 2, self.k + 1, room + 1) if self.k else (1,), tree_lengths=trees)
         if self.proposer is not None and self.k:
             self.proposer.warm_up(self.k)
 

@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.compile import StepFunction
@@ -38,8 +39,11 @@ def test_compiled_greedy_equals_eager(target_dir, draft_dir, plain_out, method, 
         proposer = llm.engine.proposer
         assert {(B, k) for B, k, *_ in proposer._chain_ready} == {(False, 3), (True, 3)}  # batch 1 and > 1
         fused = _count_calls(proposer._chain)
+    graphs = counters["stats"]["unique_graphs"]
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
     assert [o.token_ids for o in llm.generate(PROMPTS[1:2], GREEDY)] == plain_out[1:2]  # another batch size
+    llm.generate(PROMPTS * 2, SamplingParams(temperature=0.8, max_tokens=12, seed=1))  # batch 6, sampled
+    assert counters["stats"]["unique_graphs"] == graphs  # start-up compiled all of it: no request recompiles
     if method == "draft":
         assert isinstance(llm.engine.proposer._step, StepFunction) and llm.engine.proposer._step.failed is None
     if chain:

@@ -98,6 +98,11 @@ class Proposer:
         """The most draft nodes one row may propose in a step with depth bound k (sizes caches)."""
         return k
 
+    def may_draft_trees(self, k: int) -> bool:
+        """Whether drafts may be token trees (the compiled verify step is then warmed up with
+        tree attention too)."""
+        return self.max_draft_tokens(k) > k
+
     def reserve(self, max_slots: int, capacity: int) -> None:
         """Prepare state for up to `max_slots` rows of `capacity` positions."""
 

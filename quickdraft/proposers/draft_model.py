@@ -75,7 +75,9 @@ class DraftModelProposer(Proposer):
         from ..compile import warm_up, warms_up
 
         # one-token draft steps; catch-up after all k were accepted feeds 2; tree levels feed w
-        warm_up(self._step, self.model, (1, 2, self.tree_width), gather=True)
+        top_w_tree = self.tree_width > 1 and not self.tree_sampled
+        warm_up(self._step, self.model, (1, 2, self.tree_width), gather=True,
+                tree_lengths=(self.tree_width,) if top_w_tree else ())
         if not warms_up(self._chain):
             return
         # The k-token chain for greedy and for plain-temperature batches, batch sizes 1 and 2
@@ -83,13 +85,13 @@ class DraftModelProposer(Proposer):
         # other sampling mixes (top-k/top-p/min-p) run the same chain one compiled forward at
         # a time rather than stall a request to compile.
         cache, cached = self.cache, self.cached
-        self.cache, self.cached = KVCache.for_model(self.model, 2, 64), [0, 0]  # a scratch cache
         try:
-            self._warm_chains(k)
+            with torch.inference_mode():  # the engine's caches are inference tensors: guards check it
+                self.cache, self.cached = KVCache.for_model(self.model, 2, 64), [0, 0]  # a scratch cache
+                self._warm_chains(k)
         finally:
             self.cache, self.cached = cache, cached
 
-    @torch.inference_mode()
     def _warm_chains(self, k: int) -> None:
         for B in (1, 2):
             for temperature in (0.0, 1.0):
@@ -106,6 +108,9 @@ class DraftModelProposer(Proposer):
             raise QuickdraftError("method 'draft' needs a draft model folder")
         check_options("draft", options, cls.OPTIONS)
         return cls(draft, **options)
+
+    def may_draft_trees(self, k: int) -> bool:
+        return self.tree_width > 1
 
     def max_draft_tokens(self, k: int) -> int:
         return k * self.tree_width if self.tree_nodes is None else min(k * self.tree_width, self.tree_nodes)
@@ -243,7 +248,7 @@ class DraftModelProposer(Proposer):
         anc[:, torch.arange(w), torch.arange(w)] = True
         for d in range(1, k):
             # Feed the current leaves (depth d) and rank their children.
-            pos = (L - 1 + d)[:, None].expand(B, w)
+            pos = (L - 1 + d)[:, None].expand(B, w).contiguous()  # the layout the compiled step was warmed with
             slots = L[:, None] + leaves
             mask = tree_mask(L, leaves, anc, kv_len)
             out = self._step(tokens[rows, leaves], pos, view, kv_len=kv_len, slots=slots, attn_mask=mask)
