@@ -68,6 +68,7 @@ def test_static_shapes_pad_the_batch_and_read_the_whole_cache(target_dir, draft_
     step._compiled = spy
     engine._forward = step
     engine.proposer.compile(lambda model, name, **kw: StepFunction(model, name=name, static=True, **kw))
+    engine.proposer.warm_up(3)  # static: registers the chain variants (captured on first use)
     chain_calls = []
     chain = engine.proposer._chain
     compiled_chain = chain._compiled

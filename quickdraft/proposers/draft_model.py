@@ -64,7 +64,7 @@ class DraftModelProposer(Proposer):
         self.cached: list[int] = []
         self._step = model  # the draft's forward for one-token steps (compiled by compile())
         self._chain = None  # the whole k-token chain as one compiled graph (compile())
-        self._chain_ready: set[tuple] = set()  # the chain variants compiled ahead of use (warm_up)
+        self._chain_ready: set[tuple] = set()  # the chain variants run as one graph (see warm_up)
 
     def compile(self, make_step) -> None:
         self._step = make_step(self.model, "draft")
@@ -78,12 +78,19 @@ class DraftModelProposer(Proposer):
         top_w_tree = self.tree_width > 1 and not self.tree_sampled
         warm_up(self._step, self.model, (1, 2, self.tree_width), gather=True,
                 tree_lengths=(self.tree_width,) if top_w_tree else ())
-        if not warms_up(self._chain):
+        if self._chain is None or self._chain.failed is not None:
             return
         # The k-token chain for greedy and for plain-temperature batches, batch sizes 1 and 2
         # (a dynamic graph specialises on 1). Other k (near a request's end, adaptive k) and
         # other sampling mixes (top-k/top-p/min-p) run the same chain one compiled forward at
-        # a time rather than stall a request to compile.
+        # a time rather than stall a request to compile. Static (CUDA-graph) chains are only
+        # registered here: they are captured per batch bucket on first use, like the steps.
+        if not warms_up(self._chain):
+            for B in (1, 2):
+                for temperature in (0.0, 1.0):
+                    sampling = BatchSampling.build([SamplingParams(temperature=temperature)] * B, self.model.device)
+                    self._chain_ready.add(_chain_key(B, k, self.tree_width if temperature > 0 else 1, sampling))
+            return
         cache, cached = self.cache, self.cached
         try:
             with torch.inference_mode():  # the engine's caches are inference tensors: guards check it
@@ -195,8 +202,8 @@ class DraftModelProposer(Proposer):
         chain = self._chain
         if chain is not None and chain.failed is not None:
             chain = None
-        elif chain is not None and not chain.static:  # static (CUDA-graph) chains compile on first use
-            key = (B > 1, k, w, _flags(sampling))
+        elif chain is not None:
+            key = _chain_key(B, k, w, sampling)
             if warming:
                 self._chain_ready.add(key)
             elif key not in self._chain_ready:
@@ -330,9 +337,9 @@ def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, las
     return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
-def _flags(s: BatchSampling) -> tuple[bool, ...]:
-    """What a compiled chain specialises on besides shapes."""
-    return (s.all_greedy, s.any_greedy, s.any_top_k, s.any_top_p, s.any_min_p)
+def _chain_key(B: int, k: int, width: int, s: BatchSampling) -> tuple:
+    """What a compiled chain specialises on: batch size 1 or more, k, width, the sampling mix."""
+    return B > 1, k, width, s.all_greedy, s.any_greedy, s.any_top_k, s.any_top_p, s.any_min_p
 
 
 def _pad_chain(ids, positions, cache, *, last, kv_len, k, sampling, noise, width, grow=True):
