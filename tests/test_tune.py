@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 
 import pytest
+import torch
 
 from quickdraft.bench.profile import (Profile, best_k, expected_tokens, expected_tokens_measured, goodput,
                                       load_profile, measure_acceptance, measure_propose, measure_target_steps,
@@ -107,6 +109,18 @@ def test_profile_round_trip(tmp_path):
     assert json.loads(path.read_text())["version"] == 1
 
 
+def test_profile_records_threads_and_warns_when_they_differ(tmp_path, caplog):
+    p = synthetic([1, 2], lambda b, q: 0.01 * b, lambda b, k: 0.001, [0.5, 0.25], k_max=2)
+    path = tmp_path / "profile.json"
+    for threads, warns in ((torch.get_num_threads(), False), (torch.get_num_threads() + 3, True), (0, False)):
+        p.threads = threads
+        save_profile(path, p)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="quickdraft"):
+            assert load_profile(path).threads == threads
+        assert any("CPU threads" in r.getMessage() for r in caplog.records) == warns
+
+
 def _valid() -> dict:
     return synthetic([1, 2], lambda b, q: 0.01 * b, lambda b, k: 0.001, [0.5, 0.25], k_max=2).to_dict()
 
@@ -128,6 +142,7 @@ def _valid() -> dict:
     (lambda d: d.update(methods=[]), "methods must be an object"),
     (lambda d: d.update(best_k={"draft": {"1": -1}}), "best_k"),
     (lambda d: d.update(context=-5), "context must be an integer"),
+    (lambda d: d.update(threads="two"), "threads must be an integer"),
 ])
 def test_malformed_profiles_are_clear_errors(tmp_path, edit, needle):
     data = _valid()

@@ -28,6 +28,7 @@ between measured batch sizes (clamped outside).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 import time
@@ -46,6 +47,8 @@ from ..policy import expected_tokens
 from ..model.transformer import forward_chunks
 from ..proposers.base import ProposeBatch, Proposer
 from ..sampling import BatchSampling, SamplingParams, make_generator
+
+log = logging.getLogger("quickdraft")
 
 PROFILE_VERSION = 1
 Progress = Callable[[float], None] | None  # called with the share of one measurement just done
@@ -145,6 +148,7 @@ class Profile:
     created: str = ""  # ISO date
     command: str = ""
     version: int = PROFILE_VERSION
+    threads: int = 0  # torch's CPU threads while timing (0: not recorded); CPU step times depend on it
 
     def __post_init__(self) -> None:
         self._bs = [float(b) for b in self.batch_sizes]
@@ -225,7 +229,7 @@ class Profile:
                 "batch_sizes": list(self.batch_sizes), "query_lengths": list(self.query_lengths),
                 "target_step_s": [list(r) for r in self.target_step_s], "methods": methods,
                 "best_k": {n: dict(t) for n, t in self.best_k_by_batch.items()}, "created": self.created,
-                "command": self.command}
+                "command": self.command, "threads": self.threads}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "profile") -> Profile:
@@ -241,6 +245,7 @@ class Profile:
         for key in ("created", "command"):
             c.string(data, key, required=False)
         context = c.integer(data, "context", 0)
+        threads = c.integer({"threads": data.get("threads", 0)}, "threads", 0)
         bs = c.increasing(data, "batch_sizes", 1)
         qs = c.increasing(data, "query_lengths", 1)
         if qs[0] != 1:
@@ -281,7 +286,7 @@ class Profile:
             c.fail("best_k", "must be an object {method: {batch size: k}}")
         return cls(data["device"], data["cpu_or_gpu_name"], data["torch"], data["target"], data["dtype"], context,
                    bs, qs, steps, methods, {n: dict(t) for n, t in best.items()}, data.get("created", ""),
-                   data.get("command", ""), version)
+                   data.get("command", ""), version, threads)
 
 
 def _is_num(v) -> bool:
@@ -354,7 +359,12 @@ def load_profile(path: str | Path) -> Profile:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise QuickdraftError(f"profile {path} is not valid JSON: {exc}") from None
-    return Profile.from_dict(data, where=f"profile {path}")
+    profile = Profile.from_dict(data, where=f"profile {path}")
+    if profile.device == "cpu" and profile.threads and profile.threads != torch.get_num_threads():
+        log.warning("quickdraft: profile %s was measured with %d CPU threads, this process uses %d; its step "
+                    "times are off by that much (the goodput policy recalibrates them as it runs)",
+                    path, profile.threads, torch.get_num_threads())
+    return profile
 
 
 # module-level spellings of the lookups

@@ -167,7 +167,7 @@ def tune(config: TuneConfig, console=None):
             "dtype": str(target.dtype).removeprefix("torch."), "context": config.context,
             "batch_sizes": bs, "query_lengths": qs, "target_step_s": steps, "methods": results, "best_k": {},
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": config.command}
+            "command": config.command, "threads": torch.get_num_threads()}
     profile = Profile.from_dict(data)
     profile.best_k_by_batch = profile.best_k_table()
     config.out.parent.mkdir(parents=True, exist_ok=True)
