@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from . import cli_options as opts
 from .config import QuickdraftError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -88,13 +89,10 @@ def generate(
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available)."),
     compare: bool = typer.Option(False, "--compare",
                                  help="Also decode without speculation and report the speedup."),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
-                                           help="torch.compile the steps (default: on for CUDA/ROCm only)."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", help="Target weights: int8 (weight-only)."),
-    draft_quantization: Optional[str] = typer.Option(None, "--draft-quantization",
-                                                     help="Draft weights: int8 (weight-only)."),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should "
-                                              "differ from --dtype (changes speed only, not the output)."),
+    compile: Optional[bool] = opts.COMPILE,
+    quantization: Optional[str] = opts.QUANTIZATION,
+    draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
+    draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from .llm import LLM

@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from .. import cli_options as opts
+
 from ..config import QuickdraftError
 
 
@@ -36,13 +38,10 @@ def serve_command(
                                                  "(for models without one)."),
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     device: Optional[str] = typer.Option(None, "--device"),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile",
-                                           help="torch.compile the steps (default: on for CUDA/ROCm only)."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", help="Target weights: int8 (weight-only)."),
-    draft_quantization: Optional[str] = typer.Option(None, "--draft-quantization",
-                                                     help="Draft weights: int8 (weight-only)."),
-    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should "
-                                              "differ from --dtype (changes speed only, not the output)."),
+    compile: Optional[bool] = opts.COMPILE,
+    quantization: Optional[str] = opts.QUANTIZATION,
+    draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
+    draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve the OpenAI API (completions, chat completions, streaming) with speculative decoding."""
