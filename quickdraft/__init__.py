@@ -1,6 +1,7 @@
 """quickdraft: lossless speculative decoding for Llama-family models on PyTorch."""
 
-from .config import EngineConfig, ModelConfig, QuickdraftError, SpecConfig, UnsupportedModelError
+from .config import EngineConfig, ModelConfig, SpecConfig
+from .errors import QuickdraftError, UnsupportedModelError
 from .engine import Engine, RequestOutput
 from .llm import LLM
 from .metrics import SpecStats

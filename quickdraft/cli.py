@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import cli_options as opts
-from .config import QuickdraftError
+from .errors import QuickdraftError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="quickdraft: lossless speculative decoding for Llama-family models.")

@@ -15,17 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class QuickdraftError(ValueError):
-    """A user-facing error: bad input, a missing file, an unsupported option.
-
-    Subclasses ValueError so callers that validate input the usual way catch it.
-    The CLI prints its message on one line and exits with code 2.
-    """
-
-
-class UnsupportedModelError(QuickdraftError):
-    """The checkpoint uses an architecture or option this engine does not implement."""
+from .errors import QuickdraftError, UnsupportedModelError
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache, to_device
-from .config import EngineConfig, QuickdraftError
+from .config import EngineConfig
+from .errors import QuickdraftError
 from .metrics import SpecStats
 from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig, QuickdraftError, SpecConfig
+from .config import EngineConfig, SpecConfig
+from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device

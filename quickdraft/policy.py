@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import QuickdraftError
+from .errors import QuickdraftError
 
 POLICIES = ("fixed", "acceptance", "goodput")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import QuickdraftError
+from .errors import QuickdraftError
 
 
 def _finite(value: int | float) -> bool:

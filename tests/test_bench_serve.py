@@ -20,7 +20,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from quickdraft.config import QuickdraftError
+from quickdraft.errors import QuickdraftError
 from quickdraft.server.bench_serve import (Chunk, RequestResult, SSEDecoder, aggregate, apportion, base_url,
                                            bench_serve_command, crossover, meets_slo, parse_prometheus,
                                            parse_values, percentile, poisson_schedule, request_timings,

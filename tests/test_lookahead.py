@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from quickdraft.config import QuickdraftError
+from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import PROPOSERS
 from quickdraft.proposers.base import ProposeBatch, VerifyResult
 from quickdraft.proposers.lookahead import LookaheadProposer

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from quickdraft.config import QuickdraftError, SpecConfig
+from quickdraft.config import SpecConfig
+from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import PROPOSERS, ProposeBatch
 from quickdraft.proposers.ngram import NgramProposer, tail_matches
 from quickdraft.sampling import BatchSampling, SamplingParams

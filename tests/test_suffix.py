@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.config import QuickdraftError, SpecConfig
+from quickdraft.config import SpecConfig
+from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import PROPOSERS, ProposeBatch
 from quickdraft.proposers.ngram import tail_matches
 from quickdraft.proposers.suffix import CountTrie, SuffixProposer, grow, local_children

@@ -13,7 +13,7 @@ import torch
 from quickdraft.bench.profile import (Profile, best_k, expected_tokens, expected_tokens_measured, goodput,
                                       load_profile, measure_acceptance, measure_propose, measure_target_steps,
                                       propose_time, save_profile, solve_alpha, step_time)
-from quickdraft.config import QuickdraftError
+from quickdraft.errors import QuickdraftError
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 

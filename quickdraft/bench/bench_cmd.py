@@ -26,7 +26,7 @@ from typing import Optional
 
 import typer
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from .tune_cmd import parse_batch_sizes, parse_ints, read_prompts
 
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 
 PEER_OF = {"none": "hf-plain", "draft": "hf-assisted", "ngram": "hf-prompt-lookup"}  # ours method -> peer
 

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..cache import KVCache
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from ..metrics import SpecStats
 from ..policy import expected_tokens
 from ..model.transformer import forward_chunks

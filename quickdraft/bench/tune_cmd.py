@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import typer
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 
 
 @dataclass(frozen=True)

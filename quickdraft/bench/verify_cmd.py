@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import typer
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:")
 MAX_TOKENS = 4  # see the module docstring

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..config import ModelConfig, QuickdraftError
+from ..config import ModelConfig
+from ..errors import QuickdraftError
 from .transformer import Transformer
 
 _DTYPES = {

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 
 QUANTIZATIONS = ("none", "int8")
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from ..sampling import BatchSampling
 
 

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 
 from ..cache import KVCache, to_device
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
 from ..sampling import BatchSampling, SamplingParams, exponential_noise, process_logits, race, sample
 from ..tree import tree_mask

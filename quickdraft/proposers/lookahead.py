@@ -44,7 +44,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from .base import Draft, ProposeBatch, Proposer, TrieBuilder, VerifyResult, check_int, check_options, register
 
 DEFAULTS = {

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from .base import Draft, ProposeBatch, Proposer, check_int, check_options, merge_paths, register
 
 

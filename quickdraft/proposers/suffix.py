@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from .base import Draft, ProposeBatch, Proposer, check_int, check_options, register
 from .ngram import RowTokens, TokenRows, tail_matches
 

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from ..engine import RequestOutput
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, EngineDead, EngineError, QueueFull, now

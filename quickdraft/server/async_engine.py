@@ -25,7 +25,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from ..engine import Engine
 from ..sampling import SamplingParams
 

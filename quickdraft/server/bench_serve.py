@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import typer
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 GENERATION_TOKENS = "generation_tokens"  # the server's count of tokens it generated, to check usage against

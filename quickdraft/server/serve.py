@@ -11,7 +11,7 @@ import typer
 
 from .. import cli_options as opts
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 
 
 def serve_command(

@@ -15,7 +15,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 
 MAX_FILE_BYTES = 1_000_000  # larger files are skipped: generated data, not code people write
 HELDOUT_PER_MILLE = 60  # a file is held out when its path hash mod 1000 is below this

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from .corpus import Document
 
 

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import EngineConfig, ModelConfig, QuickdraftError, SpecConfig
+from ..config import EngineConfig, ModelConfig, SpecConfig
+from ..errors import QuickdraftError
 from ..engine import Engine
 from ..metrics import SpecStats
 from ..model.loader import load_model, resolve_device

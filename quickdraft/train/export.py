@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from ..config import QuickdraftError
+from ..errors import QuickdraftError
 from ..model.transformer import Transformer
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

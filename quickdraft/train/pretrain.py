@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig, QuickdraftError
+from ..config import ModelConfig
+from ..errors import QuickdraftError
 from ..model.loader import resolve_device
 from ..model.tokenizer import Tokenizer
 from ..model.transformer import Transformer
