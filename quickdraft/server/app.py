@@ -3,6 +3,10 @@
     POST /v1/completions, POST /v1/chat/completions (both with stream=true as SSE)
     GET /v1/models, GET /health, GET /metrics
 
+The route and error handlers are module-level functions; build_app(state) makes the app,
+keeps the ServerState (state.py) in app.state.server, where handlers reach it with
+_server(request), and registers them.
+
 Every error is OpenAI's body {"error": {"message", "type", "param", "code"}} with a 4xx
 status for anything the client sent (malformed JSON, wrong types, bad sampling values,
 a prompt over the context, an unknown model), 429 + Retry-After when the queue is full,
@@ -15,10 +19,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,73 +32,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import QuickdraftError
 from ..engine import RequestOutput
+from ..errors import QuickdraftError
 from ..sampling import SamplingParams
-from .async_engine import AsyncEngine, EngineDead, EngineError, QueueFull, now
-from .metrics import RequestTimer, ServerMetrics
+from .async_engine import EngineDead, EngineError, QueueFull, now
+from .metrics import RequestTimer
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from .state import ServerState  # with build_app, the entry point (serve.py, tests)
 
 log = logging.getLogger("quickdraft.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-
-
-class ServerState:
-    """What the routes share: the model once loaded, the engine thread, the metrics."""
-
-    def __init__(self, load: Callable[[], Any], model_name: str, max_queue: int = 256,
-                 chat_template: str | None = None):
-        self._load = load  # () -> quickdraft.LLM, run on a thread at start-up
-        self.model_name = model_name
-        self.max_queue = max_queue
-        self.chat_template = chat_template
-        self.llm = None
-        self.engine: AsyncEngine | None = None
-        self.load_error: str | None = None
-        self.created = int(time.time())
-        self.metrics = ServerMetrics(self)
-        self.on_ready: Callable[[], None] | None = None
-        self.on_load_error: Callable[[str], None] | None = None
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        threading.Thread(target=self._load_model, args=(loop,), name="quickdraft-load", daemon=True).start()
-
-    def _load_model(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            llm = self._load()
-            if self.chat_template is not None:
-                if llm.tokenizer is None:
-                    raise QuickdraftError("--chat-template needs a tokenizer; the model folder has none")
-                llm.tokenizer.chat_template = self.chat_template
-                llm.tokenizer._compiled = None
-            engine = AsyncEngine(llm.engine, self.max_queue)
-            engine.start(loop)
-        except Exception as exc:  # noqa: BLE001 - reported and turned into an exit by the CLI
-            self.load_error = str(exc) if isinstance(exc, QuickdraftError) else f"{type(exc).__name__}: {exc}"
-            log.error("loading the model failed: %s", self.load_error)
-            if self.on_load_error is not None:
-                self.on_load_error(self.load_error)
-            return
-        self.llm, self.engine = llm, engine
-        if self.on_ready is not None:
-            self.on_ready()
-
-    def stop(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
-
-    @property
-    def ready(self) -> bool:
-        return self.engine is not None and self.engine.dead is None
-
-    def require_engine(self) -> AsyncEngine:
-        if self.engine is None:
-            raise APIError(503, self.load_error or "the model is still loading; retry shortly",
-                           code="model_loading" if self.load_error is None else "model_load_failed")
-        if self.engine.dead is not None:
-            raise APIError(503, self.engine.dead, code="engine_dead")
-        return self.engine
 
 
 @dataclass
@@ -147,7 +94,128 @@ class _Job:
             self.engine.release(rid, finished=rid in self.done)
 
 
+# ---- the app ------------------------------------------------------------------------------
+
+def build_app(state: ServerState) -> FastAPI:
+    """The server's app over `state` (which it starts and stops with the app's lifespan)."""
+    app = FastAPI(title="quickdraft", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    state: ServerState = app.state.server
+    state.start(asyncio.get_running_loop())
+    yield
+    state.stop()
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _error_response(request: Request, exc: APIError) -> JSONResponse:
+    _server(request).metrics.errors.labels(status=str(exc.status)).inc()
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error_response(request, exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
+               f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return _error_response(request, APIError(exc.status_code, message, type_="invalid_request_error"))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s", request.url.path)
+    return _error_response(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+# ---- routes -------------------------------------------------------------------------------
+
+async def health(request: Request):
+    state = _server(request)
+    if state.ready:
+        return Response(status_code=200)
+    reason = (state.engine.dead if state.engine is not None else state.load_error) or "loading"
+    return JSONResponse({"status": reason}, status_code=503)
+
+
+async def metrics(request: Request):
+    return Response(generate_latest(_server(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request):
+    state = _server(request)
+    data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "quickdraft"}]
+    if state.llm is not None:
+        data[0]["max_model_len"] = state.llm.engine.max_model_len
+    return {"object": "list", "data": data}
+
+
+async def completions(request: Request):
+    state = _server(request)
+    arrival, req, engine, tok = await _begin(state, request, CompletionRequest)
+    prompts: list[list[int]] = []
+    for p in req.prompts():
+        if isinstance(p, str):
+            if p == "":
+                raise APIError(400, "prompt is empty", "prompt")
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+            p = tok.encode(p)
+        prompts.append(p)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts))
+    return await _respond(state, request, req, subs, prompts, arrival, chat=False)
+
+
+async def chat_completions(request: Request):
+    state = _server(request)
+    arrival, req, engine, tok = await _begin(state, request, ChatCompletionRequest)
+    if tok is None or not tok.chat_template:
+        raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template; "
+                       "start the server with --chat-template FILE, or use /v1/completions)", "messages")
+    try:
+        prompt = tok.encode_chat([m.as_template_input() for m in req.messages])
+    except QuickdraftError as exc:
+        raise APIError(400, str(exc), "messages") from None
+    except Exception as exc:  # noqa: BLE001 - a template failing on odd input is the input's fault
+        raise APIError(400, f"chat template failed on these messages: {type(exc).__name__}: {exc}",
+                       "messages") from None
+    limit = req.max_completion_tokens or req.max_tokens
+    if limit is None:
+        limit = engine.engine.max_model_len - len(prompt)
+        if limit < 1:
+            raise APIError(400, f"the messages take {len(prompt)} tokens, the model's context length is "
+                           f"{engine.engine.max_model_len}: no room to answer", "messages",
+                           code="context_length_exceeded")
+    subs = _subs(engine.engine, req, [prompt], [limit])
+    return await _respond(state, request, req, subs, [prompt], arrival, chat=True)
+
+
 # ---- request -> engine inputs ------------------------------------------------------------
+
+async def _begin(state: ServerState, request: Request, model):
+    """Parse and check what every generation request shares: body, engine, model name."""
+    arrival = now()
+    req = parse_body(model, await _read_json(request))
+    engine = state.require_engine()
+    _check_model(state, req.model)
+    return arrival, req, engine, state.llm.tokenizer
+
 
 async def _read_json(request: Request) -> Any:
     size = request.headers.get("content-length")
@@ -166,6 +234,18 @@ def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
                        "model", code="model_not_found")
+
+
+def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int]) -> list[_Sub]:
+    """The engine requests of one HTTP request: n choices per prompt, each prompt checked once."""
+    subs = []
+    for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
+        for j in range(req.n):
+            params = _sampling(req, mt, j)
+            if j == 0:
+                _check(engine, prompt, params, req.num_speculative_tokens)
+            subs.append(_Sub(i * req.n + j, prompt, params))
+    return subs
 
 
 def _sampling(req, max_tokens: int, seed_offset: int) -> SamplingParams:
@@ -201,6 +281,91 @@ def _check(engine, prompt: list[int], params: SamplingParams, k: int | None) -> 
             from None
 
 
+# ---- engine outputs -> responses ---------------------------------------------------------
+
+async def _respond(state: ServerState, request: Request, req, subs: list[_Sub], prompts: list[list[int]],
+                   arrival: float, chat: bool):
+    """Submit the choices and answer: an SSE stream, or one JSON body once every choice finished."""
+    try:
+        job = _Job(state, subs, req.num_speculative_tokens, arrival)
+    except QueueFull as exc:
+        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
+    except EngineDead as exc:
+        raise APIError(503, str(exc), code="engine_dead") from None
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        stream = _stream(state, job, rid, created, len(subs), prompts, chat, include_usage, req.return_token_ids)
+        return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(job.close),
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        finals = await _watch_disconnect(request, _collect(job))
+    except QuickdraftError as exc:
+        raise APIError(500, str(exc), code="engine_error") from None
+    finally:
+        job.close()
+    choices = []
+    for index in range(len(subs)):
+        out = finals[index]
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": out.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        if req.return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+        choices.append(choice)
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": state.model_name, "choices": choices, "usage": _usage(prompts, finals)}
+
+
+async def _collect(job: _Job) -> dict[int, RequestOutput]:
+    """Each choice's final output, by choice index."""
+    finals: dict[int, RequestOutput] = {}
+    async for index, out in job.events():
+        if out.finished:
+            finals[index] = out
+    return finals
+
+
+async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int, prompts: list[list[int]],
+                  chat: bool, include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict], **extra) -> str:
+        return _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                     "choices": choices, **extra})
+
+    finals: dict[int, RequestOutput] = {}
+    try:
+        if chat:
+            for i in range(n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+        async for index, out in job.events():
+            if not out.new_text and not out.finished and not (return_token_ids and out.new_token_ids):
+                continue
+            choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                      "finish_reason": out.finish_reason if out.finished else None}
+            if chat:
+                choice["delta"] = {"content": out.new_text} if out.new_text else {}
+            else:
+                choice["text"] = out.new_text
+            if return_token_ids:
+                choice["token_ids"] = list(out.new_token_ids)
+            if out.finished:
+                finals[index] = out
+            yield chunk([choice])
+        if include_usage:
+            yield chunk([], usage=_usage(prompts, finals))
+    except QuickdraftError as exc:
+        yield _sse(APIError(500, str(exc), code="engine_error").body())
+    finally:
+        job.close()
+    yield "data: [DONE]\n\n"
+
+
 def _usage(prompts: list[list[int]], outs: dict[int, RequestOutput]) -> dict[str, int]:
     p = sum(len(x) for x in prompts)
     c = sum(len(o.token_ids) for o in outs.values())
@@ -225,190 +390,3 @@ async def _watch_disconnect(request: Request, work: asyncio.Future) -> Any:
     finally:
         if not task.done():
             task.cancel()
-
-
-# ---- the app ------------------------------------------------------------------------------
-
-def build_app(state: ServerState) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        state.start(asyncio.get_running_loop())
-        yield
-        state.stop()
-
-    app = FastAPI(title="quickdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    def error_response(exc: APIError) -> JSONResponse:
-        state.metrics.errors.labels(status=str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
-                   f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return error_response(APIError(exc.status_code, message, type_="invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error on %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-    @app.get("/health")
-    async def health():
-        if state.ready:
-            return Response(status_code=200)
-        reason = (state.engine.dead if state.engine is not None else state.load_error) or "loading"
-        return JSONResponse({"status": reason}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "quickdraft"}]
-        if state.llm is not None:
-            data[0]["max_model_len"] = state.llm.engine.max_model_len
-        return {"object": "list", "data": data}
-
-    async def _begin(request: Request, model):
-        """Parse and check what every generation request shares: body, engine, model name."""
-        arrival = now()
-        req = parse_body(model, await _read_json(request))
-        engine = state.require_engine()
-        _check_model(state, req.model)
-        return arrival, req, engine, state.llm.tokenizer
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        arrival, req, engine, tok = await _begin(request, CompletionRequest)
-        prompts: list[list[int]] = []
-        for p in req.prompts():
-            if isinstance(p, str):
-                if p == "":
-                    raise APIError(400, "prompt is empty", "prompt")
-                if tok is None:
-                    raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-                p = tok.encode(p)
-            prompts.append(p)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts))
-        return await _respond(request, req, subs, prompts, arrival, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        arrival, req, engine, tok = await _begin(request, ChatCompletionRequest)
-        if tok is None or not tok.chat_template:
-            raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template; "
-                           "start the server with --chat-template FILE, or use /v1/completions)", "messages")
-        try:
-            prompt = tok.encode_chat([m.as_template_input() for m in req.messages])
-        except QuickdraftError as exc:
-            raise APIError(400, str(exc), "messages") from None
-        except Exception as exc:  # noqa: BLE001 - a template failing on odd input is the input's fault
-            raise APIError(400, f"chat template failed on these messages: {type(exc).__name__}: {exc}",
-                           "messages") from None
-        limit = req.max_completion_tokens or req.max_tokens
-        if limit is None:
-            limit = engine.engine.max_model_len - len(prompt)
-            if limit < 1:
-                raise APIError(400, f"the messages take {len(prompt)} tokens, the model's context length is "
-                               f"{engine.engine.max_model_len}: no room to answer", "messages",
-                               code="context_length_exceeded")
-        subs = _subs(engine.engine, req, [prompt], [limit])
-        return await _respond(request, req, subs, [prompt], arrival, chat=True)
-
-    def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int]) -> list[_Sub]:
-        subs = []
-        for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
-            for j in range(req.n):
-                params = _sampling(req, mt, j)
-                if j == 0:
-                    _check(engine, prompt, params, req.num_speculative_tokens)
-                subs.append(_Sub(i * req.n + j, prompt, params))
-        return subs
-
-    async def _respond(request: Request, req, subs: list[_Sub], prompts: list[list[int]], arrival: float,
-                       chat: bool):
-        try:
-            job = _Job(state, subs, req.num_speculative_tokens, arrival)
-        except QueueFull as exc:
-            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
-        except EngineDead as exc:
-            raise APIError(503, str(exc), code="engine_dead") from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = _stream(job, rid, created, len(subs), prompts, chat, include_usage, req.return_token_ids)
-            return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(job.close),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        async def collect() -> dict[int, RequestOutput]:
-            finals: dict[int, RequestOutput] = {}
-            async for index, out in job.events():
-                if out.finished:
-                    finals[index] = out
-            return finals
-
-        try:
-            finals = await _watch_disconnect(request, collect())
-        except QuickdraftError as exc:
-            raise APIError(500, str(exc), code="engine_error") from None
-        finally:
-            job.close()
-        choices = []
-        for index in range(len(subs)):
-            out = finals[index]
-            choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": out.finish_reason}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
-            else:
-                choice["text"] = out.text
-            if req.return_token_ids:
-                choice["token_ids"] = list(out.token_ids)
-            choices.append(choice)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": state.model_name, "choices": choices, "usage": _usage(prompts, finals)}
-
-    async def _stream(job: _Job, rid: str, created: int, n: int, prompts: list[list[int]], chat: bool,
-                      include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices: list[dict], **extra) -> str:
-            return _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                         "choices": choices, **extra})
-
-        finals: dict[int, RequestOutput] = {}
-        try:
-            if chat:
-                for i in range(n):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-            async for index, out in job.events():
-                if not out.new_text and not out.finished and not (return_token_ids and out.new_token_ids):
-                    continue
-                choice: dict[str, Any] = {"index": index, "logprobs": None,
-                                          "finish_reason": out.finish_reason if out.finished else None}
-                if chat:
-                    choice["delta"] = {"content": out.new_text} if out.new_text else {}
-                else:
-                    choice["text"] = out.new_text
-                if return_token_ids:
-                    choice["token_ids"] = list(out.new_token_ids)
-                if out.finished:
-                    finals[index] = out
-                yield chunk([choice])
-            if include_usage:
-                yield chunk([], usage=_usage(prompts, finals))
-        except QuickdraftError as exc:
-            yield _sse(APIError(500, str(exc), code="engine_error").body())
-        finally:
-            job.close()
-        yield "data: [DONE]\n\n"
-
-    return app

@@ -1,17 +1,17 @@
 """The engine on its own thread, fed by asyncio request handlers.
 
-One thread owns the Engine (nothing else touches it). Handlers send it commands through
-a thread-safe queue (add a request, abort one); between steps it applies them all, so a
-waiting request joins the running batch at the next step and an aborted one leaves it and
-frees its cache slot at once. Outputs go back to each request's asyncio queue through the
-event loop's call_soon_threadsafe. The thread sleeps on the command queue when idle.
+One thread owns the Engine (nothing else touches it). Handlers send it commands
+(AddRequest, AbortRequest, Stop) through a thread-safe queue; between steps it applies them
+all, so a waiting request joins the running batch at the next step and an aborted one leaves
+it and frees its cache slot at once. Outputs go back to each request's asyncio queue through
+the event loop's call_soon_threadsafe. The thread sleeps on the command queue when idle.
 
 A failing step only fails the requests it was working on: a failed prefill of several
 requests puts them back to be prefilled one at a time, so only the one that fails alone is
 answered with an error; a failed decode step fails the running batch (which row broke it
 cannot be told apart, and their state is no longer trustworthy); the engine then goes on
-with the next requests. An error escaping the
-loop itself marks the engine dead (/health answers 503).
+with the next requests. An error escaping the loop itself marks the engine dead (/health
+answers 503).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from ..engine import Engine, RequestOutput
 from ..errors import QuickdraftError
-from ..engine import Engine
 from ..sampling import SamplingParams
 
 log = logging.getLogger("quickdraft.server")
@@ -47,6 +47,32 @@ class EngineDead(Exception):
     pass
 
 
+# ---- commands: the event loop -> the engine thread ---------------------------------------
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Admit a request to the engine; its outputs (or an EngineError) go to `out`."""
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    num_speculative_tokens: int | None
+    out: asyncio.Queue
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Drop a request the handler no longer waits for (a no-op once it finished)."""
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the engine thread."""
+
+
+Command = AddRequest | AbortRequest | Stop
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int):
         self.engine = engine
@@ -54,19 +80,19 @@ class AsyncEngine:
         self.capacity = engine.config.max_num_seqs + max_queue  # requests held at once
         self.pending = 0  # requests submitted and not yet finished (touched by the event loop only)
         self.dead: str | None = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
-        self._stopping = False
+        # the engine thread's own: request id -> the queue its outputs go to
+        self._queues: dict[str, asyncio.Queue] = {}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()
 
     def stop(self) -> None:
-        self._stopping = True
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
         self._thread.join(timeout=10)
 
     @property
@@ -94,82 +120,95 @@ class AsyncEngine:
             raise EngineDead(self.dead)
         rid = f"r{next(self._ids)}"
         self.pending += 1
-        self._commands.put(("add", rid, prompt, params, num_speculative_tokens, out))
+        self._commands.put(AddRequest(rid, prompt, params, num_speculative_tokens, out))
         return rid
 
     def release(self, rid: str, finished: bool) -> None:
         """The handler is done with a request: abort it unless it finished."""
         self.pending -= 1
         if not finished:
-            self._commands.put(("abort", rid))
+            self._commands.put(AbortRequest(rid))
 
     # ---- the engine thread ----------------------------------------------------------
 
-    def _deliver(self, q: asyncio.Queue, item) -> None:
+    def _deliver(self, q: asyncio.Queue, item: RequestOutput | EngineError) -> None:
         self._loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _run(self) -> None:
-        queues: dict[str, asyncio.Queue] = {}
         engine = self.engine
         try:
             while True:
-                block = not engine.has_unfinished()
-                while True:
-                    try:
-                        cmd = self._commands.get(block=block, timeout=None)
-                    except queue.Empty:
-                        break
-                    block = False
-                    if cmd[0] == "stop":
-                        return
-                    if cmd[0] == "add":
-                        _, rid, prompt, params, k, q = cmd
-                        try:
-                            engine.add_request(prompt, params, request_id=rid, num_speculative_tokens=k)
-                            queues[rid] = q
-                        except QuickdraftError as exc:
-                            self._deliver(q, EngineError(rid, str(exc)))
-                    elif cmd[0] == "abort":
-                        rid = cmd[1]
-                        if queues.pop(rid, None) is not None:
-                            engine.abort_request(rid)
+                if not self._apply_commands(block=not engine.has_unfinished()):
+                    return
                 if not engine.has_unfinished():
                     continue
                 try:
                     outputs = engine.step()
                 except Exception as exc:  # fail only the requests this step worked on
-                    log.error("engine step failed:\n%s", traceback.format_exc())
-                    requests, prefill = engine.recover_failed_step()
-                    if prefill and len(requests) > 1:  # retry them one by one to find the culprit
-                        engine.retry_singly(requests)
-                        continue
-                    message = f"the engine failed on this request: {type(exc).__name__}: {exc}"
-                    for r in requests:
-                        if not prefill:
-                            engine.abort_request(r.id)
-                        q = queues.pop(r.id, None)
-                        if q is not None:
-                            self._deliver(q, EngineError(r.id, message))
+                    self._fail_step(exc)
                     continue
                 for out in outputs:
-                    q = queues.get(out.request_id)
+                    q = self._queues.get(out.request_id)
                     if q is None:
                         continue
                     if out.finished:
-                        del queues[out.request_id]
+                        del self._queues[out.request_id]
                     self._deliver(q, out)
         except BaseException as exc:  # the loop itself broke: nothing more will be served
-            self.dead = f"the engine stopped: {type(exc).__name__}: {exc}"
-            log.critical("%s\n%s", self.dead, traceback.format_exc())
-            for rid, q in queues.items():
-                self._deliver(q, EngineError(rid, self.dead))
-            while True:  # requests queued while it broke
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd[0] == "add":
-                    self._deliver(cmd[5], EngineError(cmd[1], self.dead))
+            self._die(exc)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command, first waiting for one if `block`; False on Stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block, timeout=None)
+            except queue.Empty:
+                return True
+            block = False
+            match cmd:
+                case Stop():
+                    return False
+                case AddRequest():
+                    try:
+                        self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id,
+                                                num_speculative_tokens=cmd.num_speculative_tokens)
+                        self._queues[cmd.request_id] = cmd.out
+                    except QuickdraftError as exc:
+                        self._deliver(cmd.out, EngineError(cmd.request_id, str(exc)))
+                case AbortRequest():
+                    if self._queues.pop(cmd.request_id, None) is not None:
+                        self.engine.abort_request(cmd.request_id)
+
+    def _fail_step(self, exc: Exception) -> None:
+        """A step raised: retry a failed prefill of several requests one by one (to find the
+        culprit), else answer the requests it worked on with an EngineError."""
+        log.error("engine step failed:\n%s", traceback.format_exc())
+        engine = self.engine
+        requests, prefill = engine.recover_failed_step()
+        if prefill and len(requests) > 1:
+            engine.retry_singly(requests)
+            return
+        message = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+        for r in requests:
+            if not prefill:
+                engine.abort_request(r.id)
+            q = self._queues.pop(r.id, None)
+            if q is not None:
+                self._deliver(q, EngineError(r.id, message))
+
+    def _die(self, exc: BaseException) -> None:
+        """Mark the engine dead and answer every request it holds or was sent with the reason."""
+        self.dead = f"the engine stopped: {type(exc).__name__}: {exc}"
+        log.critical("%s\n%s", self.dead, traceback.format_exc())
+        for rid, q in self._queues.items():
+            self._deliver(q, EngineError(rid, self.dead))
+        while True:  # requests queued while it broke
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, AddRequest):
+                self._deliver(cmd.out, EngineError(cmd.request_id, self.dead))
 
 
 def now() -> float:

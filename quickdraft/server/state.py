@@ -1,0 +1,75 @@
+"""What the server's routes share (ServerState): the model, loaded on a thread at start-up,
+the AsyncEngine over it, and the Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import QuickdraftError
+from .async_engine import AsyncEngine
+from .metrics import ServerMetrics
+from .protocol import APIError
+
+log = logging.getLogger("quickdraft.server")
+
+
+class ServerState:
+    """What the routes share: the model once loaded, the engine thread, the metrics."""
+
+    def __init__(self, load: Callable[[], Any], model_name: str, max_queue: int = 256,
+                 chat_template: str | None = None):
+        self._load = load  # () -> quickdraft.LLM, run on a thread at start-up
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self.chat_template = chat_template
+        self.llm = None
+        self.engine: AsyncEngine | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(self)
+        self.on_ready: Callable[[], None] | None = None
+        self.on_load_error: Callable[[str], None] | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        threading.Thread(target=self._load_model, args=(loop,), name="quickdraft-load", daemon=True).start()
+
+    def _load_model(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            llm = self._load()
+            if self.chat_template is not None:
+                if llm.tokenizer is None:
+                    raise QuickdraftError("--chat-template needs a tokenizer; the model folder has none")
+                llm.tokenizer.chat_template = self.chat_template
+                llm.tokenizer._compiled = None
+            engine = AsyncEngine(llm.engine, self.max_queue)
+            engine.start(loop)
+        except Exception as exc:  # noqa: BLE001 - reported and turned into an exit by the CLI
+            self.load_error = str(exc) if isinstance(exc, QuickdraftError) else f"{type(exc).__name__}: {exc}"
+            log.error("loading the model failed: %s", self.load_error)
+            if self.on_load_error is not None:
+                self.on_load_error(self.load_error)
+            return
+        self.llm, self.engine = llm, engine
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.dead is None
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise APIError(503, self.load_error or "the model is still loading; retry shortly",
+                           code="model_loading" if self.load_error is None else "model_load_failed")
+        if self.engine.dead is not None:
+            raise APIError(503, self.engine.dead, code="engine_dead")
+        return self.engine
