@@ -18,8 +18,8 @@ d. verify: the same target's step time T(B, q) (quickdraft's KV cache, `context`
    cached per row) for q = 1..16 and B = 1..64, and T(B, q) / T(B, 1): what verifying q - 1
    drafts costs over a plain step at each batch size.
    The same with the engine's compiled steps (CUDA graphs), beside it.
-e. tune and bench of the bundled pair on the device (quickdraft.bench.tune_cmd.tune and
-   bench_cmd.run_bench, modest settings, float32 so that greedy outputs compare exactly),
+e. tune and bench of the bundled pair on the device (quickdraft.bench.tune.tune and
+   quickdraft.bench.compare.run_bench, modest settings, float32 so that greedy outputs compare exactly),
    bench with transformers as peers when it is installed.
 
 f. benchmarks/compiled.py on the device: the bundled pair with eager vs compiled steps and a
@@ -215,7 +215,7 @@ def decode(model, device: torch.device, bw: dict | None, s: Settings, compile: b
 
 
 def verify_cost(model, device: torch.device, s: Settings) -> dict:
-    from quickdraft.bench.profile import measure_target_steps
+    from quickdraft.bench.measure import measure_target_steps
 
     steps = measure_target_steps(model, list(s.batch_sizes), list(s.query_lengths), s.context, s.step_iters)
     return {"batch_sizes": list(s.batch_sizes), "query_lengths": list(s.query_lengths), "context": s.context,
@@ -227,7 +227,7 @@ def verify_cost(model, device: torch.device, s: Settings) -> dict:
 
 
 def tune_default_pair(device: torch.device, out: Path, s: Settings) -> dict:
-    from quickdraft.bench.tune_cmd import TuneConfig, tune
+    from quickdraft.bench.tune import TuneConfig, tune
     from quickdraft.llm import default_model_dirs
 
     target, draft = default_model_dirs()
@@ -247,7 +247,7 @@ def tune_default_pair(device: torch.device, out: Path, s: Settings) -> dict:
 
 
 def bench_default_pair(device: torch.device, out: Path, s: Settings) -> dict:
-    from quickdraft.bench.bench_cmd import run_bench, write_outputs
+    from quickdraft.bench.compare import run_bench, write_outputs
     from quickdraft.bench.hardware import device_name
     from quickdraft.bench.peers import transformers_missing
     from quickdraft.bench.workloads import code_completion

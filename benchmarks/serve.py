@@ -37,8 +37,9 @@ from pathlib import Path
 import httpx
 
 from quickdraft.bench.hardware import cpu_model
-from quickdraft.server.bench_serve import (LoadConfig, bench, check_server, crossover, load_prompts, parse_values,
-                                           run_name)
+from quickdraft.bench.serve_load.client import LoadConfig, bench, check_server, load_prompts, run_name
+from quickdraft.bench.serve_load.stats import crossover
+from quickdraft.cli.common import parse_values
 
 ROOT = Path(__file__).resolve().parents[1]
 

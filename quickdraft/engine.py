@@ -26,11 +26,12 @@ from .errors import QuickdraftError
 from .metrics import SpecStats
 from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks
+from .proposers import get as get_proposer
 from .proposers.base import Draft, ProposeBatch, Proposer, VerifyResult
 from .sampling import BatchSampling, SamplingParams, exponential_noise, make_generator, process_logits, \
     sample, uniform_noise
 from .tree import tree_mask, tree_structure
-from .policy import RowState, make_policy
+from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 
@@ -92,6 +93,8 @@ class Engine:
     def __init__(self, target: Transformer, proposer: Proposer | None = None,
                  config: EngineConfig = EngineConfig(), tokenizer: Tokenizer | None = None,
                  eos_token_ids: tuple[int, ...] = ()):
+        get_proposer(config.spec.method)  # a known method name (the registry says which)
+        check_policy(config.spec.policy, config.spec.profile)
         if config.spec.k > 0 and proposer is None:
             raise QuickdraftError(f"method {config.spec.method!r} needs a proposer")
         self.target = target
@@ -103,10 +106,7 @@ class Engine:
         self._wants_target_tokens = proposer is not None and proposer.wants_target_tokens
         self.policy = None
         if self.k > 0:
-            profile = None
-            if config.spec.profile is not None:
-                from .bench.profile import load_profile
-                profile = load_profile(config.spec.profile)
+            profile = None if config.spec.profile is None else load_profile(config.spec.profile)
             self.policy = make_policy(config.spec.policy, self.k, profile, config.spec.method)
         self._forward = target  # the decode / verify forward: the model, or its compiled step
         if config.compile:
@@ -322,7 +322,7 @@ class Engine:
             result = self._verify_tree(draft, last, lengths, sampling, generators)
         out, num_accepted, drafted, path, target_tokens = result
         if draft is not None:
-            self.proposer.observe(VerifyResult(num_accepted, lengths, k, path, target_tokens))
+            self.proposer.observe(VerifyResult(num_accepted, lengths, k, path, target_tokens, draft=draft))
         for r, toks, n, d in zip(rows, out, num_accepted, drafted):
             per_pos = None if path is None else [1] * n + [0] * (k - n)
             r.stats.observe(d, n, per_pos)

@@ -16,7 +16,7 @@ from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device
 from .model.quant import quantize
 from .model.tokenizer import Tokenizer, eos_token_ids
-from .proposers import PROPOSERS
+from .proposers import get as get_proposer
 from .sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -64,7 +64,7 @@ class LLM:
         spec = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens,
                           options=dict(spec_options or {}), policy=policy,
                           profile=None if profile is None else str(profile))
-        cls = PROPOSERS.get(method)
+        cls = get_proposer(method)
         if cls is not None and cls.needs_draft_model and draft is None:
             raise QuickdraftError(f"method {method!r} needs a draft model folder")
         dev = resolve_device(device)

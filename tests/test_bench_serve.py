@@ -21,10 +21,12 @@ import typer
 from typer.testing import CliRunner
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.server.bench_serve import (Chunk, RequestResult, SSEDecoder, aggregate, apportion, base_url,
-                                           bench_serve_command, crossover, meets_slo, parse_prometheus,
-                                           parse_values, percentile, poisson_schedule, request_timings,
-                                           spec_counters, spec_summary, summarize)
+from quickdraft.bench.serve_load.client import base_url
+from quickdraft.bench.serve_load.stats import (Chunk, RequestResult, SSEDecoder, aggregate, apportion, crossover,
+                                               meets_slo, parse_prometheus, percentile, poisson_schedule,
+                                               request_timings, spec_counters, spec_summary, summarize)
+from quickdraft.cli.bench_serve import bench_serve_command
+from quickdraft.cli.common import parse_values
 
 ROOT = Path(__file__).resolve().parents[1]
 

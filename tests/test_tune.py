@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from quickdraft.bench.profile import (Profile, best_k, expected_tokens, expected_tokens_measured, goodput,
-                                      load_profile, measure_acceptance, measure_propose, measure_target_steps,
-                                      propose_time, save_profile, solve_alpha, step_time)
+from quickdraft.bench.measure import measure_acceptance, measure_propose, measure_target_steps
+from quickdraft.policy.costs import (Profile, expected_tokens, expected_tokens_measured, load_profile, save_profile,
+                                     solve_alpha)
 from quickdraft.errors import QuickdraftError
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
@@ -37,18 +37,18 @@ BS = [1, 2, 4, 8, 16, 32, 64]
 
 def test_cheap_verify_and_high_acceptance_give_the_longest_k():
     p = synthetic(BS, lambda b, q: 0.010, lambda b, k: 1e-4 * k, [0.95 ** (i + 1) for i in range(8)])
-    assert all(best_k(p, "draft", b) == 8 for b in BS)
+    assert all(p.best_k("draft", b) == 8 for b in BS)
 
 
 def test_no_acceptance_gives_no_speculation():
     p = synthetic(BS, lambda b, q: 0.010, lambda b, k: 1e-4 * k, [0.0] * 8)
-    assert all(best_k(p, "draft", b) == 0 for b in BS)
+    assert all(p.best_k("draft", b) == 0 for b in BS)
 
 
 def test_k_shrinks_with_batch_size_when_verification_gets_expensive():
     # weight-bound at small B (flat in q), compute-bound at large B (linear in B * q)
     p = synthetic(BS, lambda b, q: 0.010 + 0.001 * b * q, lambda b, k: 0.0005 * k, [0.8 ** (i + 1) for i in range(8)])
-    ks = [best_k(p, "draft", b) for b in BS]
+    ks = [p.best_k("draft", b) for b in BS]
     assert ks[0] >= 4
     assert ks == sorted(ks, reverse=True), ks
     assert ks[-1] == 0
@@ -59,10 +59,10 @@ def test_goodput_worked_example():
     # T(1,1) = 10 ms, T(1,3) = 12 ms, propose 2 tokens = 4 ms, acceptance [0.8, 0.6]:
     # E(2) = 1 + 0.8 + 0.6 = 2.4 tokens per step, 2.4 / (4 + 12) ms = 150 tok/s; plain 1 / 10 ms = 100 tok/s
     p = synthetic([1], lambda b, q: {1: 0.010, 2: 0.011, 3: 0.012}[q], lambda b, k: 0.002 * k, [0.8, 0.6], k_max=2)
-    assert goodput(p, "draft", 1, 0) == pytest.approx(100.0)
-    assert goodput(p, "draft", 1, 2) == pytest.approx(150.0)
-    assert goodput(p, "draft", 1, 1) == pytest.approx(1.8 / 0.013)
-    assert best_k(p, "draft", 1) == 2
+    assert p.goodput("draft", 1, 0) == pytest.approx(100.0)
+    assert p.goodput("draft", 1, 2) == pytest.approx(150.0)
+    assert p.goodput("draft", 1, 1) == pytest.approx(1.8 / 0.013)
+    assert p.best_k("draft", 1) == 2
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0, 3) == 4.0 and expected_tokens(0.7, 0) == 1.0
     assert solve_alpha(1.75, 2) == pytest.approx(0.5, abs=1e-9)
@@ -75,26 +75,26 @@ def test_rarely_drafting_proposer_and_tree_verification():
     # drafting in half the steps halves the gain; at B=1 half the steps are plain 1-token forwards
     p = synthetic([1], lambda b, q: {1: 0.010, 2: 0.011, 3: 0.012}[q], lambda b, k: 0.002 * k, [0.8, 0.6],
                   k_max=2, draft_rate=0.5)
-    assert goodput(p, "draft", 1, 2) == pytest.approx((1 + 0.5 * 1.4) / (0.004 + 0.5 * 0.012 + 0.5 * 0.010))
+    assert p.goodput("draft", 1, 2) == pytest.approx((1 + 0.5 * 1.4) / (0.004 + 0.5 * 0.012 + 0.5 * 0.010))
     # a tree verifies 1 + N nodes: here k=1 -> 3 query tokens
     p = synthetic([1], lambda b, q: 0.001 * (9 + q), lambda b, k: 0.0, [0.5, 0.25], k_max=2, verify_q=[3, 3])
-    assert goodput(p, "draft", 1, 1) == pytest.approx(1.5 / 0.012)
+    assert p.goodput("draft", 1, 1) == pytest.approx(1.5 / 0.012)
 
 
 def test_interpolation_is_linear_in_batch_size_and_clamped():
     p = synthetic([1, 4, 16], lambda b, q: 0.001 * b * q, lambda b, k: 0.0001 * b * k, [0.5] * 4, k_max=4)
-    assert step_time(p, 1, 1) == pytest.approx(0.001)
-    assert step_time(p, 2, 1) == pytest.approx(0.002)  # between 1 and 4: linear
-    assert step_time(p, 10, 3) == pytest.approx(0.030)
-    assert step_time(p, 0.5, 2) == pytest.approx(0.002)  # clamped below
-    assert step_time(p, 64, 5) == pytest.approx(0.080)  # clamped above
-    assert step_time(p, 4, 2.5) == pytest.approx(0.010)  # between measured query lengths
-    assert propose_time(p, "draft", 8, 2) == pytest.approx(0.0016)
-    assert propose_time(p, "draft", 100, 4) == pytest.approx(0.0064)
-    assert propose_time(p, "draft", 3, 0) == 0.0
-    assert step_time(p, 2, 1) == step_time(p, 2, 1)  # memoised path
+    assert p.step_time(1, 1) == pytest.approx(0.001)
+    assert p.step_time(2, 1) == pytest.approx(0.002)  # between 1 and 4: linear
+    assert p.step_time(10, 3) == pytest.approx(0.030)
+    assert p.step_time(0.5, 2) == pytest.approx(0.002)  # clamped below
+    assert p.step_time(64, 5) == pytest.approx(0.080)  # clamped above
+    assert p.step_time(4, 2.5) == pytest.approx(0.010)  # between measured query lengths
+    assert p.propose_time("draft", 8, 2) == pytest.approx(0.0016)
+    assert p.propose_time("draft", 100, 4) == pytest.approx(0.0064)
+    assert p.propose_time("draft", 3, 0) == 0.0
+    assert p.step_time(2, 1) == p.step_time(2, 1)  # memoised path
     with pytest.raises(QuickdraftError, match="no method 'ngram'"):
-        propose_time(p, "ngram", 1, 1)
+        p.propose_time("ngram", 1, 1)
 
 
 def test_profile_round_trip(tmp_path):
@@ -199,7 +199,7 @@ def test_tune_end_to_end(target_dir, draft_dir, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from quickdraft.bench.tune_cmd import tune_command
+    from quickdraft.cli.tune import tune_command
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n\n" + json.dumps({"prompt": [0, 5, 6, 7]}) + "\n")
@@ -225,7 +225,12 @@ def test_tune_end_to_end(target_dir, draft_dir, tmp_path):
 
 
 def test_tune_input_errors(target_dir, tmp_path):
-    from quickdraft.bench.tune_cmd import TuneConfig, parse_batch_sizes, read_prompts, tune
+    from quickdraft.bench.tune import TuneConfig, tune
+    from quickdraft.bench.workloads import read_prompts
+    from quickdraft.cli.common import parse_ints
+
+    def parse_batch_sizes(text):
+        return parse_ints(text, "--batch-sizes")
 
     assert parse_batch_sizes("8, 1,2,2") == (1, 2, 8)
     with pytest.raises(QuickdraftError, match="--batch-sizes"):
@@ -256,7 +261,7 @@ def test_bench_command_end_to_end(target_dir, draft_dir, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from quickdraft.bench.bench_cmd import bench_command
+    from quickdraft.cli.bench import bench_command
 
     app = typer.Typer()
     app.command("bench")(bench_command)
@@ -279,7 +284,7 @@ def test_bench_command_end_to_end(target_dir, draft_dir, tmp_path):
 def _bench_app():
     import typer
 
-    from quickdraft.bench.bench_cmd import bench_command
+    from quickdraft.cli.bench import bench_command
 
     app = typer.Typer()
     app.command("bench")(bench_command)

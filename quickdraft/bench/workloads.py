@@ -10,11 +10,14 @@
 from __future__ import annotations
 
 import collections
+import json
 import hashlib
 import keyword
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..errors import QuickdraftError
 from ..train.corpus import Document
 from ..train.prompts import opening_prompts
 
@@ -86,3 +89,26 @@ def _excerpt(text: str, chars: int) -> str | None:
     if excerpt is None or excerpt.count("\n") < 8:
         return None
     return excerpt
+
+
+def read_prompts(path: Path) -> list:
+    """Prompts from a JSONL file: one {"prompt": text or list of token ids} per line."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise QuickdraftError(f"cannot read prompts file {path}: {exc.strerror or exc}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            p = json.loads(line)["prompt"]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            raise QuickdraftError(f"{path}:{n}: expected a JSON object with a \"prompt\" field") from None
+        if not (isinstance(p, str) and p) and not (isinstance(p, list) and p and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p)):
+            raise QuickdraftError(f"{path}:{n}: \"prompt\" must be a non-empty string or list of token ids")
+        prompts.append(p)
+    if not prompts:
+        raise QuickdraftError(f"{path}: no prompts")
+    return prompts

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import QuickdraftError
+from ..errors import QuickdraftError
+from .costs import Profile, expected_tokens
 
 POLICIES = ("fixed", "acceptance", "goodput")
 
@@ -35,15 +36,6 @@ class RowState:
     k: int  # the acceptance policy's current k for this request
     drafted: float = 0.0  # exponentially weighted drafted tokens
     accepted: float = 0.0  # ... and accepted ones
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a step emits with k drafts under i.i.d. acceptance alpha: (1 - a^(k+1)) / (1 - a)."""
-    if k <= 0:
-        return 1.0
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 class SpecPolicy:
@@ -105,8 +97,6 @@ class GoodputPolicy(SpecPolicy):
 
     def __init__(self, k_max: int, profile, method: str, prior_weight: float = 4.0):
         super().__init__(k_max)
-        from .bench.profile import Profile
-
         if not isinstance(profile, Profile):
             profile = Profile.from_dict(profile)
         if method not in profile.methods:
@@ -180,14 +170,23 @@ class GoodputPolicy(SpecPolicy):
         return [k] * B
 
 
-def make_policy(name: str, k_max: int, profile: dict | None = None, method: str | None = None) -> SpecPolicy:
+_NEEDS_PROFILE = "the goodput policy needs a cost profile: run `quickdraft tune --out FILE` and pass it as profile"
+
+
+def check_policy(name: str, profile: object | None) -> None:
+    """The policy name is known and has what it needs (the engine checks this up front, even
+    when it will not speculate)."""
+    if name not in POLICIES:
+        raise QuickdraftError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    if name == "goodput" and profile is None:
+        raise QuickdraftError(_NEEDS_PROFILE)
+
+
+def make_policy(name: str, k_max: int, profile: dict | Profile | None = None,
+                method: str | None = None) -> SpecPolicy:
+    check_policy(name, profile)
     if name == "fixed":
         return SpecPolicy(k_max)
     if name == "acceptance":
         return AcceptancePolicy(k_max)
-    if name == "goodput":
-        if profile is None:
-            raise QuickdraftError("the goodput policy needs a cost profile: run `quickdraft tune --out FILE` "
-                                  "and pass it as profile")
-        return GoodputPolicy(k_max, profile, method or "draft")
-    raise QuickdraftError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    return GoodputPolicy(k_max, profile, method or "draft")

@@ -1,11 +1,9 @@
-"""Training: the corpus, a byte-level BPE tokenizer, pretraining a target (distilling a
-draft later). `train` and friends import torch lazily so the CLI starts fast."""
+"""Training: the corpus, a byte-level BPE tokenizer, pretraining a target, distilling a
+draft. `train` and friends import torch lazily so the CLI starts fast."""
 
 from __future__ import annotations
 
-from .command import distill_command, train_command
-
-__all__ = ["train", "train_command", "distill", "distill_command", "load_corpus", "SIZES"]
+__all__ = ["train", "distill", "load_corpus", "SIZES"]
 
 
 def __getattr__(name: str):

@@ -1,0 +1,150 @@
+"""What `quickdraft bench` runs: plain decoding against each method over batch sizes, k values and
+temperatures, measured side by side with warm-up and repeats.
+
+Per configuration: output tokens/s, time per output token, speedup over plain decoding
+(paired: plain runs in the same repeat, the order rotated per repeat), acceptance rate,
+mean acceptance length, acceptance per position, the measured cost ratios c = T_propose(k)
+/ (k T(1)) and T(B, k+1) / T(B, 1), and the speedup those predict,
+E * T(1) / (T_propose(k) + T(k+1)) with E = (1 - a^(k+1)) / (1 - a) from the acceptance
+rate a, next to the measured one (steps that drafted nothing, as prompt lookup has, are
+counted as plain steps). Writes JSON, a markdown table and PNG plots.
+
+With `--peers` (needs transformers) the same run also times transformers' plain `generate`,
+assisted generation and prompt lookup on the same weights and prompts, greedy at batch 1,
+against ours, with token equality checked (`quickdraft.bench.peers`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes: list[int], ks: list[int],
+              temperatures: list[float], prompts: list, new_tokens: int, repeats: int, iters: int,
+              progress=None, peers: bool = False, dtype: str | None = None, device: str | None = None) -> dict:
+    """Measure every (temperature, batch size, method, k) against plain decoding; with
+    `peers`, also transformers' plain, assisted and prompt-lookup generation (greedy,
+    batch 1) against ours on the same prompts (result["peers"], see peers.run_peers).
+    dtype and device go to every LLM (None: quickdraft's defaults)."""
+    from .. import LLM, SamplingParams
+    from ..policy.costs import expected_tokens
+    from .measure import measure_propose, measure_target_steps
+
+    plain = LLM(target, method="none", dtype=dtype, device=device)
+    encoded = [plain.encode(p) for p in prompts]
+    llms = {}
+    for m in methods:
+        for k in ks:
+            llms[(m, k)] = LLM(target, draft=draft if m == "draft" else None, method=m, num_speculative_tokens=k,
+                               spec_options=spec_options, dtype=dtype, device=device)
+    names = [("none", 0)] + list(llms)
+    runs = []
+    # step costs for the prediction, measured once per batch size
+    qs = list(range(1, max(ks) + 2))
+    steps = measure_target_steps(plain.target, batch_sizes, qs, 128, iters)
+    propose = {m: measure_propose(llms[(m, max(ks))], batch_sizes, ks, 128, iters) for m in methods}
+    for temp in temperatures:
+        for bi, B in enumerate(batch_sizes):
+            batch = [encoded[i % len(encoded)] for i in range(B)]
+            params = [SamplingParams(temperature=temp, max_tokens=new_tokens, ignore_eos=True, seed=i)
+                      for i in range(B)]
+            for llm in [plain, *llms.values()]:  # warm-up
+                llm.generate(batch[:1], SamplingParams(temperature=temp, max_tokens=4, ignore_eos=True))
+            per = {n: [] for n in names}
+            for r in range(repeats):
+                order = names[r % len(names):] + names[: r % len(names)]
+                secs = {}
+                for n in order:
+                    llm = plain if n[0] == "none" else llms[n]
+                    llm.stats = type(llm.stats)()
+                    t0 = time.perf_counter()
+                    outs = llm.generate(batch, params)
+                    secs[n] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.stats)
+                for n in names:
+                    s, tokens, st = secs[n]
+                    per[n].append((s, tokens, secs[("none", 0)][0] / s, st))
+                if progress is not None:
+                    progress()
+            T1 = steps[bi][0]
+            for (m, k), rows in per.items():
+                if m == "none":
+                    continue
+                a = statistics.median(st.acceptance_rate for *_, st in rows)
+                # share of steps that drafted at all (prompt lookup finds no match on some)
+                r_d = statistics.median(st.num_drafts / max(1, st.num_steps) for *_, st in rows)
+                st = rows[0][3]
+                t_prop = propose[m][bi][ks.index(k)]
+                Tk1 = steps[bi][k]
+                E = 1 + r_d * (expected_tokens(a, k) - 1)
+                predicted = E * T1 / (t_prop + r_d * Tk1 + (1 - r_d) * T1)
+                runs.append({
+                    "temperature": temp, "batch_size": B, "method": m, "k": k,
+                    "tokens_per_s": statistics.median(tok / s for s, tok, *_ in rows),
+                    "ms_per_token": statistics.median(1e3 * s / tok for s, tok, *_ in rows),
+                    "plain_tokens_per_s": statistics.median(tok / s for s, tok, *_ in per[("none", 0)]),
+                    "speedup": statistics.median(x[2] for x in rows),
+                    "acceptance_rate": a, "draft_rate": r_d,
+                    "mean_acceptance_length": statistics.median(x[3].mean_acceptance_length for x in rows),
+                    "accepted_per_pos": [v / max(1, st.num_drafts) for v in st.accepted_per_pos],
+                    "c": t_prop / (k * T1), "verify_ratio": Tk1 / T1, "predicted_speedup": predicted,
+                })
+    result = {"runs": runs, "target_step_s": steps, "query_lengths": qs, "batch_sizes": batch_sizes}
+    if peers:
+        from ..llm import default_model_dirs
+        from .peers import PEER_OF, run_peers
+
+        if target is None:
+            target, draft = default_model_dirs()[0], draft or default_model_dirs()[1]
+        ours = {("none", 0): plain, **{mk: llm for mk, llm in llms.items() if mk[0] in PEER_OF}}
+        result["peers"] = run_peers(ours, target, draft, encoded, new_tokens, repeats, progress=progress)
+    return result
+
+
+def write_outputs(result: dict, out_dir: Path, name: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    s = result["setup"]
+    md = [f"# quickdraft bench ({s['hardware']}, torch {s['torch']})", "", f"{s['date']}; `{s['command']}`", "",
+          "| T | batch | method | k | tok/s | ms/token | speedup | predicted | acceptance | mean acc. length | "
+          "c | T(k+1)/T(1) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        md.append(f"| {r['temperature']} | {r['batch_size']} | {r['method']} | {r['k']} | {r['tokens_per_s']:.1f} | "
+                  f"{r['ms_per_token']:.2f} | {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | "
+                  f"{r['acceptance_rate']:.3f} | {r['mean_acceptance_length']:.2f} | {r['c']:.3f} | "
+                  f"{r['verify_ratio']:.2f} |")
+    peers = result.get("peers")
+    if peers is not None:
+        from .peers import markdown
+
+        md += ["", "## Peers", ""] + (markdown(peers) if "methods" in peers else [f"Skipped: {peers['skipped']}."])
+    paths[1].write_text("\n".join(md) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    keys = sorted({(r["temperature"], r["method"], r["batch_size"]) for r in result["runs"]})
+    for key in keys:
+        rows = sorted((r for r in result["runs"] if (r["temperature"], r["method"], r["batch_size"]) == key),
+                      key=lambda r: r["k"])
+        label = f"{key[1]} B={key[2]} T={key[0]}"
+        ax1.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o", label=label)
+        best = max(rows, key=lambda r: r["k"])
+        ax2.plot(range(1, len(best["accepted_per_pos"]) + 1), best["accepted_per_pos"], marker="o",
+                 label=f"{label} k={best['k']}")
+    ax1.axhline(1.0, color="grey", ls="--", lw=0.8)
+    ax1.set(xlabel="k", ylabel="speedup over plain decoding", title="speedup vs k")
+    ax2.set(xlabel="draft position", ylabel="fraction of drafting steps accepted", title="acceptance per position")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    png = out_dir / f"{name}.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return paths + [png]

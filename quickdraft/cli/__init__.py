@@ -1,0 +1,46 @@
+"""The `quickdraft` command line (typer + rich): the app and its commands, one module each.
+
+Every user error (missing folder, unreadable config, vocabulary mismatch, bad parameter)
+is one line on stderr and exit code 2, never a traceback. Command modules import
+`cli.common`, never this module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.markup import escape
+
+from ..errors import QuickdraftError
+from .bench import bench_command
+from .bench_serve import bench_serve_command
+from .common import err
+from .generate import generate
+from .serve import serve_command
+from .train import distill_command, train_command
+from .tune import tune_command
+from .verify import verify_command
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="quickdraft: lossless speculative decoding for Llama-family models.")
+
+for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command),
+                        ("verify", verify_command), ("tune", tune_command), ("bench", bench_command),
+                        ("serve", serve_command), ("bench-serve", bench_serve_command)):
+    app.command(_name)(_command)
+
+
+@app.callback()
+def _root() -> None:
+    """quickdraft: lossless speculative decoding for Llama-family models."""
+
+
+def main() -> None:
+    try:
+        app()  # typer reports usage errors itself (exit code 2)
+    except QuickdraftError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

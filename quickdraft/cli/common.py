@@ -1,0 +1,142 @@
+"""What every command shares: the consoles, `fail`, option parsers, and one definition of
+each model-loading flag with one help text (commands use these, never their own copies).
+
+Command modules import this module, never `quickdraft.cli` itself (which imports them).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ..errors import QuickdraftError
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str) -> None:
+    """One red line on stderr and exit code 2 (a user error, never a traceback)."""
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True)
+    raise typer.Exit(2)
+
+
+def user_errors(command):
+    """Wrap a command so a QuickdraftError from anywhere below it is `fail`'s one line."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except QuickdraftError as exc:
+            fail(str(exc))
+    return run
+
+
+def command_line() -> str:
+    """The command as the user typed it, for result files."""
+    return shlex.join(["quickdraft", *sys.argv[1:]])
+
+
+# ---- option parsers ---------------------------------------------------------------------
+
+def parse_ids(text: str, flag: str = "--ids") -> list[int]:
+    """Token ids separated by spaces or commas."""
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise QuickdraftError(f"{flag} expects token ids separated by spaces or commas") from None
+
+
+def parse_spec_options(items: list[str] | None, tree_width: int | None = None) -> dict:
+    """KEY=VALUE strings -> proposer options; values parsed as int, float, bool or str."""
+    options: dict = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise QuickdraftError(f"--spec-option expects KEY=VALUE, got {item!r}")
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        options[key.strip()] = value
+    if tree_width is not None:
+        options["tree_width"] = tree_width
+    return options
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    """Sorted distinct integers from "1,2, 4" (commas or spaces); a clear error naming `flag`."""
+    try:
+        return tuple(sorted({int(t) for t in text.replace(",", " ").split()}))
+    except ValueError:
+        raise QuickdraftError(f"{flag} expects integers separated by commas, got {text!r}") from None
+
+
+def parse_floats(text: str, flag: str) -> list[float]:
+    """Sorted distinct numbers from "0, 0.8"."""
+    try:
+        return sorted({float(t) for t in text.replace(",", " ").split()})
+    except ValueError:
+        raise QuickdraftError(f"{flag} expects numbers separated by commas, got {text!r}") from None
+
+
+def parse_values(text: str, name: str, integer: bool = False) -> list[float]:
+    """'1,2, 4 inf' -> [1.0, 2.0, 4.0, inf] in the given order; every value > 0."""
+    values = []
+    for t in text.replace(",", " ").split():
+        try:
+            v = int(t) if integer else float(t)
+        except ValueError:
+            raise QuickdraftError(f"{name} expects {'integers' if integer else 'numbers'} separated by commas, "
+                                  f"got {text!r}") from None
+        if not v > 0 or (isinstance(v, float) and math.isnan(v)):
+            raise QuickdraftError(f"{name} values must be > 0, got {t}")
+        values.append(v)
+    if not values:
+        raise QuickdraftError(f"{name} is empty")
+    return values
+
+
+# ---- shared flags (one definition, one help text) ---------------------------------------
+
+TARGET = typer.Option(None, "--target", help="Target model folder (default: the bundled model).")
+DRAFT = typer.Option(None, "--draft", help="Draft model folder (default: the bundled draft when no --target "
+                     "is given).")
+METHOD = typer.Option(None, "--method", help="none | draft | ngram | suffix | lookahead (default: draft when a "
+                      "draft is given, else none).")
+METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable): draft | ngram | suffix | "
+                       "lookahead (default: draft when a draft is available, else ngram).")
+NUM_SPECULATIVE_TOKENS = typer.Option(5, "-k", "--num-speculative-tokens",
+                                      help="Draft tokens per step (the most; the depth of a tree).")
+TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates per depth (>1 = token tree).")
+SPEC_OPTION = typer.Option(None, "--spec-option", "-o",
+                           help="Proposer option KEY=VALUE (repeatable), e.g. -o max_ngram=4.")
+POLICY = typer.Option("fixed", "--policy", help="Speculation length: fixed | acceptance | goodput.")
+PROFILE = typer.Option(None, "--profile", help="Cost profile from `quickdraft tune` (for --policy goodput).")
+DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, the "
+                     "checkpoint's on a GPU).")
+DEVICE = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available).")
+COMPILE = typer.Option(None, "--compile/--no-compile", help="torch.compile the steps (default: on for CUDA/ROCm only).")
+QUANTIZATION = typer.Option(None, "--quantization", help="Target weights: int8 (weight-only).")
+DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 (weight-only).")
+DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should differ from --dtype "
+                           "(changes speed only, not the output).")
+TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy.")
+PROMPTS_FILE = typer.Option(None, "--prompts", help="JSONL of {\"prompt\": text or token ids} (default: a "
+                            "built-in workload).")
+WORKLOAD = typer.Option("code", "--workload", help="Built-in workload: code | editing (held-out files).")
+OUT_DIR = typer.Option(Path("bench-results"), "--out-dir", help="Folder for the result files.")

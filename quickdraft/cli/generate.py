@@ -1,0 +1,95 @@
+"""`quickdraft generate`: stream one continuation, with acceptance and (--compare) the
+speedup over plain decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import common as opts
+from .common import err, fail, out, parse_ids, parse_spec_options, user_errors
+
+
+@user_errors
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text (or token ids with --ids)."),
+    target: Optional[Path] = opts.TARGET,
+    draft: Optional[Path] = opts.DRAFT,
+    method: Optional[str] = opts.METHOD,
+    k: int = opts.NUM_SPECULATIVE_TOKENS,
+    tree_width: Optional[int] = opts.TREE_WIDTH,
+    spec_option: Optional[list[str]] = opts.SPEC_OPTION,
+    policy: str = opts.POLICY,
+    profile: Optional[Path] = opts.PROFILE,
+    temperature: float = opts.TEMPERATURE,
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    ids: bool = typer.Option(False, "--ids", help="PROMPT is a list of token ids."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
+    dtype: Optional[str] = opts.DTYPE,
+    device: Optional[str] = opts.DEVICE,
+    compare: bool = typer.Option(False, "--compare",
+                                 help="Also decode without speculation and report the speedup."),
+    compile: Optional[bool] = opts.COMPILE,
+    quantization: Optional[str] = opts.QUANTIZATION,
+    draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
+    draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
+) -> None:
+    """Generate a continuation of PROMPT, streaming text as it is accepted."""
+    from ..llm import LLM
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                            max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+    options = parse_spec_options(spec_option, tree_width)
+    llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
+              spec_options=options, policy=policy, profile=profile, compile=compile, quantization=quantization,
+              draft_quantization=draft_quantization, draft_dtype=draft_dtype)
+    if chat and ids:
+        fail("--chat and --ids cannot be combined")
+    prompt_in = parse_ids(prompt, "--ids (PROMPT)") if ids else prompt
+    plain = None
+    if compare:
+        if llm.engine.proposer is None:
+            fail("--compare needs speculative decoding: give a draft or a --method (or use the bundled pair)")
+        plain = LLM(target=target, method="none", dtype=dtype, device=device)
+        warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
+        for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
+            m.generate([m.encode(prompt_in, chat=chat)], warm)
+        llm.stats = type(llm.stats)()
+    final = None
+    for o in llm.stream(prompt_in, params, chat=chat):
+        if not as_json and o.new_text:
+            out.print(o.new_text, end="", markup=False)
+        final = o
+    s = llm.stats
+    comparison = None
+    if plain is not None:
+        base = plain.generate([final.prompt_token_ids], params)[0]
+        p = plain.stats
+        comparison = {"plain_tokens_per_second": p.tokens_per_second,
+                      "speedup": s.tokens_per_second / p.tokens_per_second if p.tokens_per_second else None,
+                      "identical": base.token_ids == final.token_ids if temperature == 0 else None}
+    if as_json:
+        print(json.dumps({"text": final.text, "token_ids": final.token_ids, "finish_reason": final.finish_reason,
+                          "prompt_tokens": len(final.prompt_token_ids), "stats": s.to_dict(),
+                          **({"compare": comparison} if comparison else {})}))
+        return
+    out.print()
+    err.print(f"[dim]{s.num_output_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
+              f"acceptance rate {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}, "
+              f"finish: {final.finish_reason}[/]")
+    if comparison:
+        same = "" if comparison["identical"] is None else \
+            f"; output identical to plain decoding: {'yes' if comparison['identical'] else 'NO'}"
+        err.print(f"[bold]speedup over plain decoding: {comparison['speedup']:.2f}x[/] "
+                  f"(plain {comparison['plain_tokens_per_second']:.1f} tok/s{same})")

@@ -1,0 +1,108 @@
+"""`quickdraft serve`: the OpenAI-compatible server (quickdraft.server) on uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import QuickdraftError
+from . import common as opts
+from .common import fail, parse_spec_options
+
+
+def serve_command(
+    target: Optional[Path] = opts.TARGET,
+    draft: Optional[Path] = opts.DRAFT,
+    method: Optional[str] = opts.METHOD,
+    k: int = opts.NUM_SPECULATIVE_TOKENS,
+    spec_option: Optional[list[str]] = opts.SPEC_OPTION,
+    policy: str = opts.POLICY,
+    profile: Optional[Path] = opts.PROFILE,
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    max_num_seqs: int = typer.Option(32, "--max-num-seqs", help="Requests in the running batch at most."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting for a slot at most (then 429)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context per request "
+                                                "(default: the model's). KV caches for --max-num-seqs requests "
+                                                "of this length are allocated at start-up."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients "
+                                                    "send (default: the target path, or 'quickdraft-default')."),
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A jinja chat template file "
+                                                 "(for models without one)."),
+    dtype: Optional[str] = opts.DTYPE,
+    device: Optional[str] = opts.DEVICE,
+    compile: Optional[bool] = opts.COMPILE,
+    quantization: Optional[str] = opts.QUANTIZATION,
+    draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
+    draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+) -> None:
+    """Serve the OpenAI API (completions, chat completions, streaming) with speculative decoding."""
+    try:
+        import uvicorn
+
+        from ..server.app import ServerState, build_app
+    except ImportError as exc:
+        fail(f"the server needs fastapi, uvicorn and prometheus_client ({exc})")
+    if not 0 <= port <= 65535:
+        fail(f"--port must be in [0, 65535], got {port}")
+    for name, value, low in (("--max-num-seqs", max_num_seqs, 1), ("--max-queue", max_queue, 0), ("-k", k, 0)):
+        if value < low:
+            fail(f"{name} must be >= {low}, got {value}")
+    template = None
+    if chat_template is not None:
+        try:
+            template = chat_template.read_text()
+        except OSError as exc:
+            fail(f"cannot read --chat-template {chat_template}: {exc.strerror}")
+    for path, flag in ((target, "--target"), (draft, "--draft"), (profile, "--profile")):
+        if path is not None and not path.exists():
+            fail(f"{flag} {path} does not exist")
+    try:
+        options = parse_spec_options(spec_option)
+    except QuickdraftError as exc:
+        fail(str(exc))
+    name = served_model_name or (str(target) if target is not None else "quickdraft-default")
+
+    def load():
+        from ..llm import LLM
+
+        return LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
+                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
+                   profile=profile, compile=compile, quantization=quantization,
+                   draft_quantization=draft_quantization, draft_dtype=draft_dtype, preallocate=True)
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    state = ServerState(load, name, max_queue=max_queue, chat_template=template)
+    app = build_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    shown_host = f"[{host}]" if ":" in host else host
+
+    def ready() -> None:
+        engine = state.llm.engine
+        print(f"quickdraft: serving {name!r} at http://{shown_host}:{port}/v1 "
+              f"(method {engine.config.spec.method}, k {engine.k}, max {engine.config.max_num_seqs} running, "
+              f"context {engine.max_model_len}); ready", flush=True)
+
+    def load_failed(message: str) -> None:
+        server.should_exit = True
+
+    state.on_ready = ready
+    state.on_load_error = load_failed
+    print(f"quickdraft: loading the model; listening on http://{shown_host}:{port} (GET /health is 200 when ready)",
+          flush=True)
+    try:
+        server.run()
+    except QuickdraftError as exc:
+        fail(str(exc))
+    if state.load_error is not None:
+        fail(state.load_error)
+    if not server.started:
+        fail(f"could not listen on {host}:{port} (address in use or not available?)")
+    sys.exit(0)

@@ -1,0 +1,48 @@
+"""`quickdraft tune`: measure this hardware's costs and pick k per batch size
+(the measuring is quickdraft.bench.tune)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import common as opts
+from .common import command_line, parse_ints, parse_spec_options, user_errors
+from .common import out as stdout
+
+
+@user_errors
+def tune_command(
+    target: Optional[Path] = opts.TARGET,
+    draft: Optional[Path] = opts.DRAFT,
+    method: Optional[list[str]] = opts.METHODS,
+    k_max: int = typer.Option(8, "-k", "--max-k", help="Longest speculation measured (k = 1..K)."),
+    spec_option: Optional[list[str]] = opts.SPEC_OPTION,
+    batch_sizes: str = typer.Option("1,2,4,8,16,32", "--batch-sizes", help="Comma-separated batch sizes."),
+    context: int = typer.Option(256, "--context", help="Tokens cached per row while timing."),
+    prompts: Optional[Path] = opts.PROMPTS_FILE,
+    num_prompts: int = typer.Option(8, "--num-prompts", help="Built-in workload: number of prompts."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="New tokens per prompt in the acceptance run."),
+    temperature: float = opts.TEMPERATURE,
+    iters: int = typer.Option(10, "--iters", help="Timed repetitions per measurement (medians)."),
+    out: Path = typer.Option(Path("quickdraft-profile.json"), "--out", help="Profile JSON to write."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a PNG (needs matplotlib)."),
+    dtype: Optional[str] = opts.DTYPE,
+    device: Optional[str] = opts.DEVICE,
+) -> None:
+    """Measure this hardware's costs and pick the speculation length k per batch size."""
+    from ..bench.tune import TuneConfig, summary_table, tune
+
+    config = TuneConfig(target=target, draft=draft, methods=tuple(method or ()), k_max=k_max,
+                        spec_options=parse_spec_options(spec_option), batch_sizes=parse_ints(batch_sizes, "--batch-sizes"),
+                        context=context, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens,
+                        temperature=temperature, iters=iters, out=out, plot=plot, dtype=dtype, device=device,
+                        command=command_line())
+    profile = tune(config)
+    stdout.print(summary_table(profile))
+    for name, m in profile.methods.items():
+        stdout.print(f"{name}: acceptance per position " + " ".join(f"{a:.2f}" for a in m.acceptance_per_pos)
+                     + f" (i.i.d. alpha {m.alpha:.3f}, drafted in {100 * m.draft_rate:.0f}% of steps)")
+    stdout.print(f"profile written to {config.out}" + (f", plot to {config.plot}" if config.plot else ""))
