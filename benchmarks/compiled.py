@@ -99,7 +99,7 @@ def main() -> None:
                 "seconds": secs, "tokens_per_s": tokens / secs, "ms_per_token": 1e3 * secs / tokens,
                 "speedup_vs_plain_same_mode": got[base][0] / secs if base in got else None,
                 "speedup_vs_plain_eager": got["plain-eager"][0] / secs if "plain-eager" in got else None,
-                "mean_acceptance_length": s.mean_acceptance_length if s.num_drafts else 1.0,
+                "tokens_per_step": s.tokens_per_step,
                 "acceptance_rate": s.acceptance_rate,
                 "identical_to_plain": reference is None or [o.token_ids for o in outs] == reference})
         print(f"repeat {r}: " + ", ".join(f"{n} {reps[n][-1]['tokens_per_s']:.1f} tok/s" for n in args.configs),
@@ -113,7 +113,7 @@ def main() -> None:
     for name, rows in reps.items():
         llm = llms[name]
         summary[name] = {key: med(rows, key) for key in ("tokens_per_s", "ms_per_token", "speedup_vs_plain_same_mode",
-                                                         "speedup_vs_plain_eager", "mean_acceptance_length",
+                                                         "speedup_vs_plain_eager", "tokens_per_step",
                                                          "acceptance_rate")}
         summary[name]["identical_to_plain"] = all(x["identical_to_plain"] for x in rows)
         summary[name]["load_and_compile_s"] = compile_s[name]
@@ -135,7 +135,7 @@ def main() -> None:
           f"Default pair, batch 1, greedy, k={args.k}, {len(prompts)} held-out code prompts x {args.new_tokens} "
           f"tokens, {args.repeats} repeats (medians; speedups paired per repeat), {s['dtype']}, "
           f"torch {s['torch']}, {s['date']}.", "",
-          "| config | tok/s | ms/token | speedup vs plain (same mode) | vs plain eager | mean acceptance length | "
+          "| config | tok/s | ms/token | speedup vs plain (same mode) | vs plain eager | tokens/step | "
           "acceptance rate | identical to plain | added memory (B=1) |",
           "|---|---|---|---|---|---|---|---|---|"]
 
@@ -146,7 +146,7 @@ def main() -> None:
         mem = m["memory"]["batch_1"]["added_fraction"]
         md.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['ms_per_token']:.2f} | "
                   f"{f(m['speedup_vs_plain_same_mode'], '.2f')}x | {f(m['speedup_vs_plain_eager'], '.2f')}x | "
-                  f"{m['mean_acceptance_length']:.2f} | {m['acceptance_rate']:.3f} | "
+                  f"{m['tokens_per_step']:.2f} | {m['acceptance_rate']:.3f} | "
                   f"{'yes' if m['identical_to_plain'] else 'NO'} | {100 * mem:.1f}% |")
     md += ["", "Added memory: (target + draft weights and caches) / (target weights and cache) - 1 at batch 1, "
            "full context.", "", f"Command: `{s['command']}`", ""]

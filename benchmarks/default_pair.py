@@ -142,18 +142,18 @@ def main() -> None:
             rows.append({
                 "plain_s": res["plain"][0], "spec_s": res["spec"][0], "tokens": res["plain"][1],
                 "speedup": res["plain"][0] / res["spec"][0],
-                "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+                "acceptance_rate": s.acceptance_rate, "tokens_per_step": s.tokens_per_step,
                 "accepted_per_pos": [a / max(1, s.num_drafts) for a in s.accepted_per_pos],
                 "greedy_identical": all(same) if temp == 0 else None,
             })
             print(f"T={temp} repeat {r}: plain {res['plain'][0]:.2f}s, spec {res['spec'][0]:.2f}s, speedup "
-                  f"{rows[-1]['speedup']:.2f}x, acceptance {s.acceptance_rate:.3f}, mean acceptance length "
-                  f"{s.mean_acceptance_length:.2f}" + (f", identical {all(same)}" if temp == 0 else ""))
+                  f"{rows[-1]['speedup']:.2f}x, acceptance {s.acceptance_rate:.3f}, tokens per step "
+                  f"{s.tokens_per_step:.2f}" + (f", identical {all(same)}" if temp == 0 else ""))
         results["runs"][str(temp)] = {
             "repeats": rows,
             "speedup_median": statistics.median(r["speedup"] for r in rows),
             "acceptance_rate": statistics.median(r["acceptance_rate"] for r in rows),
-            "mean_acceptance_length": statistics.median(r["mean_acceptance_length"] for r in rows),
+            "tokens_per_step": statistics.median(r["tokens_per_step"] for r in rows),
             "plain_tokens_per_s": statistics.median(r["tokens"] / r["plain_s"] for r in rows),
             "spec_tokens_per_s": statistics.median(r["tokens"] / r["spec_s"] for r in rows),
         }
@@ -167,7 +167,7 @@ def main() -> None:
         # per-position acceptance probability of an i.i.d. model, which is not accepted / drafted:
         # acceptance is bursty on code (whole runs accepted or none). So take E = the measured mean
         # acceptance length and report the i.i.d. alpha that gives the same E.
-        E = run["mean_acceptance_length"]
+        E = run["tokens_per_step"]
         lo, hi = 0.0, 1.0
         for _ in range(60):  # solve (1 - alpha^(k+1)) / (1 - alpha) = E for alpha
             mid = (lo + hi) / 2
@@ -213,14 +213,14 @@ def main() -> None:
           f"{results['models']['draft_heldout_loss']}. {len(prompts)} held-out prompts (function/class openings), "
           f"batch 1, {args.new_tokens} new tokens, k={k}, {args.repeats} repeats (medians), float32, "
           f"torch {torch.__version__}, {results['setup']['date']}.", "",
-          "| temperature | plain tok/s | spec tok/s | speedup | acceptance rate | mean acceptance length | "
+          "| temperature | plain tok/s | spec tok/s | speedup | acceptance rate | tokens/step | "
           "predicted speedup | measured / predicted |", "|---|---|---|---|---|---|---|---|"]
     for temp in args.temperatures:
         r = results["runs"][str(temp)]
         md.append(f"| {temp} | {r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | "
-                  f"{r['speedup_median']:.2f}x | {r['acceptance_rate']:.3f} | {r['mean_acceptance_length']:.2f} | "
+                  f"{r['speedup_median']:.2f}x | {r['acceptance_rate']:.3f} | {r['tokens_per_step']:.2f} | "
                   f"{r['predicted_speedup']:.2f}x | {r['measured_over_predicted']:.2f} |")
-    md += ["", "Predicted speedup = E * T(1) / (T_propose(k) + T(k+1)) with E the measured mean acceptance length "
+    md += ["", "Predicted speedup = E * T(1) / (T_propose(k) + T(k+1)) with E the measured tokens per step "
            "(" + ", ".join(f"T={t}: E {results['runs'][str(t)]['E']:.2f}, i.i.d. alpha "
                            f"{results['runs'][str(t)]['alpha_iid']:.3f}" for t in args.temperatures) + "). "
            "Plugging accepted/drafted into (1 - a^(k+1)) / (1 - a) would give E = " + ", ".join(

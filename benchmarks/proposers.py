@@ -170,7 +170,7 @@ def main() -> None:
                 secs, outs, s = got[name]
                 tokens = sum(len(o.token_ids) for o in outs)
                 row = {"seconds": secs, "tokens": tokens, "tokens_per_s": tokens / secs, "speedup": plain_s / secs,
-                       "mean_acceptance_length": s.mean_acceptance_length if s.num_drafts else 1.0,
+                       "tokens_per_step": s.tokens_per_step,
                        "acceptance_rate": s.acceptance_rate,
                        "accepted_per_pos": [a / max(1, s.num_steps) for a in s.accepted_per_pos],
                        "draft_tokens_per_step": s.num_draft_tokens / max(1, s.num_steps),
@@ -182,7 +182,7 @@ def main() -> None:
                                                            for o, e in zip(outs, expected))
                 reps[name].append(row)
             print(f"  repeat {r}: " + ", ".join(f"{n} {reps[n][-1]['speedup']:.2f}x "
-                                                  f"(MAL {reps[n][-1]['mean_acceptance_length']:.2f})"
+                                                  f"(tokens/step {reps[n][-1]['tokens_per_step']:.2f})"
                                                   for n in args.methods))
         summary = {}
         for name, rows in reps.items():
@@ -190,7 +190,7 @@ def main() -> None:
             summary[name] = {
                 "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rows),
                 "speedup": statistics.median(x["speedup"] for x in rows),
-                "mean_acceptance_length": statistics.median(x["mean_acceptance_length"] for x in rows),
+                "tokens_per_step": statistics.median(x["tokens_per_step"] for x in rows),
                 "acceptance_rate": statistics.median(x["acceptance_rate"] for x in rows),
                 "accepted_per_pos": [statistics.median(x["accepted_per_pos"][i] if i < len(x["accepted_per_pos"])
                                                        else 0.0 for x in rows) for i in range(width)],
@@ -230,12 +230,12 @@ def main() -> None:
     for wname, w in results["workloads"].items():
         fid = "copy_fidelity" in next(iter(w["methods"].values()))
         md += [f"## {wname} ({w['prompts']} prompts, mean {w['mean_prompt_tokens']:.0f} prompt tokens)", "",
-               "| method | tok/s | speedup | mean acceptance length | acceptance rate | draft tokens/step | "
+               "| method | tok/s | speedup | tokens/step | acceptance rate | draft tokens/step | "
                "accepted per position | identical to plain |" + (" copy fidelity |" if fid else ""),
                "|---|---|---|---|---|---|---|---|" + ("---|" if fid else "")]
         for name, m in w["methods"].items():
             pos = " ".join(f"{a:.2f}" for a in m["accepted_per_pos"]) or "-"
-            md.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['mean_acceptance_length']:.2f} | "
+            md.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['tokens_per_step']:.2f} | "
                       f"{m['acceptance_rate']:.3f} | {m['draft_tokens_per_step']:.1f} | {pos} | "
                       f"{'-' if m['identical_to_plain'] is None else 'yes' if m['identical_to_plain'] else 'NO'} |" + (f" {m['copy_fidelity']:.2f} |" if fid else ""))
         md.append("")

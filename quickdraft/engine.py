@@ -35,6 +35,30 @@ from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one verify step decided, per row, read back from the device in one sync."""
+    tokens: list[list[int]]  # the tokens to commit: accepted drafts, then the recovered or bonus token
+    num_accepted: list[int]  # draft tokens the verifier kept
+    num_drafted: list[int]  # draft tokens (nodes) the row proposed
+    accepted_nodes: list[list[int]] | None  # trees: the accepted path's node indices (root's child first)
+    target_tokens: list[list[int]] | None  # for proposers that want them: the target's argmax at every position
+
+
+def _read_back(**fields: torch.Tensor | None) -> dict[str, list[list[int]]]:
+    """Copy named (B, n_i) integer tensors to the host in ONE transfer (the step's only host
+    sync) and split each row back by name; None fields stay None."""
+    named = [(name, t) for name, t in fields.items() if t is not None]
+    packed = torch.cat([t for _, t in named], 1).tolist()
+    out: dict[str, list[list[int]] | None] = dict.fromkeys(fields)
+    start = 0
+    for name, t in named:
+        width = t.shape[1]
+        out[name] = [row[start:start + width] for row in packed]
+        start += width
+    return out
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -320,11 +344,11 @@ class Engine:
             result = self._verify_chain(draft, last, lengths, sampling, generators)
         else:
             result = self._verify_tree(draft, last, lengths, sampling, generators)
-        out, num_accepted, drafted, path, target_tokens = result
         if draft is not None:
-            self.proposer.observe(VerifyResult(num_accepted, lengths, k, path, target_tokens, draft=draft))
-        for r, toks, n, d in zip(rows, out, num_accepted, drafted):
-            per_pos = None if path is None else [1] * n + [0] * (k - n)
+            self.proposer.observe(VerifyResult(result.num_accepted, lengths, k, result.accepted_nodes,
+                                               result.target_tokens, draft=draft))
+        for r, toks, n, d in zip(rows, result.tokens, result.num_accepted, result.num_drafted):
+            per_pos = None if result.accepted_nodes is None else [1] * n + [0] * (k - n)
             r.stats.observe(d, n, per_pos)
             self.stats.observe(d, n, per_pos)
             if self.policy is not None:
@@ -334,7 +358,7 @@ class Engine:
             self.policy.observe_step(len(rows), k, time.perf_counter() - started)
         return list(rows)
 
-    def _verify_chain(self, draft, last, lengths, sampling, generators):
+    def _verify_chain(self, draft, last, lengths, sampling, generators) -> StepOutcome:
         """Target forward over [last, d_1..d_k] at positions L-1..L-1+k, then verify."""
         B = len(lengths)
         draft_tokens = last[:, :0] if draft is None else draft.tokens
@@ -351,12 +375,12 @@ class Engine:
                                                  uniform_noise(generators, k, self.device),
                                                  exponential_noise(generators, p.shape[-1], self.device))
         drafted = (draft_tokens >= 0).sum(1)
-        sync = [out, num_accepted[:, None], drafted[:, None]] + ([argmax] if self._wants_target_tokens else [])
-        packed = torch.cat(sync, 1).tolist()  # the step's one host sync
-        return ([row[: k + 1] for row in packed], [row[k + 1] for row in packed], [row[k + 2] for row in packed],
-                None, [row[k + 3:] for row in packed] if self._wants_target_tokens else None)
+        host = _read_back(tokens=out, num_accepted=num_accepted[:, None], num_drafted=drafted[:, None],
+                          target_tokens=argmax if self._wants_target_tokens else None)
+        return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
+                           None, host["target_tokens"])
 
-    def _verify_tree(self, draft, last, lengths, sampling, generators):
+    def _verify_tree(self, draft, last, lengths, sampling, generators) -> StepOutcome:
         """Target forward over [last, nodes...] with tree attention, verify, then move the
         accepted path's cache entries to their chain slots (quickdraft.tree has the layout)."""
         B, N = draft.tokens.shape
@@ -383,12 +407,10 @@ class Engine:
         D = path.shape[1]
         steps = torch.arange(D, device=device)
         self.cache.compact(torch.where(path >= 0, L[:, None] + path, -1), L[:, None] + steps)
-        sync = [out, path, num_accepted[:, None], valid.sum(1)[:, None]] + \
-            ([argmax] if self._wants_target_tokens else [])
-        packed = torch.cat(sync, 1).tolist()  # the step's one host sync
-        return ([row[: D + 1] for row in packed], [row[2 * D + 1] for row in packed],
-                [row[2 * D + 2] for row in packed], [[i for i in row[D + 1: 2 * D + 1] if i >= 0] for row in packed],
-                [row[2 * D + 3:] for row in packed] if self._wants_target_tokens else None)
+        host = _read_back(tokens=out, path=path, num_accepted=num_accepted[:, None], num_drafted=valid.sum(1)[:, None],
+                          target_tokens=argmax if self._wants_target_tokens else None)
+        return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
+                           [[i for i in row if i >= 0] for row in host["path"]], host["target_tokens"])
 
     def _append(self, r: _Request, tokens: list[int]) -> None:
         """Commit emitted tokens, cutting at eos, a stop string or max_tokens."""

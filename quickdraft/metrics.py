@@ -54,7 +54,13 @@ class SpecStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens emitted per step: 1 + accepted / steps (includes the bonus/recovered token)."""
+        """vLLM's definition: 1 + accepted / drafts, over the steps that drafted (0 when none did)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """1 + accepted / steps over every target step, drafting or not: what the speedup
+        follows (differs from mean_acceptance_length when a proposer skips steps)."""
         return 1.0 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
 
     @property
@@ -72,5 +78,6 @@ class SpecStats:
             "elapsed_s": self.elapsed_s,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "tokens_per_step": self.tokens_per_step,
             "tokens_per_second": self.tokens_per_second,
         }

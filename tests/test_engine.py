@@ -147,7 +147,8 @@ def test_stats_fields(target_dir, draft_dir):
     assert s.num_output_tokens == sum(len(o.token_ids) for o in outs) == 120
     assert s.num_draft_tokens == sum(o.stats.num_draft_tokens for o in outs)
     assert sum(s.accepted_per_pos) == s.num_accepted_tokens
-    assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_steps)
+    assert s.tokens_per_step == pytest.approx(1 + s.num_accepted_tokens / s.num_steps)
+    assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_drafts)
     assert s.tokens_per_second > 0
 
 

@@ -87,7 +87,7 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
                     "plain_tokens_per_s": statistics.median(tok / s for s, tok, *_ in per[("none", 0)]),
                     "speedup": statistics.median(x[2] for x in rows),
                     "acceptance_rate": a, "draft_rate": r_d,
-                    "mean_acceptance_length": statistics.median(x[3].mean_acceptance_length for x in rows),
+                    "tokens_per_step": statistics.median(x[3].tokens_per_step for x in rows),
                     "accepted_per_pos": [v / max(1, st.num_drafts) for v in st.accepted_per_pos],
                     "c": t_prop / (k * T1), "verify_ratio": Tk1 / T1, "predicted_speedup": predicted,
                 })
@@ -109,12 +109,12 @@ def write_outputs(result: dict, out_dir: Path, name: str) -> list[Path]:
     paths[0].write_text(json.dumps(result, indent=2) + "\n")
     s = result["setup"]
     md = [f"# quickdraft bench ({s['hardware']}, torch {s['torch']})", "", f"{s['date']}; `{s['command']}`", "",
-          "| T | batch | method | k | tok/s | ms/token | speedup | predicted | acceptance | mean acc. length | "
+          "| T | batch | method | k | tok/s | ms/token | speedup | predicted | acceptance | tokens/step | "
           "c | T(k+1)/T(1) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         md.append(f"| {r['temperature']} | {r['batch_size']} | {r['method']} | {r['k']} | {r['tokens_per_s']:.1f} | "
                   f"{r['ms_per_token']:.2f} | {r['speedup']:.2f}x | {r['predicted_speedup']:.2f}x | "
-                  f"{r['acceptance_rate']:.3f} | {r['mean_acceptance_length']:.2f} | {r['c']:.3f} | "
+                  f"{r['acceptance_rate']:.3f} | {r['tokens_per_step']:.2f} | {r['c']:.3f} | "
                   f"{r['verify_ratio']:.2f} |")
     peers = result.get("peers")
     if peers is not None:

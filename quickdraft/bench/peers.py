@@ -144,7 +144,7 @@ def run_peers(ours: dict, target_dir: Path, draft_dir: Optional[Path], prompts: 
                 row = {"seconds": secs, "tokens": tokens, "tokens_per_s": tokens / secs,
                        "identical_prompts": sum(d is None for d in first_diff), "first_difference_at": first_diff}
                 if stats is not None and stats.num_steps:
-                    row["mean_acceptance_length"] = stats.mean_acceptance_length
+                    row["tokens_per_step"] = stats.tokens_per_step
                 reps[name].append(row)
             if progress is not None:
                 progress()
@@ -158,8 +158,8 @@ def run_peers(ours: dict, target_dir: Path, draft_dir: Optional[Path], prompts: 
                          "identical_to_ours_plain": all(x["identical_prompts"] == len(prompts) for x in rows),
                          "identical_prompts_min": min(x["identical_prompts"] for x in rows),
                          "repeats": rows}
-        if "mean_acceptance_length" in rows[0]:
-            methods[name]["mean_acceptance_length"] = statistics.median(x["mean_acceptance_length"] for x in rows)
+        if "tokens_per_step" in rows[0]:
+            methods[name]["tokens_per_step"] = statistics.median(x["tokens_per_step"] for x in rows)
     ratios = {}
     for a, b in pairs:
         per = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(reps[a], reps[b])]
@@ -189,11 +189,11 @@ def markdown(peers: dict) -> list[str]:
           f"batch 1, {n} prompts (mean {w['mean_prompt_tokens']:.0f} tokens), {w['new_tokens']} new tokens each "
           f"(eos ignored); one warm-up, {w['repeats']} repeats in rotated order, medians. Assisted generation uses "
           f"transformers' assistant schedule {w['hf_assistant_schedule']}.", "",
-          "| method | median tok/s | median s | mean acc. length | identical to ours-plain |",
+          "| method | median tok/s | median s | tokens/step | identical to ours-plain |",
           "|---|---:|---:|---:|---|"]
     for name, m in peers["methods"].items():
         ident = "yes" if m["identical_to_ours_plain"] else f"NO (min {m['identical_prompts_min']}/{n} prompts)"
-        mal = f"{m['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in m else ""
+        mal = f"{m['tokens_per_step']:.2f}" if "tokens_per_step" in m else ""
         md.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['median_s']:.2f} | {mal} | {ident} |")
     md += ["", "| ours / peer (tokens/s) | median of per-repeat ratios | ratio of medians |", "|---|---:|---:|"]
     for k, v in peers["ratios"].items():

@@ -47,7 +47,8 @@ def bench_serve_command(
     goodput and acceptance; writes JSON and markdown."""
     try:
         result = _bench_serve(url, request_rates, concurrency, num_requests, max_tokens, temperature, ignore_eos,
-                              workload, prompts, model, return_token_ids, seed, slo_ttft_ms, slo_tpot_ms, warmup, timeout,
+                              workload, prompts, model, return_token_ids, seed, slo_ttft_ms, slo_tpot_ms, warmup,
+                              timeout,
                               label)
     except QuickdraftError as exc:
         fail(str(exc))
@@ -84,7 +85,8 @@ def _bench_serve(url, request_rates, concurrency, num_requests, max_tokens, temp
         if v is not None and not v > 0:
             raise QuickdraftError(f"{opt} must be > 0, got {v}")
     common = dict(url=url, num_requests=num_requests, max_tokens=max_tokens, temperature=temperature,
-                  ignore_eos=ignore_eos, model=model, return_token_ids=return_token_ids, seed=seed, slo_ttft_ms=slo_ttft_ms,
+                  ignore_eos=ignore_eos, model=model, return_token_ids=return_token_ids, seed=seed,
+                  slo_ttft_ms=slo_ttft_ms,
                   slo_tpot_ms=slo_tpot_ms, timeout_s=timeout)
     if concurrency is not None:
         cfgs = [LoadConfig(concurrency=int(c), **common) for c in parse_values(concurrency, "--concurrency", True)]

@@ -36,7 +36,8 @@ def tune_command(
     from ..bench.tune import TuneConfig, summary_table, tune
 
     config = TuneConfig(target=target, draft=draft, methods=tuple(method or ()), k_max=k_max,
-                        spec_options=parse_spec_options(spec_option), batch_sizes=parse_ints(batch_sizes, "--batch-sizes"),
+                        spec_options=parse_spec_options(spec_option),
+                        batch_sizes=parse_ints(batch_sizes, "--batch-sizes"),
                         context=context, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens,
                         temperature=temperature, iters=iters, out=out, plot=plot, dtype=dtype, device=device,
                         command=command_line())
