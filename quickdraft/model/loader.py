@@ -1,8 +1,12 @@
-"""Local Hugging Face checkpoint folder -> Transformer.
+"""Local Hugging Face checkpoint folder (or GGUF file) -> Transformer.
 
 Reads config.json, then weights from `model.safetensors` or a sharded
 `model.safetensors.index.json`. Every tensor must be consumed and every parameter
 filled: a missing or unexpected tensor is an error naming it.
+
+A `.gguf` file stands for a folder too: `checkpoint_dir` turns it into a small metadata folder
+(config, tokenizer, chat template; no weights) and `load_model` reads the weights straight from
+the GGUF (quickdraft.model.gguf).
 """
 
 from __future__ import annotations
@@ -59,11 +63,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def checkpoint_dir(path: str | Path) -> Path:
+    """The checkpoint folder `path` names; for a GGUF file, its metadata folder (written once)."""
+    from .gguf import gguf_checkpoint_dir, is_gguf_file
+
     path = Path(path).expanduser()
     if not path.exists():
         raise QuickdraftError(f"model folder not found: {path}")
+    if is_gguf_file(path):
+        return gguf_checkpoint_dir(path)
     if not path.is_dir():
-        raise QuickdraftError(f"not a model folder: {path}")
+        raise QuickdraftError(f"not a model folder or .gguf file: {path}")
     return path
 
 
@@ -89,18 +98,23 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None) -> Transformer:
-    """Load a Llama-family checkpoint folder. Returns the module in eval mode.
+    """Load a Llama-family checkpoint folder or GGUF file. Returns the module in eval mode.
 
     `model(input_ids)` with input_ids (B, T) returns logits (B, T, vocab).
     """
+    from .gguf import gguf_source, is_gguf_file, load_gguf_model
+
+    path = Path(path).expanduser()
+    if is_gguf_file(path):
+        return load_gguf_model(path, dtype=dtype, device=device)
     path = checkpoint_dir(path)
+    source = gguf_source(path)  # a GGUF's metadata folder: the weights are in the GGUF
+    if source is not None:
+        return load_gguf_model(source, dtype=dtype, device=device)
     cfg = ModelConfig.from_file(path / "config.json")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
 
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = {name for name, _ in model.named_parameters()}  # tied lm_head is deduplicated
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         try:
@@ -115,6 +129,15 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
             if isinstance(exc, QuickdraftError):
                 raise
             raise QuickdraftError(f"cannot read weights {file}: {exc}") from None
+    return assemble(cfg, state, path)
+
+
+def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> Transformer:
+    """A Transformer holding exactly `state` (Hugging Face parameter names, already on the
+    device and in the dtype wanted): a missing, unexpected or misshapen tensor is an error."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {name for name, _ in model.named_parameters()}  # tied lm_head is deduplicated
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
     if unexpected:
