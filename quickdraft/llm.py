@@ -15,11 +15,14 @@ from .engine import Engine, RequestOutput
 from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device
 from .model.quant import quantize
+from .model.sources import CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
 from .proposers import get as get_proposer
 from .sampling import SamplingParams
 
 Prompt = str | list[int]
+Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant", "content": str}
+Conversation = Sequence[Message]
 
 
 def default_model_dirs() -> tuple[Path, Path]:
@@ -35,6 +38,17 @@ def check_same_vocabulary(target, draft, target_tok: Tokenizer | None, draft_tok
                               "a draft must share the target's tokenizer")
     if target_tok is not None and draft_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
         raise QuickdraftError("vocabulary mismatch: the target's and the draft's tokenizers differ")
+
+
+def _named_default_draft(target: str | Path) -> Path | None:
+    """A named model's own draft, when quickdraft ships it; None otherwise (then a target
+    given without draft or method decodes plainly, as any target without a draft does)."""
+    if not isinstance(target, str) or target not in CATALOGUE:
+        return None
+    try:
+        return default_draft(target)
+    except QuickdraftError:  # the entry names a draft this installation does not bundle
+        return None
 
 
 class LLM:
@@ -59,6 +73,12 @@ class LLM:
             if not target.exists():
                 raise QuickdraftError("no target given and no bundled default model is installed; pass target=PATH")
             draft = draft if draft is not None else default_draft
+        else:  # a folder, a .gguf, a named model (fetched on first use) or a Hub id
+            if draft is None and method in (None, "draft"):
+                draft = _named_default_draft(target)
+            target = resolve_model(target)
+        if draft is not None:
+            draft = resolve_model(draft)
         if method is None:
             method = "draft" if draft is not None else "none"
         spec = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens,
@@ -106,11 +126,34 @@ class LLM:
             if self.tokenizer is None:
                 raise QuickdraftError("this model folder has no tokenizer.json: give prompts as token ids")
             if chat:
-                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                return self.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise QuickdraftError("a prompt must be a string or a list of token ids")
+
+    def encode_chat(self, messages: Conversation) -> list[int]:
+        """One conversation rendered with the model's chat template (with the assistant's
+        generation prompt) and encoded: what `chat`, `generate --chat` and the server send."""
+        if self.tokenizer is None:
+            raise QuickdraftError("this model folder has no tokenizer.json: chat needs a tokenizer")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise QuickdraftError("a conversation must be a non-empty list of {\"role\", \"content\"} messages")
+        for m in messages:
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or \
+                    not isinstance(m.get("content"), str):
+                raise QuickdraftError(f"each message must have a string \"role\" and \"content\", got {m!r}")
+        return self.tokenizer.encode_chat([dict(m) for m in messages])
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or a list of them,
+        like vLLM's LLM.chat; outputs come back in order."""
+        one = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if one else list(messages)
+        if not conversations:
+            raise QuickdraftError("chat needs at least one conversation")
+        return self.generate([self.encode_chat(c) for c in conversations], params)
 
     def _params_list(self, n: int, params) -> list[SamplingParams]:
         if params is None:

@@ -17,6 +17,7 @@ from .bench import bench_command
 from .bench_serve import bench_serve_command
 from .common import err
 from .generate import generate
+from .models import convert_command, models_command, pull_command
 from .serve import serve_command
 from .train import distill_command, train_command
 from .tune import tune_command
@@ -27,7 +28,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command),
                         ("verify", verify_command), ("tune", tune_command), ("bench", bench_command),
-                        ("serve", serve_command), ("bench-serve", bench_serve_command)):
+                        ("serve", serve_command), ("bench-serve", bench_serve_command), ("models", models_command),
+                        ("pull", pull_command), ("convert", convert_command)):
     app.command(_name)(_command)
 
 

@@ -17,8 +17,8 @@ from .common import command_line, parse_floats, parse_ints, parse_spec_options, 
 
 @user_errors
 def bench_command(
-    target: Optional[Path] = opts.TARGET,
-    draft: Optional[Path] = opts.DRAFT,
+    target: Optional[str] = opts.TARGET,
+    draft: Optional[str] = opts.DRAFT,
     method: Optional[list[str]] = opts.METHODS,
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
     batch_sizes: str = typer.Option("1", "--batch-sizes", help="Comma-separated batch sizes."),

@@ -113,9 +113,10 @@ def parse_values(text: str, name: str, integer: bool = False) -> list[float]:
 
 # ---- shared flags (one definition, one help text) ---------------------------------------
 
-TARGET = typer.Option(None, "--target", help="Target model folder (default: the bundled model).")
-DRAFT = typer.Option(None, "--draft", help="Draft model folder (default: the bundled draft when no --target "
-                     "is given).")
+TARGET = typer.Option(None, "--target", help="Target model: a Hugging Face folder, a .gguf file, a named model "
+                      "(`quickdraft models`, e.g. smollm2) or a Hub id (default: the bundled code model).")
+DRAFT = typer.Option(None, "--draft", help="Draft model, given like --target (default: the target's own draft "
+                     "for the bundled and named models).")
 METHOD = typer.Option(None, "--method", help="none | draft | ngram | suffix | lookahead (default: draft when a "
                       "draft is given, else none).")
 METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable): draft | ngram | suffix | "
@@ -135,6 +136,8 @@ QUANTIZATION = typer.Option(None, "--quantization", help="Target weights: int8 (
 DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 (weight-only).")
 DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should differ from --dtype "
                            "(changes speed only, not the output).")
+SAVE_DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the file's float type, "
+                          "bfloat16 for quantised weights).")
 TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy.")
 PROMPTS_FILE = typer.Option(None, "--prompts", help="JSONL of {\"prompt\": text or token ids} (default: a "
                             "built-in workload).")

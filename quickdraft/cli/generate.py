@@ -16,8 +16,8 @@ from .common import err, fail, out, parse_ids, parse_spec_options, user_errors
 @user_errors
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text (or token ids with --ids)."),
-    target: Optional[Path] = opts.TARGET,
-    draft: Optional[Path] = opts.DRAFT,
+    target: Optional[str] = opts.TARGET,
+    draft: Optional[str] = opts.DRAFT,
     method: Optional[str] = opts.METHOD,
     k: int = opts.NUM_SPECULATIVE_TOKENS,
     tree_width: Optional[int] = opts.TREE_WIDTH,

@@ -15,8 +15,8 @@ from .common import fail, parse_spec_options
 
 
 def serve_command(
-    target: Optional[Path] = opts.TARGET,
-    draft: Optional[Path] = opts.DRAFT,
+    target: Optional[str] = opts.TARGET,
+    draft: Optional[str] = opts.DRAFT,
     method: Optional[str] = opts.METHOD,
     k: int = opts.NUM_SPECULATIVE_TOKENS,
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
@@ -59,9 +59,8 @@ def serve_command(
             template = chat_template.read_text()
         except OSError as exc:
             fail(f"cannot read --chat-template {chat_template}: {exc.strerror}")
-    for path, flag in ((target, "--target"), (draft, "--draft"), (profile, "--profile")):
-        if path is not None and not path.exists():
-            fail(f"{flag} {path} does not exist")
+    if profile is not None and not profile.exists():
+        fail(f"--profile {profile} does not exist")  # models are resolved (and fetched) while loading
     try:
         options = parse_spec_options(spec_option)
     except QuickdraftError as exc:

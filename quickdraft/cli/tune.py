@@ -15,8 +15,8 @@ from .common import out as stdout
 
 @user_errors
 def tune_command(
-    target: Optional[Path] = opts.TARGET,
-    draft: Optional[Path] = opts.DRAFT,
+    target: Optional[str] = opts.TARGET,
+    draft: Optional[str] = opts.DRAFT,
     method: Optional[list[str]] = opts.METHODS,
     k_max: int = typer.Option(8, "-k", "--max-k", help="Longest speculation measured (k = 1..K)."),
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,

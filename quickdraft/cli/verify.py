@@ -4,7 +4,6 @@ speculative decoding keeps the target's distribution (the check is quickdraft.be
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -15,8 +14,8 @@ from .common import out, parse_ids, parse_spec_options, user_errors
 
 @user_errors
 def verify_command(
-    target: Optional[Path] = opts.TARGET,
-    draft: Optional[Path] = opts.DRAFT,
+    target: Optional[str] = opts.TARGET,
+    draft: Optional[str] = opts.DRAFT,
     method: str = typer.Option("draft", "--method", help="draft | ngram | suffix | lookahead."),
     k: int = typer.Option(4, "-k", "--num-speculative-tokens", help="Draft tokens per step."),
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,

@@ -189,7 +189,7 @@ async def chat_completions(request: Request):
         raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template; "
                        "start the server with --chat-template FILE, or use /v1/completions)", "messages")
     try:
-        prompt = tok.encode_chat([m.as_template_input() for m in req.messages])
+        prompt = state.llm.encode_chat([m.as_template_input() for m in req.messages])  # LLM.chat's path
     except QuickdraftError as exc:
         raise APIError(400, str(exc), "messages") from None
     except Exception as exc:  # noqa: BLE001 - a template failing on odd input is the input's fault

@@ -1,0 +1,50 @@
+"""`quickdraft models`, `quickdraft pull NAME` and `quickdraft convert FILE.gguf --out DIR`:
+the catalogue of named models, fetching one into the cache, and GGUF -> Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import common as opts
+from .common import out, user_errors
+
+
+@user_errors
+def models_command() -> None:
+    """List quickdraft's named models (usable as --target NAME) and whether each is cached."""
+    from rich.table import Table
+
+    from ..model.sources import cache_dir, catalogue
+
+    table = Table(title=f"named models (cache: {cache_dir()})")
+    for column in ("name", "description", "size", "license", "default draft", "cached"):
+        table.add_column(column)
+    for info in catalogue():
+        e = info.entry
+        table.add_row(e.name, e.description, f"{e.size / 1e6:.0f} MB", e.license, e.default_draft or "-",
+                      str(info.path) if info.cached else "no (fetched on first use, or `quickdraft pull`)")
+    out.print(table)
+
+
+@user_errors
+def pull_command(name: str = typer.Argument(..., help="A named model (see `quickdraft models`).")) -> None:
+    """Fetch a named model into the cache (checksum-verified; nothing is kept on failure)."""
+    from ..model.sources import pull
+
+    out.print(str(pull(name)))
+
+
+@user_errors
+def convert_command(
+    gguf_file: Path = typer.Argument(..., help="The GGUF file to convert."),
+    out_dir: Path = typer.Option(..., "--out", help="The Hugging Face folder to write (new or empty)."),
+    dtype: Optional[str] = opts.SAVE_DTYPE,
+) -> None:
+    """Write a GGUF model as a Hugging Face folder (safetensors, config, tokenizer, chat template)
+    that transformers and quickdraft load."""
+    from ..model.gguf import convert_gguf
+
+    out.print(f"wrote {convert_gguf(gguf_file, out_dir, dtype=dtype)}")
