@@ -35,6 +35,7 @@ import torch
 
 from ..config import ModelConfig, RopeConfig
 from ..errors import QuickdraftError, UnsupportedModelError
+from .sources import cache_dir
 from .transformer import Transformer, rope_inv_freq
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -274,11 +275,6 @@ def _identity(path: Path) -> dict[str, Any]:
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("QUICKDRAFT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "quickdraft"
-
-
 def _write_folder(dest: Path, files: dict[str, str], write_extra: Callable[[Path], None] | None = None) -> None:
     """Write `files` into a temporary sibling of `dest`, then rename: `dest` is never half-written."""
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -302,7 +298,7 @@ def gguf_checkpoint_dir(path: str | Path) -> Path:
     path = Path(path).expanduser().resolve()
     ident = _identity(path)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
-    folder = _cache_root() / "gguf" / key
+    folder = cache_dir() / "gguf" / key
     if (folder / GGUF_POINTER).exists():
         return folder
     g = read_gguf(path)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, Sequence
 
-from quickdraft.errors import QuickdraftError
+from ..errors import QuickdraftError
 
 if TYPE_CHECKING:
     from rich.console import Console
