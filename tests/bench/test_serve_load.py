@@ -28,7 +28,7 @@ from quickdraft.bench.serve_load.stats import (Chunk, RequestResult, SSEDecoder,
 from quickdraft.cli.bench_serve import bench_serve_command
 from quickdraft.cli.common import parse_values
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------- percentiles
