@@ -270,7 +270,7 @@ def bench_default_pair(device: torch.device, out: Path, s: Settings) -> dict:
     paths = write_outputs(result, out, "bench_default_pair")
     summary = {"files": [str(p) for p in paths],
                "runs": [{k: r[k] for k in ("batch_size", "method", "k", "tokens_per_s", "plain_tokens_per_s", "speedup",
-                                           "predicted_speedup", "mean_acceptance_length")} for r in result["runs"]]}
+                                           "predicted_speedup", "tokens_per_step")} for r in result["runs"]]}
     peers = result.get("peers", {})
     if "ratios" in peers:
         summary["peers"] = {"ratios": {k: v["median_of_ratios"] for k, v in peers["ratios"].items()},

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from ..errors import QuickdraftError
+from ..model.sources import check_spec
 from . import common as opts
 from .common import fail, parse_spec_options
 
@@ -60,7 +61,13 @@ def serve_command(
         except OSError as exc:
             fail(f"cannot read --chat-template {chat_template}: {exc.strerror}")
     if profile is not None and not profile.exists():
-        fail(f"--profile {profile} does not exist")  # models are resolved (and fetched) while loading
+        fail(f"--profile {profile} does not exist")
+    for spec, flag in ((target, "--target"), (draft, "--draft")):  # fetched while loading; named right now
+        if spec is not None:
+            try:
+                check_spec(spec)
+            except QuickdraftError as exc:
+                fail(f"{flag}: {exc}")
     try:
         options = parse_spec_options(spec_option)
     except QuickdraftError as exc:

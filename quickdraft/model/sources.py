@@ -122,21 +122,33 @@ def default_draft(name: str) -> Path | None:
     return None if entry.default_draft is None else _bundled(entry.default_draft)
 
 
-def resolve_model(spec: str | Path, progress: bool = True) -> Path:
-    """Turn a `target` / `draft` argument into a local path (see the module docstring for the order)."""
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path
+def check_spec(spec: str | Path) -> str:
+    """What kind of source `spec` names ("path", "catalogue", "bundled", "hub"), with no network
+    and no download; a QuickdraftError for one that can never resolve (a CLI checks before it starts)."""
+    if Path(spec).expanduser().exists():
+        return "path"
     if isinstance(spec, Path) or spec.endswith(".gguf"):  # clearly meant as a path
         raise QuickdraftError(f"model not found: {spec} (no such file or folder)")
     if spec in CATALOGUE:
-        return fetch(CATALOGUE[spec], progress=progress)
+        return "catalogue"
     if spec in {e.default_draft for e in CATALOGUE.values()}:
-        return _bundled(spec)
+        return "bundled"
     if _HUB_ID.match(spec):
-        return _from_hub(spec)
+        return "hub"
     raise QuickdraftError(f"model not found: {spec} (not a local path, a catalogue name "
                           f"({_names()}) or a Hub id)")
+
+
+def resolve_model(spec: str | Path, progress: bool = True) -> Path:
+    """Turn a `target` / `draft` argument into a local path (see the module docstring for the order)."""
+    kind = check_spec(spec)
+    if kind == "path":
+        return Path(spec).expanduser()
+    if kind == "catalogue":
+        return fetch(CATALOGUE[spec], progress=progress)
+    if kind == "bundled":
+        return _bundled(spec)
+    return _from_hub(spec)
 
 
 def fetch(entry: CatalogueEntry, *, progress: bool = True, pip_args: Sequence[str] = ()) -> Path:

@@ -55,6 +55,7 @@ def test_gpu_check_small_on_cpu(tmp_path):
     assert all(b["peers"]["identical_to_ours_plain"].values()), b["peers"]
 
 
+@pytest.mark.slow
 def test_gpu_check_part_selection_and_bad_arguments(tmp_path):
     r = _run("--small", "--device", "cpu", "--out", str(tmp_path), "--parts", "ab")
     assert r.returncode == 0, r.stdout + r.stderr

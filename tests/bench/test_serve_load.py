@@ -330,6 +330,7 @@ def serve(*args, timeout: float = 240):
 
 @pytest.mark.skipif(not (ROOT / "quickdraft" / "server" / "app.py").exists(),
                     reason="quickdraft/server/app.py (the server) is not written yet")
+@pytest.mark.slow
 def test_end_to_end_against_a_real_server(tmp_path):
     max_tokens, k = 12, 3
     with serve("--method", "draft", "-k", str(k)) as url:

@@ -23,6 +23,7 @@ def test_generate_json(target_dir, draft_dir):
     assert set(data["stats"]) >= {"acceptance_rate", "mean_acceptance_length", "tokens_per_second", "num_drafts"}
 
 
+@pytest.mark.slow
 def test_generate_streams_text_and_summary(target_dir, draft_dir):
     r = run("generate", "--target", target_dir, "--draft", draft_dir, "--max-tokens", 8, "--ignore-eos",
             "--temperature", 0.7, "--seed", 3, "def add(a, b):")
@@ -33,12 +34,14 @@ def test_generate_streams_text_and_summary(target_dir, draft_dir):
     assert r.stdout == r2.stdout  # seeded
 
 
+@pytest.mark.slow
 def test_chat_and_ids(target_dir):
     assert run("generate", "--target", target_dir, "--chat", "--max-tokens", 3, "hi").returncode == 0
     r = run("generate", "--target", target_dir, "--ids", "--max-tokens", 3, "--json", "--ignore-eos", "0 5 6")
     assert r.returncode == 0 and json.loads(r.stdout)["prompt_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_generate_with_other_proposers(target_dir, draft_dir):
     plain = json.loads(run("generate", "--target", target_dir, "--method", "none", "--max-tokens", 16, "--ignore-eos",
                            "--json", "def add(a, b):").stdout)["token_ids"]
@@ -81,6 +84,7 @@ def test_vocabulary_mismatch_and_bad_config(target_dir, ckpt_factory, tmp_path):
     assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_compare_reports_speedup_and_identity(target_dir, draft_dir):
     r = run("generate", "--target", target_dir, "--draft", draft_dir, "--max-tokens", 10, "--ignore-eos", "--compare",
             "--json", "def add(a, b):")

@@ -55,6 +55,7 @@ def test_default_llm_is_the_bundled_pair_and_lossless():
     assert llm.stats.acceptance_rate > 0.3  # a distilled draft, not a random one
 
 
+@pytest.mark.slow
 def test_cli_uses_the_default_pair():
     r = subprocess.run([sys.executable, "-m", "quickdraft.cli", "generate", "--max-tokens", "16", "--json",
                         "def add(a, b):"], capture_output=True, text=True, timeout=600)

@@ -536,6 +536,7 @@ def _fuzz_strategies():
     return st.one_of(completions, chats, valid_completions, valid_chats, junk, st.binary(max_size=40))
 
 
+@pytest.mark.slow
 def test_random_requests_never_get_a_5xx(server):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
