@@ -93,3 +93,18 @@ def test_compare_reports_speedup_and_identity(target_dir, draft_dir):
     assert cmp_["identical"] is True and cmp_["speedup"] > 0
     r = run("generate", "--target", target_dir, "--compare", "hi")
     assert r.returncode == 2 and "--compare needs" in r.stderr
+
+
+def test_model_source_commands_and_errors(tmp_path):
+    r = run("models")
+    assert r.returncode == 0 and "smollm2" in r.stdout, r.stderr
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x01" * 40)
+    for args, needle in ((["pull", "bogus"], "unknown model name"),
+                         (["convert", bad, "--out", tmp_path / "out"], "truncated or corrupt"),
+                         (["generate", "--target", "no-such-model", "hi"], "model not found"),
+                         (["generate", "--target", tmp_path / "missing.gguf", "hi"], "no such file")):
+        r = run(*args)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
