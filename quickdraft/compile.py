@@ -11,6 +11,11 @@ compiling the step removes it. Two shapes of compiled step:
   the query length is whatever the step uses. Padding rows have position -1: their k/v go
   to the cache's trash column and their outputs are dropped.
 
+A whole function compiled as one graph (the draft's k-token chain) specialises on more than
+shapes (the batch's sampling mix, k); `CompiledVariants` runs it only for the variants
+warm-up registered and the same function one compiled forward at a time otherwise, so a
+request never waits for a compile.
+
 Prefill is not compiled (its shapes change with every prompt). Where compilation is
 unavailable or fails, the step logs one line and runs eagerly from then on; results are
 the same either way (checked by tests: greedy tokens equal, distribution tests pass).
@@ -20,12 +25,14 @@ supports it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
 import torch
 
 from .cache import CacheView
+from .sampling import BatchSampling, SamplingParams
 
 log = logging.getLogger("quickdraft")
 
@@ -182,3 +189,57 @@ def _pad_static(input_ids, positions, cache: CacheView, *, kv_len=None, slots=No
         full[B:, :, 0] = True  # a padding row must see one key (softmax over nothing is NaN)
         attn_mask = full
     return (input_ids, positions, cache), dict(kv_len=S, slots=slots, attn_mask=attn_mask, logits_at=logits_at)
+
+
+class CompiledVariants:
+    """A whole-function compiled step (StepFunction(fn=...)) run only for the variants
+    registered ahead of use; any other variant runs `fallback`, the same function over the
+    one-token steps (the same results, and no graph compiled in the middle of a request).
+
+    A variant is a hashable key (chain_key); `ready` holds the registered ones."""
+
+    def __init__(self, step: StepFunction, fallback: Callable):
+        self.step = step
+        self.fallback = fallback
+        self.ready: set[tuple] = set()
+
+    @property
+    def usable(self) -> bool:
+        return self.step.failed is None
+
+    def register(self, key: tuple) -> None:
+        """Run `key` as the compiled graph from now on (while compiling has not failed)."""
+        if self.usable:
+            self.ready.add(key)
+
+    def __call__(self, key: tuple, *args, **kwargs):
+        if self.usable and key in self.ready:
+            return self.step(*args, **kwargs)
+        return self.fallback(*args, **kwargs)
+
+
+def warm_samplings(device: torch.device) -> list[tuple[int, BatchSampling]]:
+    """(batch size, sampling) of the variants compiled at start-up: batch sizes 1 and 2 (a
+    dynamic graph specialises on 1, so 2 settles the symbolic one), greedy and plain
+    temperature. Other mixes (top-k/top-p/min-p) run one compiled forward at a time."""
+    with torch.inference_mode():  # the engine's sampling tensors are inference tensors: guards check it
+        return [(B, BatchSampling.build([SamplingParams(temperature=t)] * B, device))
+                for B in (1, 2) for t in (0.0, 1.0)]
+
+
+def chain_key(B: int, k: int, width: int, s: BatchSampling) -> tuple:
+    """What a compiled draft chain specialises on: batch size 1 or more, k, width, the sampling mix."""
+    return B > 1, k, width, s.all_greedy, s.any_greedy, s.any_top_k, s.any_top_p, s.any_min_p
+
+
+def pad_chain(ids, positions, cache, *, last, kv_len, k, sampling, noise, width, grow=True):
+    """Static shapes for the draft chain (quickdraft.proposers.draft_model.draft_chain, CUDA
+    graphs): the batch padded to a bucket, keys over the whole cache."""
+    Bp, cache = static_rows(cache, ids.shape[0])
+    if Bp > ids.shape[0]:
+        sampling = dataclasses.replace(sampling, temperature=pad_rows(sampling.temperature, Bp, 1.0),
+                                       top_k=pad_rows(sampling.top_k, Bp, 0), top_p=pad_rows(sampling.top_p, Bp, 1.0),
+                                       min_p=pad_rows(sampling.min_p, Bp, 0.0))
+    return (pad_rows(ids, Bp, 0), pad_rows(positions, Bp, -1), cache), \
+        dict(last=pad_rows(last, Bp, 0), kv_len=cache.capacity, k=k, sampling=sampling,
+             noise=pad_rows(noise, Bp, 1.0), width=width, grow=False)

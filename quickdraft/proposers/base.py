@@ -18,7 +18,11 @@ A draft is a chain or a token tree:
 
 `probs` is q: for node i, the exact distribution its token was drawn from (after the
 rows' sampling processing), or None when the proposer is deterministic. Sampled siblings
-of a tree must be independent draws from the same q (their parent's distribution).
+of a tree must be independent draws from the same q (their parent's distribution), so a
+tree with q is a sampled tree (`Draft.sampled`).
+
+`observe` gets a VerifyResult: per row the accepted count and, for trees, the accepted
+path; and the draft it verifies.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ class Draft:
     tokens: torch.Tensor  # (B, N) int64 proposed token ids; -1 = no token
     probs: torch.Tensor | None  # (B, N, V) float32: the exact q each token was drawn from; None if deterministic
     parents: torch.Tensor | None = None  # (B, N) int64 parent node (-1 = the last committed token); None = chain
+
+    @property
+    def sampled(self) -> bool:
+        """A tree whose siblings were independent draws from q (a sampled tree), rather than
+        deterministic candidates (top-w, n-gram, suffix). Derived, not stored: a tree with q
+        is sampled by the contract above, and a derived flag survives code that rebuilds a
+        Draft from its fields (the engine's depth limit)."""
+        return self.parents is not None and self.probs is not None
 
     @classmethod
     def chain(cls, rows: Sequence[Sequence[int]], device: torch.device | str) -> Draft:
@@ -81,6 +93,7 @@ class VerifyResult:
     # Only for proposers with `wants_target_tokens`: per row, the target's argmax after the
     # last committed token (index 0) and after each draft node (index 1 + i).
     target_tokens: list[list[int]] | None = None
+    draft: Draft | None = None  # the draft this result verifies (as the verifier saw it)
 
 
 class Proposer:

@@ -6,34 +6,32 @@ it has not seen (the whole prompt at first, then the step's accepted tokens and 
 token after them).
 
 Chain (tree_width 1): k tokens sampled one at a time with the rows' sampling parameters,
-keeping q exactly as sampled from.
+keeping q exactly as sampled from (draft_chain). Where compiled, the whole chain is one
+graph for the variants warm-up registered (quickdraft.compile.CompiledVariants), else one
+compiled forward at a time; the same tokens either way. With confidence_threshold, a row
+stops drafting once the draft is unsure (one forward at a time: it needs a host sync).
 
-Sampled tree (tree_width w > 1, tree_sampled): at each depth w tokens drawn independently
-from q (SpecInfer's sampled siblings); the first continues the chain, so drafting costs what
-a chain costs, and the verifier's q-aware residual keeps it lossless. An all-greedy batch
-drafts a chain instead (its siblings would all be the argmax).
+Sampled tree (tree_width w > 1, tree_sampled): the chain with w independent draws from q
+per depth, the first continuing the chain. An all-greedy batch drafts a chain instead (its
+siblings would all be the argmax).
 
-Tree (tree_width w > 1, in the manner of EAGLE-2's expansion): the w likeliest tokens
-under the draft at the root, then at each further depth the w likeliest continuations
-of the current w leaves by cumulative draft log-probability (one draft forward per depth
-over the w leaves, with tree attention). The candidates are a deterministic function of
-the draft's distribution, so they are verified as deterministic (q = None), which is
-lossless at any temperature. Tree nodes sit past the committed tokens in the draft's
-cache (slot L + i, as in quickdraft.tree) and are simply overwritten next step.
+Top-w tree (tree_width w > 1): the w likeliest continuations per depth, verified as
+deterministic candidates. Both tree kinds are in quickdraft.proposers.draft_tree.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import torch
 
 from ..cache import KVCache, to_device
+from ..compile import CompiledVariants, chain_key, pad_chain, warm_samplings, warms_up
 from ..errors import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
-from ..sampling import BatchSampling, SamplingParams, exponential_noise, process_logits, race, sample
-from ..tree import tree_mask
+from ..sampling import BatchSampling, exponential_noise, process_logits, race, sample
 from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_options, register
+from .draft_tree import chain_prefix, sampled_tree_parents, top_w_tree
 
 
 @register("draft")
@@ -59,55 +57,62 @@ class DraftModelProposer(Proposer):
         # chain mode: a row stops drafting once the draft's top probability (at temperature 1)
         # falls under this; the step stops early when every row has stopped
         self.confidence_threshold = float(confidence_threshold)
-        self._sampled_tree = False  # the last draft was a sampled tree (see observe)
         self.cache: KVCache | None = None
         self.cached: list[int] = []
         self._step = model  # the draft's forward for one-token steps (compiled by compile())
-        self._chain = None  # the whole k-token chain as one compiled graph (compile())
-        self._chain_ready: set[tuple] = set()  # the chain variants run as one graph (see warm_up)
+        self._chains: CompiledVariants | None = None  # the whole k-token chain as one graph (compile())
+
+    # The compiled chain's step and its registered variants (tests spy on both).
+    @property
+    def _chain(self):
+        return None if self._chains is None else self._chains.step
+
+    @property
+    def _chain_ready(self) -> set[tuple]:
+        return set() if self._chains is None else self._chains.ready
 
     def compile(self, make_step) -> None:
         self._step = make_step(self.model, "draft")
         if self.confidence_threshold == 0 and (self.tree_width == 1 or self.tree_sampled):
-            self._chain = make_step(self.model, "draft chain", fn=draft_chain, pad=_pad_chain)
+            self._chains = CompiledVariants(make_step(self.model, "draft chain", fn=draft_chain, pad=pad_chain),
+                                            fallback=functools.partial(draft_chain, self._step))
+
+    def _width(self, sampling: BatchSampling) -> int:
+        """Tokens per depth: greedy rows would draw w identical siblings, so an all-greedy
+        batch drafts a plain chain."""
+        if self.tree_width == 1 or (self.tree_sampled and sampling.all_greedy):
+            return 1
+        return self.tree_width
 
     def warm_up(self, k: int) -> None:
-        from ..compile import warm_up, warms_up
+        from ..compile import warm_up
 
         # one-token draft steps; catch-up after all k were accepted feeds 2; tree levels feed w
-        top_w_tree = self.tree_width > 1 and not self.tree_sampled
+        top_w = self.tree_width > 1 and not self.tree_sampled
         warm_up(self._step, self.model, (1, 2, self.tree_width), gather=True,
-                tree_lengths=(self.tree_width,) if top_w_tree else ())
-        if self._chain is None or self._chain.failed is not None:
+                tree_lengths=(self.tree_width,) if top_w else ())
+        chains = self._chains
+        if chains is None or not chains.usable:
             return
-        # The k-token chain for greedy and for plain-temperature batches, batch sizes 1 and 2
-        # (a dynamic graph specialises on 1). Other k (near a request's end, adaptive k) and
-        # other sampling mixes (top-k/top-p/min-p) run the same chain one compiled forward at
-        # a time rather than stall a request to compile. Static (CUDA-graph) chains are only
-        # registered here: they are captured per batch bucket on first use, like the steps.
-        if not warms_up(self._chain):
-            for B in (1, 2):
-                for temperature in (0.0, 1.0):
-                    sampling = BatchSampling.build([SamplingParams(temperature=temperature)] * B, self.model.device)
-                    self._chain_ready.add(_chain_key(B, k, self.tree_width if temperature > 0 else 1, sampling))
-            return
+        # The k-token chain for the start-up variants (warm_samplings). Other k (near a
+        # request's end, adaptive k) and other sampling mixes run the same chain one compiled
+        # forward at a time rather than stall a request to compile.
+        variants = [(B, sampling, self._width(sampling)) for B, sampling in warm_samplings(self.model.device)]
+        for B, sampling, w in variants:
+            chains.register(chain_key(B, k, w, sampling))
+        if not warms_up(chains.step):
+            return  # static (CUDA-graph) chains are captured per batch bucket on first use, like the steps
         cache, cached = self.cache, self.cached
         try:
             with torch.inference_mode():  # the engine's caches are inference tensors: guards check it
                 self.cache, self.cached = KVCache.for_model(self.model, 2, 64), [0, 0]  # a scratch cache
-                self._warm_chains(k)
+                for B, sampling, w in variants:
+                    for length in (8, 9):  # two context lengths: the graph settles on symbolic sizes
+                        self.cached[:B] = [length - 2] * B
+                        self._draft_chain([[0] * length] * B, k, sampling, w,
+                                          [torch.Generator(self.model.device) for _ in range(B)])
         finally:
             self.cache, self.cached = cache, cached
-
-    def _warm_chains(self, k: int) -> None:
-        for B in (1, 2):
-            for temperature in (0.0, 1.0):
-                sampling = BatchSampling.build([SamplingParams(temperature=temperature)] * B, self.model.device)
-                w = self.tree_width if temperature > 0 else 1
-                for length in (8, 9):  # two context lengths: the graph settles on symbolic sizes
-                    self.cached[:B] = [length - 2] * B
-                    self._draft_chain([[0] * length] * B, k, sampling, w,
-                                      [torch.Generator(self.model.device) for _ in range(B)], warming=True)
 
     @classmethod
     def build(cls, *, target, draft=None, **options) -> DraftModelProposer:
@@ -149,13 +154,11 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> Draft:
-        # Greedy rows would draw w identical siblings: an all-greedy batch drafts a plain chain.
-        w = 1 if self.tree_width == 1 or (self.tree_sampled and batch.sampling.all_greedy) else self.tree_width
-        self._sampled_tree = self.tree_sampled and w > 1
+        w = self._width(batch.sampling)
         B, k = len(batch.tokens), batch.k
-        if w > 1 and not self.tree_sampled:
-            return self._propose_tree(batch, self._catch_up(batch))
         lengths = [len(t) for t in batch.tokens]
+        if w > 1 and not self.tree_sampled:
+            return top_w_tree(self._step, self.cache, self._catch_up(batch), lengths, k, w, self.tree_nodes)
         if self.confidence_threshold > 0 and w == 1:
             logits = self._catch_up(batch)
             tokens, probs, fed = self._confident_chain(batch, logits, lengths, self.cache.rows(0, B))
@@ -164,15 +167,12 @@ class DraftModelProposer(Proposer):
             fed = k - 1
         for b in range(B):
             self.cached[b] = lengths[b] + fed
-        draft = Draft(tokens=tokens, probs=probs)
-        if w > 1:  # sampled siblings: node i*w + j hangs under node (i-1)*w, the chain's token
-            depth = torch.arange(k * w, device=tokens.device) // w
-            draft.parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(B, k * w).contiguous()
-        return draft
+        parents = sampled_tree_parents(B, k, w, tokens.device) if w > 1 else None
+        return Draft(tokens=tokens, probs=probs, parents=parents)
 
-    def _draft_chain(self, rows: list[list[int]], k, sampling, w, generators, warming: bool = False):
-        """Catch up and draft (draft_chain): as one compiled graph where one is ready for
-        this batch shape and sampling mix, else one (compiled) forward at a time; the same
+    def _draft_chain(self, rows: list[list[int]], k, sampling, w, generators):
+        """Catch up and draft (draft_chain): as one compiled graph where one is registered
+        for this batch shape and sampling mix, else one (compiled) forward at a time; the same
         tokens either way. Each row's last <= 2 uncached tokens go into the chain (right-padded
         to 2, the one query length it is compiled for); a longer backlog (a new request's
         prompt) is prefilled first."""
@@ -199,18 +199,9 @@ class DraftModelProposer(Proposer):
         args = (to_device(ids, device), to_device(pos, device), view)
         kwargs = dict(last=to_device(last, device), kv_len=max(len(t) for t in rows), k=k, sampling=sampling,
                       noise=noise, width=w)
-        chain = self._chain
-        if chain is not None and chain.failed is not None:
-            chain = None
-        elif chain is not None:
-            key = _chain_key(B, k, w, sampling)
-            if warming:
-                self._chain_ready.add(key)
-            elif key not in self._chain_ready:
-                chain = None
-        if chain is None:
+        if self._chains is None:
             return draft_chain(self._step, *args, **kwargs)
-        return chain(*args, **kwargs)
+        return self._chains(chain_key(B, k, w, sampling), *args, **kwargs)
 
     def _confident_chain(self, batch: ProposeBatch, logits, lengths, view):
         """The chain with the confidence stop: a row stops drafting once the draft's top
@@ -233,75 +224,19 @@ class DraftModelProposer(Proposer):
                 fed += 1
         return torch.stack(tokens, 1), torch.stack(probs, 1), fed
 
-    def _propose_tree(self, batch: ProposeBatch, logits: torch.Tensor) -> Draft:
-        B, k, w = len(batch.tokens), batch.k, self.tree_width
-        device = logits.device
-        L = to_device([len(t) for t in batch.tokens], device)
-        N = w * k
-        kv_len = max(len(t) for t in batch.tokens) + N  # from the host lists: no device sync
-        # the engine sized caches for the nodes the target sees (tree_nodes); drafting holds all N
-        self.cache.grow(kv_len)
-        view = self.cache.rows(0, B)
-        anc = torch.zeros(B, N, N, dtype=torch.bool, device=device)
-        tokens = torch.full((B, N), -1, dtype=torch.long, device=device)
-        parents = torch.full((B, N), -1, dtype=torch.long, device=device)
-        rows = torch.arange(B, device=device)[:, None]
-        logp = logits.float().log_softmax(-1)  # (B, V): ranking only; verification uses q = None
-        score, tok = logp.topk(w, -1)  # (B, w) likeliest first
-        scores = torch.empty(B, N, device=device)  # cumulative log-probability of each node
-        scores[:, :w] = score
-        leaves = torch.arange(w, device=device).expand(B, w)
-        tokens[:, :w] = tok
-        anc[:, torch.arange(w), torch.arange(w)] = True
-        for d in range(1, k):
-            # Feed the current leaves (depth d) and rank their children.
-            pos = (L - 1 + d)[:, None].expand(B, w).contiguous()  # the layout the compiled step was warmed with
-            slots = L[:, None] + leaves
-            mask = tree_mask(L, leaves, anc, kv_len)
-            out = self._step(tokens[rows, leaves], pos, view, kv_len=kv_len, slots=slots, attn_mask=mask)
-            V = out.shape[-1]
-            cand = (score[:, :, None] + out.float().log_softmax(-1)).view(B, w * V)
-            score, flat = cand.topk(w, -1)  # (B, w), sorted: siblings end up likeliest first
-            parent = leaves.gather(1, flat // V)
-            new = d * w + torch.arange(w, device=device).expand(B, w)
-            tokens[rows, new] = flat % V
-            parents[rows, new] = parent
-            scores[rows, new] = score
-            anc[rows, new] = anc[rows, parent]
-            anc[rows, new, new] = True
-            leaves = new
-        if self.tree_nodes is not None and self.tree_nodes < N:
-            tokens, parents = self._prune(tokens, parents, scores, self.tree_nodes)
-        return Draft(tokens=tokens, probs=None, parents=parents)
-
-    @staticmethod
-    def _prune(tokens, parents, scores, keep: int):
-        """Keep the `keep` nodes of highest cumulative log-probability. A child never scores
-        above its parent (log q <= 0; a tiny penalty on the node index, always larger for a
-        child, breaks ties), so the kept nodes form a tree; their order is preserved, so
-        parents stay before children."""
-        B, N = tokens.shape
-        index = torch.arange(N, device=tokens.device)
-        chosen = (scores - 1e-6 * index).topk(keep, -1).indices.sort(-1).values  # (B, keep)
-        new_index = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
-        new_index.scatter_(1, chosen, torch.arange(keep, device=tokens.device).expand(B, keep))
-        old_parents = parents.gather(1, chosen)
-        new_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), -1)
-        return tokens.gather(1, chosen), new_parents
-
     def observe(self, result: VerifyResult) -> None:
         # Chain: draft entries for accepted tokens stay valid; the rest will be overwritten.
         # Sampled tree: the chain tokens (node i*w) were fed at chain positions; entries stay
         # valid while the accepted path follows them.
-        # Top-w tree: nodes sit at slots L + i, not on the chain; keep only the committed tokens.
+        # Top-w tree (or a result without its draft): nodes sit at slots L + i, not on the
+        # chain; keep only the committed tokens.
         tree = result.accepted_nodes is not None
-        w = self.tree_width
+        sampled = result.draft is not None and result.draft.sampled
         for b, (n, prev) in enumerate(zip(result.num_accepted, result.prev_lengths)):
             if not tree:
                 keep = n
-            elif self._sampled_tree:
-                path = result.accepted_nodes[b]
-                keep = next((d for d, node in enumerate(path) if node != d * w), len(path))
+            elif sampled:
+                keep = chain_prefix(result.accepted_nodes[b], self.tree_width)
             else:
                 keep = 0
             self.cached[b] = min(self.cached[b], prev + keep)
@@ -336,22 +271,3 @@ def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, las
             logits = model(xs[0][:, None], pos, cache, kv_len=kv_len + 1 + i if grow else kv_len)[:, 0]
     return torch.stack(tokens, 1), torch.stack(probs, 1)
 
-
-def _chain_key(B: int, k: int, width: int, s: BatchSampling) -> tuple:
-    """What a compiled chain specialises on: batch size 1 or more, k, width, the sampling mix."""
-    return B > 1, k, width, s.all_greedy, s.any_greedy, s.any_top_k, s.any_top_p, s.any_min_p
-
-
-def _pad_chain(ids, positions, cache, *, last, kv_len, k, sampling, noise, width, grow=True):
-    """Static shapes for draft_chain (CUDA graphs): the batch padded to a bucket, keys over
-    the whole cache."""
-    from ..compile import pad_rows, static_rows
-
-    Bp, cache = static_rows(cache, ids.shape[0])
-    if Bp > ids.shape[0]:
-        sampling = dataclasses.replace(sampling, temperature=pad_rows(sampling.temperature, Bp, 1.0),
-                                       top_k=pad_rows(sampling.top_k, Bp, 0), top_p=pad_rows(sampling.top_p, Bp, 1.0),
-                                       min_p=pad_rows(sampling.min_p, Bp, 0.0))
-    return (pad_rows(ids, Bp, 0), pad_rows(positions, Bp, -1), cache), \
-        dict(last=pad_rows(last, Bp, 0), kv_len=cache.capacity, k=k, sampling=sampling,
-             noise=pad_rows(noise, Bp, 1.0), width=width, grow=False)
