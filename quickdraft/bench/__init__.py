@@ -1,1 +1,3 @@
-"""Benchmark helpers shared by `benchmarks/` scripts (and, later, `quickdraft bench` / `tune`)."""
+"""What the measuring commands run (`tune`, `bench`, `verify`, `bench-serve`) and what the
+`benchmarks/` scripts share: the timing harness, workloads, peers, the load generator. The
+runtime never imports this package; the cost model it fills is `quickdraft.policy.costs`."""

@@ -1,1 +1,2 @@
-"""The OpenAI-compatible server (FastAPI over the engine thread) and its load generator."""
+"""The running OpenAI-compatible server: FastAPI routes over the engine's own thread. Its load
+generator is `quickdraft.bench.serve_load`; the command that starts it, `quickdraft.cli.serve`."""
