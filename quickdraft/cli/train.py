@@ -45,7 +45,7 @@ def train_command(
 
 @user_errors
 def distill_command(
-    target: Path = typer.Option(..., "--target", help="Target model folder (Hugging Face format)."),
+    target: Optional[str] = opts.TARGET,
     out: Path = typer.Option(..., "--out", help="Output folder for the draft."),
     size: str = typer.Option("draft-xs", "--size", help="Draft size (see quickdraft.train.sizes)."),
     steps: int = typer.Option(600, "--steps", help="Optimizer steps."),
@@ -63,11 +63,25 @@ def distill_command(
     seed: int = typer.Option(0, "--seed"),
     save_dtype: str = typer.Option("bfloat16", "--save-dtype", help="bfloat16 | float16 | float32."),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: on CUDA only)."),
+    teacher_dtype: str = typer.Option("float32", "--teacher-dtype", help="The target's dtype while distilling."),
+    teacher_topk: int = typer.Option(0, "--teacher-topk",
+                                     help="Precompute the target's top-k distributions once (0: the full "
+                                          "distribution, computed at every step)."),
+    teacher_windows: int = typer.Option(0, "--teacher-windows",
+                                        help="Windows in the precomputed set (default steps x batch size)."),
+    init: str = typer.Option("normal", "--init", help="normal | target-embedding (the target's, projected)."),
+    instructions: Optional[bool] = typer.Option(None, "--instructions/--no-instructions",
+                                                help="Train on the target's answers to chat instructions "
+                                                     "(default: when the target has a chat template)."),
+    eval_every: int = typer.Option(100, "--eval-every", help="Held-out loss every N steps (and at the end)."),
+    save_every: int = typer.Option(0, "--save-every", help="Write the draft every N steps (0: at the end only)."),
 ) -> None:
     """Distil a small draft from a target (KL to the target's distributions), same tokenizer."""
+    from ..llm import default_model_dirs
     from ..train.distill import distill
 
-    distill(target, out, size=size, steps=steps, corpus=corpus, batch_size=batch_size, seq_len=seq_len, lr=lr,
+    distill(target or default_model_dirs()[0], out, size=size, steps=steps, corpus=corpus, batch_size=batch_size, seq_len=seq_len, lr=lr,
             generated_fraction=generated_fraction, pool_prompts=pool_prompts, pool_new_tokens=pool_new_tokens,
             eval_prompts=eval_prompts, k=k, device=device, seed=seed, save_dtype=save_dtype, bf16=bf16,
-            command=command_line())
+            teacher_dtype=teacher_dtype, teacher_topk=teacher_topk, teacher_windows=teacher_windows, init=init,
+            instructions=instructions, eval_every=eval_every, save_every=save_every, command=command_line())

@@ -29,22 +29,43 @@ def write_model_card(folder: str | Path, notes: str = "") -> Path:
     if distill_log.exists():
         log = json.loads(distill_log.read_text())
         a, b = log["acceptance_before"], log["acceptance_after"]
+        args, data = log["args"], log.get("data", {})
+        if args.get("instructions"):
+            generated = (f"on the target's answers to {data.get('instructions')} chat instructions "
+                         "(quickdraft/train/instructions.py, rendered with its chat template): "
+                         f"{args['pool_prompts']} answers, the greedy one for each instruction and sampled ones "
+                         f"(temperature 1) after, at most {args['pool_new_tokens']} tokens each, "
+                         f"{data.get('pool_tokens', 0):,} tokens with the prompts")
+        else:
+            generated = (f"on {args['pool_prompts']} continuations the target generated "
+                         "(half greedy, half sampled at temperature 1)")
+        teacher = (f"the target's top-{args['teacher_topk']} log-probabilities and the mass of the rest, computed "
+                   f"once (target in {args.get('teacher_dtype')}) for {args['teacher_windows']} fixed windows and "
+                   "trained on for several epochs" if args.get("teacher_topk") else
+                   f"the target's full distribution at every step (target in {args.get('teacher_dtype', 'float32')})")
         lines += [
             f"# quickdraft draft ({log['size']}), distilled from its target", "",
+            f"Target: {log.get('target', log['target_dir'])}. "
             f"{log['params']:,} parameters ({log['params'] / log['target_params']:.1%} of the target's "
-            f"{log['target_params']:,}). " + _arch(cfg), "",
+            f"{log['target_params']:,}, embeddings counted). " + _arch(cfg), "",
             "Trained to match the target's next-token distributions (forward KL, DistillSpec, arXiv 2310.08461) "
-            f"on corpus windows and on {log['args']['pool_prompts']} continuations the target generated "
-            "(half greedy, half sampled at temperature 1); same tokenizer as the target.", "",
+            f"on corpus windows and {generated}; same tokenizer as the target. Teacher signal: {teacher}. "
+            + ("Initial embedding: the target's, projected on its leading singular vectors. "
+               if args.get("init") == "target-embedding" else ""), "",
             f"- Corpus: {_corpus(log['corpus'])}",
-            f"- Steps: {log['steps']} x {log['args']['batch_size']} windows of {log['args']['seq_len']} tokens "
-            f"= {log['tokens_seen']:,} tokens seen ({log['args']['generated_fraction']:.0%} target-generated).",
-            f"- Held-out loss (next-token cross-entropy, nats): draft {log['heldout_loss']:.4f}, "
-            f"target {log['target_heldout_loss']:.4f}.",
-            f"- Acceptance against the target (greedy, k={b['k']}, {log['eval_prompts']} held-out function/class "
-            f"openings, 64 new tokens): {a['acceptance_rate']:.3f} before distillation (mean acceptance length "
+            f"- Steps: {log['steps']} x {args['batch_size']} windows of {args['seq_len']} tokens "
+            f"= {log['tokens_seen']:,} tokens seen ({args['generated_fraction']:.0%} target-generated); "
+            f"final KL {log['final_kl']:.4f}.",
+            f"- Held-out loss (next-token cross-entropy on held-out corpus files, nats): draft "
+            f"{log['heldout_loss']:.4f}, target {log['target_heldout_loss']:.4f}.",
+            f"- Acceptance against the target (greedy, k={b['k']}, {log['eval_prompts']} "
+            f"{log.get('eval_kind', 'held-out function/class openings')}, {log.get('eval_new_tokens', 64)} new tokens "
+            f"at most): {a['acceptance_rate']:.3f} before distillation (mean acceptance length "
             f"{a['mean_acceptance_length']:.2f}), {b['acceptance_rate']:.3f} after ({b['mean_acceptance_length']:.2f}).",
-            f"- Wall time: {log['wall_time_s'] / 60:.1f} min on {log['device']} (torch {log['versions']['torch']}).",
+            f"- Wall time: {log['wall_time_s'] / 60:.1f} min (target answers {log.get('pool_time_s', 0) / 60:.1f}, "
+            f"target top-k {log.get('teacher_time_s', 0) / 60:.1f}, training {log['train_time_s'] / 60:.1f}) on "
+            f"{log['device']}" + (f", {log['threads']} thread(s), {log.get('cpu')}" if log.get("threads") else "")
+            + f" (torch {log['versions']['torch']}).",
         ]
         command = log.get("command")
     else:

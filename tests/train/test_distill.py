@@ -75,3 +75,116 @@ def test_opening_prompts():
     prompts = opening_prompts(docs, 10)
     assert sorted(prompts) == sorted(["def f(a):\n    return a\n", "class K:\n    pass\n"])
     assert opening_prompts(docs, 1) in (["def f(a):\n    return a\n"], ["class K:\n    pass\n"])
+
+
+def test_topk_kl_is_the_full_kl_when_k_covers_the_vocabulary():
+    from quickdraft.train.distill import topk_kl_loss
+
+    torch.manual_seed(0)
+    teacher, student = torch.randn(2, 3, 11), torch.randn(2, 3, 11)
+    log_p_all = teacher.log_softmax(-1)
+    full = (log_p_all.exp() * (log_p_all - student.log_softmax(-1))).sum(-1).mean()
+    top, ids = log_p_all.topk(11, -1)
+    assert torch.allclose(topk_kl_loss(student, top.half(), ids.int()), full, atol=2e-3)
+    top, ids = log_p_all.topk(4, -1)  # the tail lumped into one outcome: a lower bound, zero when equal
+    assert 0 <= topk_kl_loss(student, top.half(), ids.int()) <= full + 1e-3
+    assert topk_kl_loss(teacher, top.half(), ids.int()).abs() < 2e-3
+
+
+def test_project_embedding_keeps_the_leading_directions():
+    from quickdraft.train.distill import project_embedding
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()  # only what project_embedding reads: model.model.embed_tokens
+    model.model = torch.nn.Module()
+    low_rank = torch.randn(50, 3) @ torch.randn(3, 8)  # rank 3 in 8 dimensions
+    model.model.embed_tokens = torch.nn.Embedding.from_pretrained(low_rank)
+    projected = project_embedding(model, 3)
+    assert projected.shape == (50, 3)
+    assert torch.allclose(projected @ projected.T, low_rank @ low_rank.T, atol=1e-3)  # inner products kept
+    with pytest.raises(QuickdraftError, match="exceeds the target's"):
+        project_embedding(model, 9)
+
+
+def _gguf_helpers():
+    """The tiny-GGUF writer of tests/model/test_gguf.py (llama.cpp's layout, a ChatML template)."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("gguf")
+    spec = importlib.util.spec_from_file_location("gguf_test_helpers", Path(__file__).parents[1] / "model" / "test_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_distill_from_a_gguf_chat_target_on_its_answers(pair, tmp_path, monkeypatch):
+    """A .gguf target (any model source goes through resolve_model), a chat template, so the
+    draft trains on the target's answers to the instructions, on precomputed top-k distributions,
+    from the target's projected embedding."""
+    corpus = pair[0]
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    helpers = _gguf_helpers()
+    gguf_file = helpers.write_gguf(tmp_path / "chat.gguf", helpers.hf_model(
+        "llama", helpers.vocab_size("gpt2"), tie_word_embeddings=True), "llama")
+    out = tmp_path / "draft"
+    summary = distill(str(gguf_file), out, corpus=corpus, **{**DISTILL, "steps": 12, "pool_prompts": 6,
+                                                               "eval_prompts": 2}, teacher_topk=8, teacher_windows=24,
+                      init="target-embedding", save_every=5)
+    log = json.loads((out / "distill_log.json").read_text())
+    assert log["args"]["instructions"] and log["args"]["teacher_topk"] == 8 and log["args"]["teacher_windows"] == 24
+    assert log["data"]["instructions"] == 6 and log["eval_kind"] == "held-out instructions"
+    assert log["kl_curve"][-1] < log["kl_curve"][0]
+    assert "chat instructions" in (out / "README.md").read_text()
+    assert 0.0 <= summary["acceptance_after"]["acceptance_rate"] <= 1.0
+    llm = LLM(str(gguf_file), draft=out, num_speculative_tokens=3)  # the vocabulary check passes
+    plain = LLM(str(gguf_file), method="none")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    assert llm.chat(messages, params)[0].token_ids == plain.chat(messages, params)[0].token_ids
+    with pytest.raises(QuickdraftError, match="unknown --init"):
+        distill(str(gguf_file), tmp_path / "o4", corpus=corpus, **DISTILL, init="pca")
+    with pytest.raises(QuickdraftError, match="needs a target with a chat template"):
+        distill(pair[1], tmp_path / "o5", corpus=corpus, **DISTILL, instructions=True)
+
+
+def test_instructions_are_distinct_and_held_out():
+    from quickdraft.train.instructions import HELDOUT, INSTRUCTIONS
+
+    assert 150 <= len(INSTRUCTIONS) <= 300 and len(HELDOUT) >= 20
+    assert len(set(INSTRUCTIONS)) == len(INSTRUCTIONS) and not set(INSTRUCTIONS) & set(HELDOUT)
+
+
+@pytest.mark.smollm2
+def test_shipped_smollm2_draft():
+    """The draft quickdraft ships for `smollm2`: at most 1/8 of the target's parameters, its
+    vocabulary, picked up by LLM(target="smollm2"), and lossless (greedy, float32)."""
+    from pathlib import Path
+
+    import quickdraft
+    from quickdraft.llm import check_same_vocabulary
+    from quickdraft.model.loader import checkpoint_dir
+    from quickdraft.model.sources import resolve_model
+    from quickdraft.model.tokenizer import Tokenizer
+    from quickdraft.proposers.draft_model import DraftModelProposer
+    from quickdraft.train.sizes import SIZES, count_params
+
+    folder = Path(quickdraft.__file__).parent / "default_models" / "smollm2-draft"
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and (folder / "model.safetensors").stat().st_size <= 30e6
+    assert "Reproduce" in (folder / "README.md").read_text()
+    draft = load_model(folder, dtype="float32")
+    assert count_params(cfg) == count_params(SIZES["draft-smollm2"]) == sum(p.numel() for p in draft.parameters())
+    try:
+        gguf_file = resolve_model("smollm2", progress=False)
+    except QuickdraftError as exc:
+        pytest.skip(f"smollm2 is not reachable: {exc}")
+    target_dir = checkpoint_dir(gguf_file)
+    assert count_params(cfg) * 8 <= count_params(json.loads((target_dir / "config.json").read_text()))
+    target = load_model(gguf_file, dtype="float32")
+    check_same_vocabulary(target, draft, Tokenizer.from_dir(target_dir), Tokenizer.from_dir(folder))
+    llm = LLM(target="smollm2")
+    assert isinstance(llm.engine.proposer, DraftModelProposer)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    assert llm.chat(messages, params)[0].token_ids == LLM(target="smollm2", method="none").chat(messages, params)[0].token_ids

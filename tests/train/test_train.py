@@ -129,6 +129,9 @@ def test_size_table_parameter_counts():
     assert 1.5e6 <= count_params(SIZES["draft-xs"]) <= 3e6
     assert 25e6 <= count_params(SIZES["target-s"]) <= 30e6
     assert SIZES["draft-xs"]["vocab_size"] == SIZES["target-s"]["vocab_size"]
+    # the smollm2 draft: 14,944,512 parameters, at most 1/8 of SmolLM2-135M's 134,515,008, its vocabulary
+    assert count_params(SIZES["draft-smollm2"]) == 14_944_512 <= 134_515_008 / 8
+    assert SIZES["draft-smollm2"]["vocab_size"] == 49152
 
 
 def test_lr_schedule():
