@@ -115,6 +115,12 @@ class StepFunction:
             first = (str(root).strip().splitlines() or [""])[0]
             self._fail(f"{type(root).__name__}: {first}")
             return self._eager(*args, **kwargs)
+        if self.static:
+            # CUDA graphs write their outputs into one memory pool: the next graph that runs (the
+            # target's verify after the draft's chain) overwrites them, so keep copies of the rows.
+            if isinstance(out, tuple):
+                return tuple(o[:B].clone() for o in out)
+            return out[:B].clone()
         if isinstance(out, tuple):
             return tuple(o[:B] if o.shape[0] != B else o for o in out)
         return out[:B] if out.shape[0] != B else out
