@@ -56,7 +56,7 @@ import torch
 from quickdraft import LLM, SamplingParams, SpecStats
 from quickdraft.bench.hardware import cpu_model
 from quickdraft.bench.measure import measure_propose, measure_target_steps
-from quickdraft.bench.peers import _load_hf, transformers_missing
+from quickdraft.bench.peers import load_hf, transformers_missing
 from quickdraft.bench.workloads import chat_requests, code_requests, copied_lines, editing_requests
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.gguf import convert_gguf, is_gguf_file
@@ -355,13 +355,13 @@ def main() -> None:
     pairs = [(name, "ours-plain") for name in ours if name != "ours-plain"]
     if "hf" in methods:
         folder = hf_folder(gguf)
-        hf_target = _load_hf(folder, torch.float32, torch.device("cpu"))
+        hf_target = load_hf(folder, torch.float32, torch.device("cpu"))
         pad = hf_target.generation_config.eos_token_id
         pad = (pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
         rows["hf-plain"] = hf_runner(hf_target, {}, pad)
         pairs.insert(0, ("ours-plain", "hf-plain"))
         if "draft" in methods:
-            hf_draft = _load_hf(draft_hf_folder(draft), torch.float32, torch.device("cpu"))
+            hf_draft = load_hf(draft_hf_folder(draft), torch.float32, torch.device("cpu"))
             rows["hf-assisted"] = hf_runner(hf_target, {"assistant_model": hf_draft}, pad)
             pairs += [(f"ours-draft-k{args.k}", "hf-assisted"), ("hf-assisted", "hf-plain")]
         if any(m in methods for m in CONTEXT_METHODS):

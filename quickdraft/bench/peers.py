@@ -46,7 +46,7 @@ def peer_name(method: str, k: int) -> str:
     return PEER_OF[method] + (f"-k{k}" if method == "ngram" else "")
 
 
-def _load_hf(folder: Path, dtype, device):
+def load_hf(folder: Path, dtype, device):
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -84,8 +84,8 @@ def run_peers(ours: dict, target_dir: Path, draft_dir: Optional[Path], prompts: 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate() warns about flags we set on purpose
     try:
-        hf_target = _load_hf(Path(target_dir), dtype, device)
-        hf_draft = _load_hf(Path(draft_dir), dtype, device) if any(m == "draft" for m, _ in ours) else None
+        hf_target = load_hf(Path(target_dir), dtype, device)
+        hf_draft = load_hf(Path(draft_dir), dtype, device) if any(m == "draft" for m, _ in ours) else None
         pad_id = hf_target.generation_config.pad_token_id
         if pad_id is None:
             eos = hf_target.generation_config.eos_token_id
