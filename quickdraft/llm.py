@@ -14,7 +14,7 @@ from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device
-from .model.quant import quantize
+from .model.quant import prepare
 from .model.sources import CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
 from .proposers import get as get_proposer
@@ -61,7 +61,7 @@ class LLM:
                  quantization: str | None = None, draft_quantization: str | None = None,
                  preallocate: bool = False, draft_dtype: str | torch.dtype | None = None):
         """compile: torch.compile the decode / verify / draft steps (None = on for CUDA/ROCm,
-        off elsewhere). quantization / draft_quantization: "int8" weight-only for the target
+        off elsewhere). quantization / draft_quantization: "int8" or "int4" weight-only for the target
         / the draft (output follows the target as loaded, quantised or not). draft_dtype: the
         draft's precision when it should differ from the target's (`dtype`); it changes
         acceptance and speed only, never the output's distribution. preallocate: KV
@@ -89,14 +89,14 @@ class LLM:
             raise QuickdraftError(f"method {method!r} needs a draft model folder")
         dev = resolve_device(device)
         target_dir = checkpoint_dir(target)
-        self.target = quantize(load_model(target_dir, dtype=dtype, device=dev), quantization)
+        self.target = prepare(load_model(target_dir, dtype=dtype, device=dev), quantization)
         self.tokenizer = Tokenizer.from_dir(target_dir)
         proposer = None
         self.draft = None
         if cls is not None:
             if cls.needs_draft_model:
                 draft_dir = checkpoint_dir(draft)
-                self.draft = quantize(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev), draft_quantization)
+                self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev), draft_quantization)
                 check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
             proposer = cls.build(target=self.target, draft=self.draft, **spec.options)
         if compile is None:

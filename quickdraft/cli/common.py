@@ -132,8 +132,8 @@ DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (defaul
                      "checkpoint's on a GPU).")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available).")
 COMPILE = typer.Option(None, "--compile/--no-compile", help="torch.compile the steps (default: on for CUDA/ROCm only).")
-QUANTIZATION = typer.Option(None, "--quantization", help="Target weights: int8 (weight-only).")
-DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 (weight-only).")
+QUANTIZATION = typer.Option(None, "--quantization", help="Target weights: int8 or int4 (weight-only; int4 groups of 32).")
+DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 or int4 (weight-only).")
 DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should differ from --dtype "
                            "(changes speed only, not the output).")
 SAVE_DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the file's float type, "

@@ -1,13 +1,25 @@
-"""int8 weight-only quantisation of a model's linear layers (per output channel, symmetric).
+"""Inference weight formats: fused projections, CPU-packed layouts, int8 and int4 weight-only.
 
-Each nn.Linear becomes an Int8Linear holding int8 weights and one scale per output row;
-activations stay in the model's dtype. On CPU and CUDA (and MPS where PyTorch has it) the
-matmul is PyTorch's int8-weight kernel (`torch._weight_int8pack_mm`, as gpt-fast uses);
-elsewhere the weight is dequantised for the matmul. The embedding is kept as it is.
+`prepare(model, quantization)` turns a loaded model into its inference form, in place:
+- q/k/v and gate/up projections are fused into one matmul each (`qkv_proj`, `gate_up_proj`);
+  the checkpoint's names are what was loaded, the fusion happens after loading;
+- every linear layer (lm_head included) becomes a `FastLinear` in the format that streams
+  the weights fastest on the model's device and dtype, measured with benchmarks/cpu_kernels.py
+  (results in benchmarks/results/cpu_kernels_*.json):
 
-Used for drafts (speculative decoding stays lossless with respect to the target: a
-quantised draft only changes how often its guesses are accepted) and optionally for the
-target, in which case the output follows the quantised target.
+  | format | where | kernel | decode (1 row) | verify (k+1 rows), prefill |
+  |---|---|---|---|---|
+  | `dense` | not CPU; float16 | F.linear | the device's GEMM | same |
+  | `transposed` | CPU float32 | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
+  | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
+  | `int8` | any | `torch._weight_int8pack_mm`, per-channel scales (bf16 activations on CPU) | 1 byte/weight | large M: dequantised to bf16, dense GEMM |
+  | `int4` | CPU | `torch._weight_int4pack_mm_for_cpu`, groups of 32, asymmetric | 0.625 byte/weight | large M: dequantised to bf16, dense GEMM |
+
+  int4 elsewhere dequantises per call (a fallback, labelled as such in its repr).
+
+Quantisation changes the model: speculative output follows the quantised target exactly
+(lossless with respect to it). A quantised draft only changes how often it is accepted.
+Training never sees these modules: `prepare` is applied by `LLM` after loading.
 """
 
 from __future__ import annotations
@@ -18,61 +30,197 @@ from torch import nn
 
 from ..errors import QuickdraftError
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32
+# Rows above which a quantised matmul dequantises its weight and runs a dense bf16 GEMM
+# (the weight-only kernels are GEMV kernels: at prefill sizes the dense AMX/AVX512 GEMM wins).
+DENSE_ROWS = 48
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+def onednn_bf16_supported() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q int8 (out, in), scale float32 (out,))."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int4_quantize(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise 4-bit: q in 0..15 (out, in) uint8, scale and zero (out, in/group)
+    float32, with w ~ (q - 8) * scale + zero (the convention of PyTorch's int4 kernels)."""
+    out_f, in_f = w.shape
+    if in_f % group:
+        raise QuickdraftError(f"int4 needs input sizes divisible by {group}; this layer has {in_f}")
+    wg = w.detach().float().reshape(out_f, in_f // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = (hi - lo).clamp(min=1e-8) / 15
+    q = torch.clamp(torch.round((wg - lo[..., None]) / scale[..., None]), 0, 15).to(torch.uint8)
+    return q.reshape(out_f, in_f), scale, lo + 8 * scale
+
+
+def int4_pack(w: torch.Tensor, group: int = INT4_GROUP, inner_k_tiles: int = 2):
+    """w (out, in) in PyTorch's CPU int4 layout: (packed uint8, scales_and_zeros (in/group, out, 2)
+    bfloat16) for `torch._weight_int4pack_mm_for_cpu`."""
+    q, scale, zero = int4_quantize(w, group)
+    return _int4_cpu_pack(q, scale, zero, inner_k_tiles)
+
+
+def _int4_cpu_pack(q, scale, zero, inner_k_tiles: int = 2):
+    pad = -q.shape[0] % 16  # the kernel packs output rows in sixteens: pad with zero rows
+    if pad:
+        q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
+        scale, zero = torch.cat([scale, scale.new_ones(pad, scale.shape[1])]), torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), inner_k_tiles)
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, sz
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q (out, in) values 0..15 -> (out, in/2) uint8, two per byte (low nibble first)."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def _unnibble(p: torch.Tensor) -> torch.Tensor:
+    return torch.stack((p & 15, p >> 4), dim=-1).reshape(p.shape[0], -1)
+
+
+class FastLinear(nn.Module):
+    """y = x W^T + b over one or more checkpoint linears fused along the output dimension
+    (`splits` gives each one's share of the output), stored in one format (see the module doc)."""
+
+    def __init__(self, linears: list[nn.Linear], fmt: str):
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (out,)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        dtype = linear.weight.dtype
-        self.register_buffer("weight", q)
-        self.register_buffer("scales", scale.to(dtype))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._fused = None  # whether the fused kernel works here; found out on the first call
+        w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+        biases = [lin.bias for lin in linears]
+        self.splits = [lin.out_features for lin in linears]
+        self.out_features, self.in_features = w.shape
+        self.fmt, self.dtype = fmt, w.dtype
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = nn.Parameter(torch.cat([b.detach() if b is not None else w.new_zeros(n)
+                                                for b, n in zip(biases, self.splits)]), requires_grad=False)
+        cpu = w.device.type == "cpu"
+        if fmt == "dense":
+            self.register_buffer("weight", w.clone() if len(linears) == 1 else w)
+        elif fmt == "transposed":
+            self.register_buffer("weight_t", w.t().contiguous())
+        elif fmt == "onednn":
+            # oneDNN's blocked bf16 layout; an opaque tensor, so kept out of state_dict/to()
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1),
+                                 persistent=False)
+        elif fmt == "int8":
+            q, scale = int8_quantize(w)
+            self.register_buffer("qweight", q)
+            self.act_dtype = torch.bfloat16 if cpu else w.dtype  # f32 activations hit a slow path on CPU
+            self.register_buffer("scales", scale.to(self.act_dtype))
+        elif fmt == "int4":
+            q, scale, zero = int4_quantize(w)
+            self.register_buffer("nibbles", _nibbles(q))  # compact copy for dense (prefill) matmuls
+            self.register_buffer("scale", scale.to(torch.bfloat16))
+            self.register_buffer("zero", zero.to(torch.bfloat16))
+            self.kernel = cpu
+            if cpu:
+                packed, sz = _int4_cpu_pack(q, scale, zero)
+                self.register_buffer("packed", packed)
+                self.register_buffer("scales_and_zeros", sz)
+        else:
+            raise QuickdraftError(f"unknown weight format {fmt!r}")
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight (out, in) as the matmul sees it, in `dtype`."""
+        if self.fmt == "dense":
+            return self.weight.to(dtype)
+        if self.fmt == "transposed":
+            return self.weight_t.t().to(dtype)
+        if self.fmt == "int8":
+            return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None])
+        if self.fmt == "int4":
+            q = _unnibble(self.nibbles).to(dtype).unflatten(1, (-1, INT4_GROUP))
+            return ((q - 8) * self.scale.to(dtype)[..., None] + self.zero.to(dtype)[..., None]).flatten(1)
+        raise QuickdraftError("a oneDNN-packed weight cannot be read back")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out = None
-        if self._fused is not False:
-            try:
-                out = torch._weight_int8pack_mm(x2, self.weight, self.scales.to(x.dtype))
-                self._fused = True
-            except (RuntimeError, AttributeError, NotImplementedError):
-                self._fused = False  # no kernel for this device / dtype: dequantise instead
-        if out is None:
-            out = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
+        fmt = self.fmt
+        if fmt == "transposed":
+            out = x2 @ self.weight_t if self.bias is None else torch.addmm(self.bias, x2, self.weight_t)
+            return out.reshape(*shape[:-1], self.out_features)
+        if fmt == "onednn":
+            out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+            return out.reshape(*shape[:-1], self.out_features)
+        if fmt == "dense":
+            out = F.linear(x2, self.weight, self.bias)
+        elif x2.shape[0] > DENSE_ROWS or (fmt == "int4" and not self.kernel):
+            xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
+            out = F.linear(xd, self.dequantized(xd.dtype)).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            if fmt == "int8":
+                out = torch._weight_int8pack_mm(x2.to(self.act_dtype), self.qweight, self.scales)
+            else:
+                out = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                                        self.scales_and_zeros)[:, :self.out_features]
+            out = out.to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+        fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
+        fallback = " (dequantised per call: no int4 kernel on this device)" if self.fmt == "int4" and not self.kernel else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}{fused}{fallback}"
 
 
-def quantize(model: nn.Module, method: str | None) -> nn.Module:
-    """Replace the model's linear layers in place (method "int8"); "none"/None does nothing."""
-    if method in (None, "none"):
-        return model
-    if method != "int8":
-        raise QuickdraftError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}")
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
+def weight_format(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:
+    """The format `prepare` gives a model's linear layers (see the module doc)."""
+    if quantization not in (None, "none"):
+        if quantization not in QUANTIZATIONS:
+            raise QuickdraftError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        return quantization
+    if device.type != "cpu":
+        return "dense"
+    if dtype == torch.float32:
+        return "transposed"
+    if dtype == torch.bfloat16 and onednn_bf16_supported():
+        return "onednn"
+    return "dense"
+
+
+def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None = None) -> nn.Module:
+    """The model's inference form, in place: fused projections, every linear in `fmt`
+    (default: the fastest for its device, dtype and `quantization`). Returns the model."""
+    p = next(model.parameters())
+    fmt = fmt or weight_format(p.device, p.dtype, quantization)
+    for module in model.modules():
+        if hasattr(module, "fuse_projections"):
+            module.fuse_projections(lambda linears: FastLinear(linears, fmt))
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8Linear(child))
+                setattr(module, name, FastLinear([child], fmt))
     return model
 
 
+def quantize(model: nn.Module, method: str | None) -> nn.Module:
+    """prepare(model, method): kept for callers that only quantise."""
+    return prepare(model, method)
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of parameters and persistent buffers (tied tensors counted once)."""
+    """Bytes of parameters and buffers resident for inference (tied tensors counted once)."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + [b for b in model.buffers()]:
-        if t.data_ptr() in seen:
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = id(t) if t.is_mkldnn else t.data_ptr()
+        if key in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(key)
         total += t.numel() * t.element_size()
     return total

@@ -33,6 +33,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one op: weight * normalised x, as below
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 as the reference does; bf16 variance is too coarse.
         dtype = x.dtype
         x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -59,9 +61,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1).
+    `sin` comes with the sign of the first half folded in ((-sin, sin)), so rotate_half(x) * sin is
+    x with its halves swapped times it: three ops instead of six, the same products."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class Attention(nn.Module):
@@ -79,17 +83,30 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj = None  # q, k and v in one matmul once fused for inference (model.quant.prepare)
+
+    def fuse_projections(self, make) -> None:
+        self.qkv_proj = make([self.q_proj, self.k_proj, self.v_proj])
+        self.q_proj = self.k_proj = self.v_proj = None
 
     def forward(self, x, cos, sin, mask, write_pos, cache: CacheView | None, kv_len: int):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = (q * cos + rotate_half(q) * sin).transpose(1, 2)  # (B, H, T, D)
-        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.transpose(1, 2)
+        H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
+        if self.qkv_proj is not None and self.q_norm is None:
+            # fused: one rotation over the q and k heads together
+            qkv = self.qkv_proj(x).view(B, T, H + 2 * H_kv, D)
+            qk = rotate(qkv[:, :, :H + H_kv], cos, sin)
+            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + H_kv:]
+        else:
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split(self.qkv_proj.splits, dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = q.view(B, T, H, D), k.view(B, T, H_kv, D), v.view(B, T, H_kv, D)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         if cache is not None:
             ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]
             ck[write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D) at (row, :, position)
@@ -107,9 +124,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.gate_up_proj = None  # gate and up in one matmul once fused for inference
+
+    def fuse_projections(self, make) -> None:
+        self.gate_up_proj = make([self.gate_proj, self.up_proj])
+        self.gate_proj = self.up_proj = None
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -177,8 +203,9 @@ class Transformer(nn.Module):
         pos = positions.clamp(min=0)  # padding gets a harmless position
         # RoPE angles in float32, cast to the activation dtype like the reference.
         angles = pos[..., None].float() * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # (B, T, 1, D)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        cos = torch.cat((cos, cos), dim=-1)[:, :, None, :].to(self.dtype)  # (B, T, 1, D)
+        sin = torch.cat((-sin, sin), dim=-1)[:, :, None, :].to(self.dtype)  # the sign of rotate_half folded in
 
         if cache is not None:
             if slots is None:

@@ -1,7 +1,7 @@
-"""Compiled steps (torch.compile), int8 weight-only drafts, memory accounting (issue 7).
+"""Compiled steps (torch.compile) and memory accounting (issue 7).
 
 Compiled and eager decoding give the same greedy tokens in float32 and the compiled
-engine keeps the target's distribution; an int8 draft changes acceptance only."""
+engine keeps the target's distribution. Weight formats and quantisation: test_quantized.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from torch._dynamo.utils import counters
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.compile import StepFunction
-from quickdraft.model.quant import Int8Linear, quantize, weight_bytes
 
 from test_lossless import N, PROMPT, chi2_pvalue, exact_joint, pair, sampled_joint  # noqa: F401
 
@@ -129,57 +128,6 @@ def _count_calls(step: StepFunction) -> list[int]:
 
     step._compiled = counted
     return calls
-
-
-# ---- int8 ---------------------------------------------------------------------------------
-
-def test_int8_linear_matches_float_and_both_kernels_agree():
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 48, bias=True)
-    q = Int8Linear(lin)
-    x = torch.randn(5, 3, 64)
-    ref = lin(x)
-    out = q(x)
-    assert out.shape == ref.shape and q.weight.dtype == torch.int8
-    assert (out - ref).abs().max() / ref.abs().max() < 0.02
-    q._fused = False  # the dequantising fallback gives the same numbers
-    assert torch.allclose(q(x), out, atol=1e-4)
-    with pytest.raises(Exception, match="unknown quantization"):
-        quantize(torch.nn.Sequential(lin), "int4")
-
-
-def test_draft_precision_differs_from_the_target_and_output_does_not_change(target_dir, plain_out):
-    # the target as its own draft: a float32 draft would agree on every token; in bfloat16 it
-    # agrees on most, and the output is still exactly the float32 target's
-    llm = LLM(target_dir, target_dir, num_speculative_tokens=3, draft_dtype="bfloat16")
-    assert llm.target.dtype == torch.float32 and llm.draft.dtype == torch.bfloat16
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
-    assert llm.stats.num_accepted_tokens > 0
-
-
-def test_int8_draft_is_lossless_and_smaller(target_dir, draft_dir, plain_out):
-    full = LLM(target_dir, draft_dir, num_speculative_tokens=3)
-    small = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization="int8")
-    assert any(isinstance(m, Int8Linear) for m in small.draft.modules())
-    assert not any(isinstance(m, Int8Linear) for m in small.target.modules())
-    assert weight_bytes(small.draft) < weight_bytes(full.draft)
-    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == plain_out
-    assert small.stats.num_draft_tokens > 0
-
-
-def test_int8_draft_keeps_the_target_distribution(pair):  # noqa: F811
-    target, draft = pair
-    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N, draft_quantization="int8")
-    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
-    assert 0.05 < llm.stats.acceptance_rate < 0.95
-    assert chi2_pvalue(counts, exact_joint(target, SamplingParams())) > 1e-3
-
-
-def test_int8_target_output_follows_the_quantised_target(target_dir, draft_dir):
-    plain_q = LLM(target_dir, method="none", quantization="int8")
-    spec_q = LLM(target_dir, draft_dir, num_speculative_tokens=3, quantization="int8")
-    assert [o.token_ids for o in spec_q.generate(PROMPTS, GREEDY)] == \
-        [o.token_ids for o in plain_q.generate(PROMPTS, GREEDY)]
 
 
 def test_memory_footprint(target_dir, draft_dir):

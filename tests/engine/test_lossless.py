@@ -27,12 +27,12 @@ def pair(tmp_path_factory):
     return t, d
 
 
-def exact_joint(model_dir, params: SamplingParams) -> np.ndarray:
+def exact_joint(model_dir, params: SamplingParams, quantization: str | None = None) -> np.ndarray:
     """P(x2, x3 | prompt) = sum over x1 of P(x1) P(x2 | x1) P(x3 | x1, x2), (V, V).
 
     The first token comes from the prefill; x2 and x3 come from a speculative step
     (drafted, verified, recovered or bonus), so this is the distribution that step must keep."""
-    model = LLM(model_dir, method="none").target
+    model = LLM(model_dir, method="none", quantization=quantization).target
 
     def probs(seqs):
         s = BatchSampling.build([params] * len(seqs), torch.device("cpu"))

@@ -1,0 +1,147 @@
+"""Which CPU matmul path streams a model's weights fastest, at decode (1 row) and verify (k+1 rows)?
+
+For every candidate kernel PyTorch offers on CPU (stock, MKL- and oneDNN-packed, int8 and int4
+weight-only) this times the linear layers of one decode step of a model (SmolLM2-135M shapes by
+default: fused q/k/v, o, fused gate/up, down, x layers, + lm_head), prints GB/s of weights read per
+step, ms per step, the cost of M = 4 and 8 rows relative to 1, and the machine's read bandwidth
+(`sum` over 1 GiB) so each figure is also a fraction of the roofline.
+
+    python benchmarks/cpu_kernels.py --threads 1 2 --out benchmarks/results/cpu_kernels.json
+
+Medians of --repeats runs, threads pinned with torch.set_num_threads; the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def read_bandwidth(repeats: int, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a streaming read (`sum` over a float32 buffer larger than any cache)."""
+    x = torch.ones(nbytes // 4)
+    return nbytes / timed(lambda: x.sum(), repeats)
+
+
+# Each candidate: name -> (prepare(w_f32[out, in]) -> packed, run(x, packed) -> y, activation dtype,
+# bytes per weight element)
+def _int8(w):
+    s = w.abs().amax(1).clamp(min=1e-8) / 127
+    return torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8), s
+
+
+def _int4(w, group=32, inner_k_tiles=2):
+    from quickdraft.model.quant import int4_pack  # the engine's own packing when present
+    return int4_pack(w, group)
+
+
+def candidates():
+    c = {}
+    c["f32 F.linear W[out,in]"] = (lambda w: w, lambda x, w: F.linear(x, w), torch.float32, 4)
+    c["f32 x @ W[in,out]"] = (lambda w: w.t().contiguous(), lambda x, w: x @ w, torch.float32, 4)
+    c["f32 mkl packed (_mkl_linear)"] = (
+        lambda w: (torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w),
+        lambda x, p: torch.ops.mkl._mkl_linear(x, p[0], p[1], None, x.shape[0]), torch.float32, 4)
+    c["f32 onednn packed (_linear_pointwise)"] = (
+        lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1),
+        lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), torch.float32, 4)
+    c["bf16 F.linear W[out,in]"] = (lambda w: w.bfloat16(), lambda x, w: F.linear(x, w), torch.bfloat16, 2)
+    c["bf16 onednn packed (_linear_pointwise)"] = (
+        lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1),
+        lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), torch.bfloat16, 2)
+    c["int8 _weight_int8pack_mm, bf16 x"] = (
+        lambda w: (lambda q, s: (q, s.bfloat16()))(*_int8(w)),
+        lambda x, p: torch._weight_int8pack_mm(x, p[0], p[1]), torch.bfloat16, 1)
+    c["int8 _weight_int8pack_mm, f32 x"] = (
+        lambda w: _int8(w), lambda x, p: torch._weight_int8pack_mm(x, p[0], p[1]), torch.float32, 1)
+
+    def onednn_int8(w):
+        q, s = _int8(w)
+        return torch.ops.onednn.qlinear_prepack(q, None), s.float(), torch.zeros(s.shape, dtype=torch.long)
+
+    def onednn_int8_run(x, p):
+        # dynamic per-tensor uint8 activations (what Inductor's x86 int8 lowering feeds oneDNN)
+        lo, hi = x.aminmax()
+        scale = float((hi - lo).clamp(min=1e-8)) / 255
+        zp = int(round(-float(lo) / scale))
+        qx = torch.clamp(torch.round(x / scale) + zp, 0, 255).to(torch.uint8)
+        return torch.ops.onednn.qlinear_pointwise(qx, scale, zp, p[0], p[1], p[2], None, 1.0, 0,
+                                                  torch.float32, "none", [], "")
+    c["int8 x uint8 onednn qlinear (dynamic act.)"] = (onednn_int8, onednn_int8_run, torch.float32, 1)
+    try:
+        _int4(torch.randn(64, 64))
+        c["int4 g32 _weight_int4pack_mm_for_cpu, bf16 x"] = (
+            lambda w: _int4(w), lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], 32, p[1]),
+            torch.bfloat16, 0.5 + 4 / 32)
+    except (ImportError, RuntimeError):
+        pass
+    return c
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--only", nargs="*", default=None, help="substrings of candidate names")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    shapes = SMOLLM2
+    results = {"shapes": "SmolLM2-135M (fused qkv, gate/up) x30 + lm_head", "load_before": os.getloadavg(),
+               "torch": torch.__version__, "threads": {}}
+    base = [torch.randn(o, i) / i ** 0.5 for o, i in shapes]
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        bw = read_bandwidth(args.repeats)
+        print(f"threads={threads}: read bandwidth {bw / 1e9:.1f} GB/s")
+        rows = {"read_bandwidth_GBps": bw / 1e9, "kernels": {}}
+        for name, (prep, run, dt, bpe) in candidates().items():
+            if args.only and not any(s in name for s in args.only):
+                continue
+            try:
+                packed = [prep(w) for w in base]
+                nbytes = sum(o * i for o, i in shapes) * bpe
+                entry = {}
+                for m in args.rows:
+                    xs = {i: torch.randn(m, i).to(dt) for i in (576, 1536)}
+                    t = timed(lambda: [run(xs[i], p) for (o, i), p in zip(shapes, packed)], args.repeats)
+                    entry[f"M={m}_ms"] = t * 1e3
+                t1 = entry["M=1_ms"] / 1e3
+                entry["GBps_M1"] = nbytes / t1 / 1e9
+                entry["roofline_fraction_M1"] = nbytes / t1 / bw
+                for m in args.rows[1:]:
+                    entry[f"M={m}_vs_M=1"] = entry[f"M={m}_ms"] / entry["M=1_ms"]
+                rows["kernels"][name] = entry
+                extra = "  ".join(f"M={m} {entry[f'M={m}_vs_M=1']:.2f}x" for m in args.rows[1:])
+                print(f"  {name:48s} {entry['GBps_M1']:5.1f} GB/s ({entry['roofline_fraction_M1']:.0%}) "
+                      f"{entry['M=1_ms']:6.1f} ms  {extra}", flush=True)
+            except Exception as e:  # a path missing on this CPU / torch build is a result too
+                rows["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                print(f"  {name:48s} unavailable: {str(e)[:100]}")
+        results["threads"][str(threads)] = rows
+    results["load_after"] = os.getloadavg()
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Inference weight formats in the engine (issue 19): every precision keeps speculative decoding
+lossless with respect to the model as loaded. A quantised (or bf16) target's speculative output
+equals its own plain output, greedy and in distribution; a quantised draft changes acceptance only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.model.quant import FastLinear, onednn_bf16_supported, weight_bytes
+
+from test_lossless import N, chi2_pvalue, exact_joint, pair, sampled_joint  # noqa: F401
+
+PROMPTS = [[0, 5, 7, 9, 11], [0, 3], [0, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+PRECISIONS = [("float32", "int8"), ("float32", "int4"), ("bfloat16", None), ("bfloat16", "int4")]
+
+
+def formats(model) -> set[str]:
+    return {m.fmt for m in model.modules() if isinstance(m, FastLinear)}
+
+
+@pytest.fixture(scope="module")
+def plain_out(target_dir):
+    return [o.token_ids for o in LLM(target_dir, method="none").generate(PROMPTS, GREEDY)]
+
+
+def test_default_formats_are_fused_and_packed(target_dir, draft_dir):
+    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+    assert formats(llm.target) == formats(llm.draft) == {"transposed"}  # float32 on CPU
+    layer = llm.target.model.layers[0]
+    assert layer.self_attn.q_proj is None and layer.self_attn.qkv_proj.splits[0] == layer.self_attn.qkv_proj.in_features
+    assert layer.mlp.gate_up_proj is not None and not any(isinstance(m, torch.nn.Linear) for m in llm.target.modules())
+    if onednn_bf16_supported():
+        assert formats(LLM(target_dir, method="none", dtype="bfloat16").target) == {"onednn"}
+
+
+@pytest.mark.parametrize("dtype,quant", PRECISIONS)
+def test_quantised_target_speculative_output_equals_its_plain_output(target_dir, dtype, quant):
+    # the float32 model drafts for its own quantised self: most drafts are accepted, some are not
+    plain = LLM(target_dir, method="none", dtype=dtype, quantization=quant)
+    spec = LLM(target_dir, target_dir, num_speculative_tokens=3, dtype=dtype, quantization=quant,
+               draft_dtype="float32")
+    assert formats(spec.target) == {quant or ("onednn" if onednn_bf16_supported() else "dense")}
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert spec.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantised_draft_is_lossless_and_smaller(target_dir, draft_dir, plain_out, quant):
+    full = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+    small = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization=quant)
+    assert formats(small.draft) == {quant} and formats(small.target) == {"transposed"}
+    assert weight_bytes(small.draft) < weight_bytes(full.draft)
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == plain_out
+    assert small.stats.num_draft_tokens > 0
+
+
+def test_draft_precision_differs_from_the_target_and_output_does_not_change(target_dir, plain_out):
+    # the target as its own draft: a float32 draft would agree on every token; in bfloat16 it
+    # agrees on most, and the output is still exactly the float32 target's
+    llm = LLM(target_dir, target_dir, num_speculative_tokens=3, draft_dtype="bfloat16")
+    assert llm.target.dtype == torch.float32 and llm.draft.dtype == torch.bfloat16
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
+    assert llm.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("target_quant,draft_quant", [(None, "int8"), ("int4", None)])
+def test_quantised_models_keep_the_distribution(pair, target_quant, draft_quant):  # noqa: F811
+    """Sampled output of speculative decoding follows the (quantised) target's own distribution."""
+    target, draft = pair
+    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N,
+              quantization=target_quant, draft_quantization=draft_quant)
+    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
+    assert 0.05 < llm.stats.acceptance_rate < 0.95
+    assert chi2_pvalue(counts, exact_joint(target, SamplingParams(), quantization=target_quant)) > 1e-3

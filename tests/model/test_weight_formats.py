@@ -1,0 +1,72 @@
+"""Inference weight formats (quickdraft.model.quant, issue 19): each format computes the matmul
+of the weights it stores; fusion keeps every projection's output; quantisation errors are bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.model.loader import load_model
+from quickdraft.model.quant import (DENSE_ROWS, FastLinear, int4_quantize, onednn_bf16_supported, prepare,
+                                    weight_bytes, weight_format)
+
+FORMATS = ["dense", "transposed", "int8", "int4"] + (["onednn"] if onednn_bf16_supported() else [])
+
+
+def linears(dtype=torch.float32, bias=True):
+    torch.manual_seed(0)
+    return [torch.nn.Linear(64, n, bias=bias).to(dtype) for n in (96, 32, 32)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, DENSE_ROWS + 3])
+def test_fused_linear_computes_each_projection(fmt, rows):
+    dtype = torch.bfloat16 if fmt == "onednn" else torch.float32
+    lins = linears(dtype)
+    fused = FastLinear(lins, fmt)
+    x = torch.randn(rows, 2, 64).to(dtype)
+    parts = fused(x).split(fused.splits, dim=-1)
+    assert fused.splits == [96, 32, 32] and fused(x).dtype == dtype
+    for lin, part in zip(lins, parts):
+        ref = lin(x).float()
+        tol = {"dense": 1e-5, "transposed": 1e-5, "onednn": 0.03, "int8": 0.03, "int4": 0.2}[fmt]
+        assert (part.float() - ref).abs().max() <= tol * ref.abs().max()
+    if fmt != "onednn":  # the stored weight is what the matmul uses
+        w = fused.dequantized(torch.float32)
+        b = torch.cat([lin.bias for lin in lins]).float()
+        exact = x.float() @ w.t() + b
+        tol = 1e-5 if fmt in ("dense", "transposed") else 0.02  # bf16 activations in the kernels
+        assert (fused(x).float() - exact).abs().max() <= tol * exact.abs().max()
+
+
+def test_int4_error_is_within_half_a_step_per_group():
+    w = torch.randn(16, 128)
+    q, scale, zero = int4_quantize(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (16, 4)
+    deq = ((q.float().unflatten(1, (4, 32)) - 8) * scale[..., None] + zero[..., None]).flatten(1)
+    assert ((deq - w).abs().unflatten(1, (4, 32)) <= scale[..., None] / 2 + 1e-6).all()
+    with pytest.raises(QuickdraftError, match="divisible by 32"):
+        int4_quantize(torch.randn(4, 40))
+
+
+def test_format_choice_and_unknown_quantization():
+    cpu = torch.device("cpu")
+    assert weight_format(cpu, torch.float32, None) == "transposed"
+    assert weight_format(cpu, torch.float16, "none") == "dense"
+    assert weight_format(torch.device("cuda"), torch.bfloat16, None) == "dense"
+    assert weight_format(cpu, torch.float32, "int4") == "int4"
+    with pytest.raises(QuickdraftError, match="unknown quantization 'int3'; choose one of none, int8, int4"):
+        weight_format(cpu, torch.float32, "int3")
+
+
+def test_prepared_model_gives_the_same_logits_and_the_checkpoint_keeps_its_names(target_dir):
+    ref = load_model(target_dir)
+    names = set(ref.state_dict())
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= names
+    ids = torch.randint(0, ref.config.vocab_size, (2, 7))
+    want = ref(ids)
+    model = prepare(load_model(target_dir))
+    assert torch.allclose(model(ids), want, atol=1e-4)
+    assert weight_bytes(prepare(load_model(target_dir), "int8")) < weight_bytes(load_model(target_dir)) / 2
+    assert set(load_model(target_dir).state_dict()) == names  # loading is untouched by preparing
