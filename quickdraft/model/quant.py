@@ -13,7 +13,7 @@
   | `transposed` | CPU float32 | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
   | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
   | `int8` | any | `torch._weight_int8pack_mm`, per-channel scales (bf16 activations on CPU) | 1 byte/weight | large M: dequantised to bf16, dense GEMM |
-  | `int4` | CPU | `torch._weight_int4pack_mm_for_cpu`, groups of 32, asymmetric | 0.625 byte/weight | large M: dequantised to bf16, dense GEMM |
+  | `int4` | CPU | `torch._weight_int4pack_mm_for_cpu`, groups of 32, asymmetric | 0.56 byte/weight read | large M: from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
 
   int4 elsewhere dequantises per call (a fallback, labelled as such in its repr).
 
@@ -32,9 +32,10 @@ from ..errors import QuickdraftError
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
-# Rows above which a quantised matmul dequantises its weight and runs a dense bf16 GEMM
-# (the weight-only kernels are GEMV kernels: at prefill sizes the dense AMX/AVX512 GEMM wins).
-DENSE_ROWS = 48
+# Rows above which a quantised matmul converts its weight to bf16 and runs a dense GEMM (the
+# weight-only kernels are GEMV kernels: from ~16 rows on, conversion + the AMX/AVX512 GEMM wins;
+# measured in benchmarks/results/cpu_kernels_*.json).
+DENSE_ROWS = 16
 
 
 def onednn_bf16_supported() -> bool:
@@ -81,15 +82,6 @@ def _int4_cpu_pack(q, scale, zero, inner_k_tiles: int = 2):
     return packed, sz
 
 
-def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """q (out, in) values 0..15 -> (out, in/2) uint8, two per byte (low nibble first)."""
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def _unnibble(p: torch.Tensor) -> torch.Tensor:
-    return torch.stack((p & 15, p >> 4), dim=-1).reshape(p.shape[0], -1)
-
-
 class FastLinear(nn.Module):
     """y = x W^T + b over one or more checkpoint linears fused along the output dimension
     (`splits` gives each one's share of the output), stored in one format (see the module doc)."""
@@ -121,9 +113,10 @@ class FastLinear(nn.Module):
             self.register_buffer("scales", scale.to(self.act_dtype))
         elif fmt == "int4":
             q, scale, zero = int4_quantize(w)
-            self.register_buffer("nibbles", _nibbles(q))  # compact copy for dense (prefill) matmuls
+            # unpacked copy for dense (prefill) matmuls: w = q * scale + offset per group
+            self.register_buffer("q", q)
             self.register_buffer("scale", scale.to(torch.bfloat16))
-            self.register_buffer("zero", zero.to(torch.bfloat16))
+            self.register_buffer("offset", (zero - 8 * scale).to(torch.bfloat16))
             self.kernel = cpu
             if cpu:
                 packed, sz = _int4_cpu_pack(q, scale, zero)
@@ -141,8 +134,8 @@ class FastLinear(nn.Module):
         if self.fmt == "int8":
             return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None])
         if self.fmt == "int4":
-            q = _unnibble(self.nibbles).to(dtype).unflatten(1, (-1, INT4_GROUP))
-            return ((q - 8) * self.scale.to(dtype)[..., None] + self.zero.to(dtype)[..., None]).flatten(1)
+            q = self.q.unflatten(1, (-1, INT4_GROUP)).to(dtype)
+            return torch.addcmul(self.offset.to(dtype)[..., None], q, self.scale.to(dtype)[..., None]).flatten(1)
         raise QuickdraftError("a oneDNN-packed weight cannot be read back")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +152,10 @@ class FastLinear(nn.Module):
             out = F.linear(x2, self.weight, self.bias)
         elif x2.shape[0] > DENSE_ROWS or (fmt == "int4" and not self.kernel):
             xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
-            out = F.linear(xd, self.dequantized(xd.dtype)).to(x.dtype)
+            if fmt == "int8":  # per-row scales apply to the output: one conversion of the weight
+                out = (F.linear(xd, self.qweight.to(xd.dtype)) * self.scales.to(xd.dtype)).to(x.dtype)
+            else:
+                out = F.linear(xd, self.dequantized(xd.dtype)).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
         else:
