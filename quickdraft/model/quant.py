@@ -169,6 +169,16 @@ class FastLinear(nn.Module):
                 out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
+    def bytes_read(self) -> int:
+        """Bytes a one-row (decode) matmul streams: the tensors its kernel reads."""
+        if self.fmt == "int4":
+            names = ["packed", "scales_and_zeros"] if self.kernel else ["q", "scale", "offset"]
+        else:
+            names = {"dense": ["weight"], "transposed": ["weight_t"], "onednn": ["packed"],
+                     "int8": ["qweight", "scales"]}[self.fmt]
+        tensors = [getattr(self, n) for n in names] + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def extra_repr(self) -> str:
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
         fallback = " (dequantised per call: no int4 kernel on this device)" if self.fmt == "int4" and not self.kernel else ""
@@ -219,4 +229,26 @@ def weight_bytes(model: nn.Module) -> int:
             continue
         seen.add(key)
         total += t.numel() * t.element_size()
+    return total
+
+
+def bytes_read_per_token(model: nn.Module) -> int:
+    """Weight bytes one decode step of batch 1 reads: every linear's kernel operands, the norms,
+    and one row of the embedding table. Divided by the machine's read bandwidth this is the
+    memory roofline: the least time a token can take."""
+    total, seen = 0, set()
+    for m in model.modules():
+        if isinstance(m, FastLinear):
+            total += m.bytes_read()
+            seen.update(id(t) for t in list(m.parameters()) + list(m.buffers()))
+    embed = model.model.embed_tokens.weight
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p is embed:
+            linear_head = isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is embed
+            total += p.numel() * p.element_size() if linear_head else p.shape[1] * p.element_size()
+        elif p.dim() == 2 or p.dim() == 1:
+            total += p.numel() * p.element_size()
     return total

@@ -70,3 +70,18 @@ def test_prepared_model_gives_the_same_logits_and_the_checkpoint_keeps_its_names
     assert torch.allclose(model(ids), want, atol=1e-4)
     assert weight_bytes(prepare(load_model(target_dir), "int8")) < weight_bytes(load_model(target_dir)) / 2
     assert set(load_model(target_dir).state_dict()) == names  # loading is untouched by preparing
+
+
+def test_bytes_read_per_token_counts_each_format(target_dir):
+    from quickdraft.model.quant import bytes_read_per_token
+
+    plain = load_model(target_dir)
+    cfg = plain.config
+    linear = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    small = sum(p.numel() for n, p in plain.named_parameters() if "norm" in n)
+    assert bytes_read_per_token(plain) == 4 * (linear + small + (0 if cfg.tie_word_embeddings else cfg.hidden_size))
+    f32 = prepare(load_model(target_dir))
+    assert bytes_read_per_token(f32) == 4 * (linear + small + cfg.hidden_size)  # lm_head its own copy
+    int8 = prepare(load_model(target_dir), "int8")
+    rows = sum(m.weight.shape[0] for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    assert bytes_read_per_token(int8) == linear + 2 * rows + 4 * (small + cfg.hidden_size)  # bf16 scales
