@@ -36,10 +36,38 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(out)
 
 
-def read_bandwidth(repeats: int, nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a streaming read (`sum` over a float32 buffer larger than any cache)."""
+def read_bandwidth(repeats: int, nbytes: int = 1 << 30) -> dict[str, float]:
+    """Bytes/s of streaming reads over float32 buffers larger than any cache, by three probes
+    (`sum`, `dot` of two halves, `mv` of a matrix); the best is the roofline's denominator."""
     x = torch.ones(nbytes // 4)
-    return nbytes / timed(lambda: x.sum(), repeats)
+    half = x.numel() // 2
+    a, b = x[:half], x[half:]
+    m = x.view(-1, 4096)
+    v = torch.ones(4096)
+    return {"sum": nbytes / timed(lambda: x.sum(), repeats),
+            "dot": nbytes / timed(lambda: torch.dot(a, b), repeats),
+            "mv": nbytes / timed(lambda: torch.mv(m, v), repeats)}
+
+
+def model_rooflines(bandwidth: float) -> dict:
+    """Per model and precision: weight bytes one decode step reads (quickdraft's own formats) and
+    the least time per token at `bandwidth` bytes/s."""
+    from quickdraft.llm import default_model_dirs
+    from quickdraft.model.loader import checkpoint_dir, load_model
+    from quickdraft.model.quant import bytes_read_per_token, prepare
+    from quickdraft.model.sources import resolve_model
+
+    models = {"bundled target": default_model_dirs()[0]}
+    try:
+        models["SmolLM2-135M-Instruct"] = checkpoint_dir(resolve_model("smollm2"))
+    except Exception as e:  # offline and not cached
+        print(f"smollm2 unavailable: {e}")
+    out = {}
+    for name, path in models.items():
+        for dtype, quant in (("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")):
+            nbytes = bytes_read_per_token(prepare(load_model(path, dtype=dtype), quant))
+            out[f"{name} {quant or dtype}"] = {"bytes_per_token": nbytes, "min_ms_per_token": nbytes / bandwidth * 1e3}
+    return out
 
 
 # Each candidate: name -> (prepare(w_f32[out, in]) -> packed, run(x, packed) -> y, activation dtype,
@@ -49,8 +77,8 @@ def _int8(w):
     return torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8), s
 
 
-def _int4(w, group=32, inner_k_tiles=2):
-    from quickdraft.model.quant import int4_pack  # the engine's own packing when present
+def _int4(w, group=32):
+    from quickdraft.model.quant import int4_pack  # the engine's own packing
     return int4_pack(w, group)
 
 
@@ -111,9 +139,14 @@ def main() -> None:
     base = [torch.randn(o, i) / i ** 0.5 for o, i in shapes]
     for threads in args.threads:
         torch.set_num_threads(threads)
-        bw = read_bandwidth(args.repeats)
-        print(f"threads={threads}: read bandwidth {bw / 1e9:.1f} GB/s")
-        rows = {"read_bandwidth_GBps": bw / 1e9, "kernels": {}}
+        probes = read_bandwidth(args.repeats)
+        bw = max(probes.values())
+        print(f"threads={threads}: read bandwidth {bw / 1e9:.1f} GB/s "
+              f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in probes.items())})")
+        rows = {"read_bandwidth_GBps": bw / 1e9, "probes_GBps": {k: v / 1e9 for k, v in probes.items()},
+                "rooflines": model_rooflines(bw), "kernels": {}}
+        for name, r in rows["rooflines"].items():
+            print(f"  roofline {name:36s} {r['bytes_per_token'] / 1e6:7.1f} MB/token  {r['min_ms_per_token']:6.2f} ms/token")
         for name, (prep, run, dt, bpe) in candidates().items():
             if args.only and not any(s in name for s in args.only):
                 continue

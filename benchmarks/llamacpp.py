@@ -1,0 +1,785 @@
+"""quickdraft against llama.cpp on this CPU, batch 1, greedy (issue 19, the peer benchmark).
+
+Not part of CI: the first run builds llama.cpp (about 10 minutes on 2 cores) and converts the
+models; both are cached outside the repository, under the quickdraft cache
+(`QUICKDRAFT_CACHE`, else ~/.cache/quickdraft):
+
+- peers/llama.cpp-<v>/source: llama.cpp as vendored in the PyPI sdist of llama-cpp-python==<v>
+  (`pip download --no-binary :all:`), built into peers/llama.cpp-<v>/build/bin with cmake + the
+  system C++ compiler (CPU only, -DGGML_NATIVE=ON, static; AMX left out where the CPU lists it
+  but a probe program using it dies, as in some VMs, else llama.cpp's AMX kernels hit SIGILL);
+- peers/pydeps: sentencepiece, which llama.cpp's convert_hf_to_gguf.py imports (installed with
+  `pip install --target`, so the project's virtual environment is left as it is);
+- peers/models: the GGUF files llama.cpp runs, all made from the same weights ours loads:
+  F32 and Q8_0 by convert_hf_to_gguf.py, Q4_0 and Q4_K_M by llama-quantize from the F32 file.
+
+Models:
+- smollm2: SmolLM2-135M-Instruct. quickdraft's catalogue ships it as a Q4_1 GGUF; the float32
+  folder dequantised from it (the one benchmarks/real_model.py gives transformers) is the
+  reference weights of both engines (the Q4_1 rounding is in both). Prompts are rendered with
+  the chat template (chat / code / editing requests of quickdraft.bench.workloads); llama.cpp
+  adds no BOS for this vocabulary, so both engines see the same token ids.
+- bundled: the 28M code model shipped in quickdraft/default_models/target and its draft,
+  prompts are raw text (function openings, and the editing workload), BOS added by both.
+  Converted from a copy in the cache: its BPE pre-tokenizer is declared "gpt-2" (llama.cpp's
+  converter does not recognise the tokenizer by hash) and a config without "architectures"
+  gets one.
+The token ids llama.cpp makes of every prompt are read back (`--verbose-prompt`) and compared
+with ours before anything is timed.
+
+Configurations (ours vs llama.cpp):
+- f32: dtype float32 vs the F32 GGUF (the outputs should be the same text);
+- bf16-q8_0: dtype bfloat16 vs Q8_0;  int8-q8_0: quantization="int8" vs Q8_0;
+- int4-q4_0, int4-q4_k_m: quantization="int4" vs Q4_0 / Q4_K_M (skipped while quickdraft
+  has no int4);
+- ngram, suffix: method "ngram" / "suffix", k=8, float32, vs llama-lookup (8 draft tokens,
+  F32), editing prompts only. Suffix decoding keeps no outputs across requests
+  (global_max_tokens=0), as llama-lookup keeps none (no lookup cache files);
+- draft-k3, draft-k5: the model's draft (bundled pair), float32, fixed k, vs
+  llama-speculative-simple with the F32 draft, --spec-type draft-simple --spec-draft-n-max k
+  --spec-draft-n-min 0 --spec-draft-p-min 0 (always draft k, as ours does with the fixed policy).
+
+Timing. Batch 1, greedy, N new tokens, eos ignored (llama.cpp's --ignore-eos bans end-of-generation
+tokens; ours keeps sampling past eos, so outputs are compared up to ours' first special token).
+Each (configuration, workload, threads) block: one short warm-up of ours, then `--repeats`
+repeats; in repeat r every prompt runs on both engines back to back, ours first in even repeats,
+llama.cpp first in odd ones. llama.cpp runs as a fresh process per prompt (model load and its
+own warm-up not timed). Decode phase only:
+- ours: the prompt phase is the first `LLM.stream` step (prefill and the first token); decode
+  tok/s = the tokens after it / the time after it;
+- llama-completion: decode tok/s = eval runs / (eval time + sampling time) of its perf print
+  (its own eval-only rate is kept in the JSON); prompt time = its prompt eval time;
+- llama-lookup, llama-speculative-simple: their "decoded N tokens in S seconds" and
+  "encoded ... in S seconds" lines (the decode loop's wall time, drafting included). llama.cpp's
+  draft model reads the prompt in its prompt phase; ours catches up on it in the first decode step.
+Per repeat a block's tok/s is its decode tokens / decode seconds over all prompts; the ratio
+ours / llama.cpp is taken per repeat and its median reported, with the medians of both rates.
+Threads: ours torch.set_num_threads(t) (OMP_NUM_THREADS=t set too), llama.cpp -t t -tb t.
+
+    python benchmarks/llamacpp.py                       # everything: about 3-4 h on 2 cores
+    python benchmarks/llamacpp.py --quick --threads 1 --out-dir /tmp/lc   # ~10 min after the build
+    python benchmarks/llamacpp.py --models bundled --configs draft-k3 draft-k5 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.workloads import (chat_requests, code_completion, code_requests, editing,
+                                        editing_requests)
+from quickdraft.errors import QuickdraftError
+from quickdraft.llm import default_model_dirs
+from quickdraft.model.quant import QUANTIZATIONS
+from quickdraft.model.sources import cache_dir, default_draft, resolve_model
+from quickdraft.model.tokenizer import Tokenizer
+from quickdraft.train.corpus import load_corpus
+from real_model import hf_folder  # the float32 SmolLM2 folder, shared with real_model.py
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp we build
+BINARIES = ("llama-completion", "llama-bench", "llama-speculative-simple", "llama-lookup", "llama-quantize")
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF")
+MODELS = ("smollm2", "bundled")
+WORKLOADS = {"smollm2": ("chat", "code", "editing"), "bundled": ("code", "editing")}
+PEER_TIMEOUT_S = 1800
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def peers_dir() -> Path:
+    return cache_dir() / "peers"
+
+
+def run_cmd(cmd: list[str], what: str, env: dict | None = None, cwd: Path | None = None,
+            timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run a command, capturing its output as bytes; a non-zero exit is an error naming `what`."""
+    proc = subprocess.run(cmd, capture_output=True, env=env, cwd=cwd, timeout=timeout)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).decode("utf-8", "replace")[-3000:]
+        raise QuickdraftError(f"{what} failed (exit {proc.returncode}): {shlex.join(cmd)}\n{tail}")
+    return proc
+
+
+# --- llama.cpp: fetch and build -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LlamaCpp:
+    root: Path  # peers/llama.cpp-<v>: source/ and build/
+    cmake_flags: tuple[str, ...]  # what it was built with
+
+    @property
+    def source(self) -> Path:
+        return self.root / "source"
+
+    @property
+    def bin(self) -> Path:
+        return self.root / "build" / "bin"
+
+    def exe(self, name: str) -> str:
+        return str(self.bin / name)
+
+    def version(self) -> str:
+        out = subprocess.run([self.exe("llama-completion"), "--version"], capture_output=True, text=True)
+        return " ".join((out.stdout + out.stderr).split())
+
+
+def ensure_llama_cpp() -> LlamaCpp:
+    """The cached build, made first when a binary is missing or the build flags changed:
+    download the sdist, unpack its vendor/llama.cpp, configure and build the binaries we run."""
+    flags = cmake_flags()
+    llama = LlamaCpp(peers_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON}", tuple(flags))
+    stamp = llama.root / "build" / "quickdraft-cmake-flags.json"
+    if all((llama.bin / b).exists() for b in BINARIES) and stamp.exists() and json.loads(stamp.read_text()) == flags:
+        return llama
+    if not (llama.source / "CMakeLists.txt").exists():
+        fetch_source(llama.source)
+    cmake = shutil.which("cmake") or install_cmake()
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    build = llama.root / "build"
+    log(f"building llama.cpp into {build} (about 10 minutes on 2 cores)...")
+    start = time.perf_counter()
+    run_cmd([cmake, "-S", str(llama.source), "-B", str(build), *generator, *flags], "cmake configure")
+    run_cmd([cmake, "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", *BINARIES], "cmake build")
+    stamp.write_text(json.dumps(flags) + "\n")
+    log(f"built llama.cpp in {time.perf_counter() - start:.0f} s")
+    return llama
+
+
+def cmake_flags() -> list[str]:
+    """CMAKE_FLAGS, plus the compiler told to leave AMX out where the CPU advertises it but
+    cannot run it (GGML_NATIVE's -march=native would build AMX kernels that die with SIGILL)."""
+    if not amx_unusable():
+        return list(CMAKE_FLAGS)
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+
+
+_AMX_PROBE = r"""
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    struct { unsigned char palette, start, pad[14]; unsigned short colsb[16]; unsigned char rows[16]; } cfg;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 1;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1; cfg.colsb[0] = 64; cfg.rows[0] = 16;
+    _tile_loadconfig(&cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+"""
+
+
+def amx_unusable() -> bool:
+    """True where /proc/cpuinfo lists AMX but a program using a tile register fails (some
+    virtual machines pass the CPUID bits through without the tile state)."""
+    try:
+        if "amx_tile" not in Path("/proc/cpuinfo").read_text().split():
+            return False
+    except OSError:
+        return False
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "probe.c").write_text(_AMX_PROBE)
+        built = subprocess.run([cc, "-O1", "-mamx-tile", "probe.c", "-o", "probe"], cwd=tmp, capture_output=True)
+        if built.returncode != 0:
+            return False  # a compiler without AMX: -march=native will not use it either
+        return subprocess.run([str(Path(tmp) / "probe")], capture_output=True).returncode != 0
+
+
+def fetch_source(dest: Path) -> None:
+    """vendor/llama.cpp of the llama-cpp-python sdist, unpacked to `dest`."""
+    log(f"downloading the llama-cpp-python=={LLAMA_CPP_PYTHON} sdist (its vendored llama.cpp)...")
+    with tempfile.TemporaryDirectory() as tmp:
+        run_cmd([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], "pip download")
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        vendored = Path(tmp) / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(vendored), str(dest))
+
+
+def install_cmake() -> str:
+    """cmake from PyPI into the peers' own package folder, when the system has none."""
+    target = peers_dir() / "pydeps"
+    run_cmd([sys.executable, "-m", "pip", "install", "--target", str(target), "cmake"], "pip install cmake")
+    return str(target / "bin" / "cmake")
+
+
+# --- models -------------------------------------------------------------------------------------
+
+# Imports llama.cpp's converter with the BPE pre-tokenizer forced (argv: the converter's own).
+_CONVERT_WITH_PRE = """
+import runpy, sys
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+sys.argv = [{script!r}] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@dataclasses.dataclass
+class ModelSet:
+    """One model as both engines see it: ours loads `target` (and `draft`), llama.cpp loads
+    GGUF files converted from `hf_target` / `hf_draft` (the same weights)."""
+
+    name: str
+    target: Path
+    hf_target: Path
+    draft: Path | None
+    hf_draft: Path | None
+    chat: bool  # prompts rendered with the chat template
+    pre_tokenizer: str | None  # declared to llama.cpp's converter where it cannot tell
+    draft_status: str
+
+    def gguf(self, llama: LlamaCpp, kind: str, draft: bool = False) -> Path:
+        """The GGUF of the target (or draft) in `kind` (F32, Q8_0, Q4_0, Q4_K_M), made once."""
+        stem = f"{self.name}-draft" if draft else self.name
+        out = peers_dir() / "models" / f"{stem}-{kind}.gguf"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if kind in ("F32", "Q8_0"):
+            convert(llama, self.hf_draft if draft else self.hf_target, out, kind.lower(), self.pre_tokenizer)
+        else:
+            f32 = self.gguf(llama, "F32", draft)
+            log(f"quantising {f32.name} to {kind}")
+            tmp = out.with_suffix(".tmp")
+            run_cmd([llama.exe("llama-quantize"), str(f32), str(tmp), kind], "llama-quantize")
+            tmp.rename(out)
+        return out
+
+
+def convert(llama: LlamaCpp, folder: Path, out: Path, outtype: str, pre_tokenizer: str | None) -> None:
+    """convert_hf_to_gguf.py on `folder` (float32 or bfloat16 safetensors) into `out`."""
+    log(f"converting {folder} to {out.name}")
+    script = str(llama.source / "convert_hf_to_gguf.py")
+    pydeps = peers_dir() / "pydeps"
+    if not (pydeps / "sentencepiece").exists():  # the converter imports it for every Llama vocabulary
+        run_cmd([sys.executable, "-m", "pip", "install", "--target", str(pydeps), "sentencepiece"],
+                "pip install sentencepiece")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama.source), str(llama.source / "gguf-py"),
+                                                         str(pydeps)])}
+    tmp = out.with_suffix(".tmp")
+    args = [str(folder), "--outtype", outtype, "--outfile", str(tmp)]
+    if pre_tokenizer is None:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [sys.executable, "-c", _CONVERT_WITH_PRE.format(pre=pre_tokenizer, script=script), *args]
+    run_cmd(cmd, f"convert_hf_to_gguf.py {folder.name}", env=env)
+    tmp.rename(out)
+
+
+def converter_copy(folder: Path, dest: Path) -> Path:
+    """A copy of an HF folder for llama.cpp's converter, with "architectures" filled in where
+    the config has none (the repository's files are never edited)."""
+    if (dest / "model.safetensors").exists():
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "model.safetensors"):
+        if (folder / name).exists():
+            shutil.copy2(folder / name, tmp / name)
+    config = json.loads((tmp / "config.json").read_text())
+    if not config.get("architectures"):
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        config["architectures"] = [arch[config.get("model_type", "llama")]]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tmp.rename(dest)
+    return dest
+
+
+def model_set(name: str) -> ModelSet:
+    if name == "smollm2":
+        folder = hf_folder(resolve_model("smollm2"))
+        try:
+            draft = default_draft("smollm2")
+        except QuickdraftError:
+            draft = None
+        status = f"shipped ({draft})" if draft else "no smollm2 draft shipped: draft rows skipped"
+        hf_draft = None if draft is None else draft if draft.is_dir() else hf_folder(draft)
+        return ModelSet(name, folder, folder, draft, hf_draft, True, None, status)
+    target, draft = default_model_dirs()
+    models = peers_dir() / "models"
+    return ModelSet(name, target, converter_copy(target, models / "bundled-target-hf"), draft,
+                    converter_copy(draft, models / "bundled-draft-hf"), False, "gpt-2", f"bundled ({draft})")
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str  # what llama.cpp is given (rendered chat template included)
+    ids: list[int]  # what ours is given
+
+
+def workload_prompts(models: ModelSet, tokenizer: Tokenizer, workloads: list[str], n: int) -> dict[str, list[Prompt]]:
+    """quickdraft's own workloads: chat requests through the chat template for a chat model,
+    raw text (function openings, editing) for the bundled code model."""
+    docs = load_corpus(None).heldout
+    out: dict[str, list[Prompt]] = {}
+    for w in workloads:
+        if models.chat:
+            conversations = (chat_requests(n) if w == "chat" else code_requests(n) if w == "code"
+                             else [e.messages for e in editing_requests(docs, n)])
+            texts = [tokenizer.apply_chat_template(c) for c in conversations]
+            out[w] = [Prompt(t, tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        else:
+            texts = code_completion(docs, n) if w == "code" else [e.text for e in editing(docs, n)]
+            out[w] = [Prompt(t, tokenizer.encode(t)) for t in texts]
+    return out
+
+
+_VERBOSE_TOKEN = re.compile(r"^(?:\S+ I )?\s*(\d+) -> '", re.M)
+
+
+def peer_prompt_ids(llama: LlamaCpp, gguf: Path, text: str) -> list[int]:
+    """The token ids llama-completion makes of `text` (its --verbose-prompt listing)."""
+    proc = run_cmd([llama.exe("llama-completion"), "-m", str(gguf), "-p", text, "-n", "1", "-t", "1",
+                    "--temp", "0", "-no-cnv", "--no-escape", "--no-warmup", "--verbose-prompt",
+                    "-c", "4096"], "llama-completion --verbose-prompt")
+    err = proc.stderr.decode("utf-8", "replace")
+    m = re.search(r"number of tokens in prompt = (\d+)", err)
+    if m is None:
+        raise QuickdraftError("llama-completion printed no prompt tokens")
+    ids = [int(x) for x in _VERBOSE_TOKEN.findall(err[m.end():])]
+    return ids[: int(m.group(1))]
+
+
+# --- engines ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+    """One prompt on one engine."""
+
+    prompt_s: float  # prompt processing (ours: prefill and the first token)
+    decode_tokens: int
+    decode_s: float
+    text: str  # the generated text (llama.cpp's as printed; ours decoded, cut at a special token)
+    extra: dict
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Ours:
+    def __init__(self, llm: LLM, special_ids: set[int]):
+        self.llm, self.special_ids = llm, special_ids
+
+    def run(self, prompt: Prompt, n: int) -> Run:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        first = final = None
+        for out in self.llm.stream(prompt.ids, params):
+            if first is None:
+                first = time.perf_counter()
+            if out.finished:
+                final = out
+        end = time.perf_counter()
+        ids = list(final.token_ids)
+        cut = next((i for i, t in enumerate(ids) if t in self.special_ids), len(ids))
+        text = self.llm.tokenizer.decode(ids[:cut]).rstrip("\ufffd")  # an unfinished character at the end
+        s = final.stats
+        extra = {"tokens": len(ids), "steps": s.num_steps, "tokens_per_step": s.tokens_per_step,
+                 "special_token_at": None if cut == len(ids) else cut}
+        if s.num_draft_tokens:
+            extra["acceptance_rate"] = s.acceptance_rate
+        return Run(first - start, len(ids) - 1, end - first, text, extra)
+
+
+_PERF = re.compile(r"(prompt eval time|eval time|sampling time) =\s+([\d.]+) ms(?: /\s+(\d+))?")
+_SPEC = re.compile(r"(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds")
+_COUNTS = re.compile(r"(n_drafted|n_accept|n_predict)\s+= (\d+)")
+
+
+class Peer:
+    """One llama.cpp binary on one GGUF (and draft), run as a fresh process per prompt."""
+
+    def __init__(self, llama: LlamaCpp, binary: str, gguf: Path, flags: list[str], draft: Path | None = None):
+        self.llama, self.binary, self.gguf, self.flags, self.draft = llama, binary, gguf, flags, draft
+
+    def command(self, prompt: Prompt, n: int, threads: int) -> list[str]:
+        cmd = [self.llama.exe(self.binary), "-m", str(self.gguf), "-p", prompt.text, "-n", str(n),
+               "-t", str(threads), "-tb", str(threads), "-c", str(len(prompt.ids) + n + 64),
+               "--temp", "0", "--seed", "0", "--ignore-eos", "--no-escape", "--perf", *self.flags]
+        if self.draft is not None:
+            cmd += ["-md", str(self.draft)]
+        return cmd
+
+    def describe(self) -> str:
+        """The command line with the per-prompt parts as placeholders."""
+        draft = f" -md {self.draft.name}" if self.draft else ""
+        return (f"{self.binary} -m {self.gguf.name}{draft} -p PROMPT -n N -t T -tb T -c (PROMPT+N+64) --temp 0 "
+                f"--seed 0 --ignore-eos --no-escape --perf {' '.join(self.flags)}").strip()
+
+    def run(self, prompt: Prompt, n: int, threads: int) -> Run:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        start = time.perf_counter()
+        proc = run_cmd(self.command(prompt, n, threads), self.binary, env=env, timeout=PEER_TIMEOUT_S)
+        wall = time.perf_counter() - start
+        out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+        extra: dict = {"process_s": wall}
+        if self.binary == "llama-completion":
+            perf = {m.group(1): (float(m.group(2)), int(m.group(3) or 0)) for m in _PERF.finditer(err)}
+            (p_ms, p_tokens), (e_ms, runs), (s_ms, _) = (perf["prompt eval time"], perf["eval time"],
+                                                          perf["sampling time"])
+            extra.update({"prompt_tokens": p_tokens, "eval_ms": e_ms, "sampling_ms": s_ms,
+                          "eval_only_tokens_per_s": runs / e_ms * 1e3})
+            return Run(p_ms / 1e3, runs, (e_ms + s_ms) / 1e3, out, extra)
+        phases = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in _SPEC.finditer(err)}
+        counts = {k: int(v) for k, v in _COUNTS.findall(err)}
+        extra.update(counts)
+        if counts.get("n_drafted"):
+            extra["acceptance_rate"] = counts["n_accept"] / counts["n_drafted"]
+        at = out.find(prompt.text)  # stdout: the prompt as detokenised pieces, then the output
+        text = out[at + len(prompt.text):] if at >= 0 else ""
+        extra["prompt_echo_found"] = at >= 0
+        (dec_tokens, dec_s), (_, enc_s) = phases["decoded"], phases["encoded"]
+        return Run(enc_s, dec_tokens, dec_s, text, extra)
+
+
+def same_output(ours: Run, peer: Run) -> tuple[bool, int]:
+    """(llama.cpp's text starts with ours, length of their common prefix in characters).
+    Ours is cut at its first special token: llama.cpp never samples one (--ignore-eos)."""
+    a, b = ours.text, peer.text
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return b.startswith(a), common
+
+
+# --- configurations -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One comparison: how ours is built and which llama.cpp binary, GGUF and flags it meets."""
+
+    name: str
+    ours: dict  # LLM keyword arguments
+    peer: str  # binary
+    gguf: str  # GGUF kind of the target
+    flags: tuple[str, ...] = ()
+    draft: bool = False  # uses the model's draft (F32 GGUF for llama.cpp)
+    workloads: tuple[str, ...] | None = None  # None: all of the model's
+    needs: str | None = None  # a quantization quickdraft must offer
+
+
+PLAIN_FLAGS = ("-no-cnv", "--no-display-prompt")
+CONFIGS = {c.name: c for c in [
+    Config("f32", {"dtype": "float32"}, "llama-completion", "F32", PLAIN_FLAGS),
+    Config("bf16-q8_0", {"dtype": "bfloat16"}, "llama-completion", "Q8_0", PLAIN_FLAGS),
+    Config("int8-q8_0", {"dtype": "float32", "quantization": "int8"}, "llama-completion", "Q8_0", PLAIN_FLAGS,
+           needs="int8"),
+    Config("int4-q4_0", {"dtype": "float32", "quantization": "int4"}, "llama-completion", "Q4_0", PLAIN_FLAGS,
+           needs="int4"),
+    Config("int4-q4_k_m", {"dtype": "float32", "quantization": "int4"}, "llama-completion", "Q4_K_M",
+           PLAIN_FLAGS, needs="int4"),
+    Config("ngram", {"dtype": "float32", "method": "ngram", "num_speculative_tokens": 8}, "llama-lookup", "F32",
+           ("--spec-draft-n-max", "8"), workloads=("editing",)),
+    Config("suffix", {"dtype": "float32", "method": "suffix", "num_speculative_tokens": 8,
+                      "spec_options": {"global_max_tokens": 0}}, "llama-lookup", "F32",
+           ("--spec-draft-n-max", "8"), workloads=("editing",)),
+    *[Config(f"draft-k{k}", {"dtype": "float32", "method": "draft", "num_speculative_tokens": k},
+             "llama-speculative-simple", "F32",
+             ("--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
+              "--spec-draft-p-min", "0"), draft=True)
+      for k in (3, 5)],
+]}
+
+
+def skip_reason(config: Config, models: ModelSet) -> str | None:
+    if config.needs and config.needs not in QUANTIZATIONS:
+        return f"quickdraft has no quantization={config.needs!r} yet (offers {', '.join(QUANTIZATIONS)})"
+    if config.draft and models.draft is None:
+        return models.draft_status
+    return None
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the machine has been busy, CPU seconds of this process and its children),
+    or None off Linux: their difference over a block is the work of other processes."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    mine = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return (sum(fields) - fields[3] - fields[4]) / tick, mine
+
+
+def other_cpu_share(before, after, wall: float) -> float | None:
+    if before is None or after is None or wall <= 0:
+        return None
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * (os.cpu_count() or 1)))
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def summarise(runs: list[Run]) -> dict:
+    """One repeat of a block: decode rate over all its prompts, prompt seconds summed."""
+    tokens, secs = sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs)
+    out = {"decode_tokens": tokens, "decode_s": secs, "tokens_per_s": tokens / secs if secs else 0.0,
+           "prompt_s": sum(r.prompt_s for r in runs)}
+    rates = [r.extra["acceptance_rate"] for r in runs if "acceptance_rate" in r.extra]
+    if rates:
+        out["acceptance_rate"] = statistics.mean(rates)
+    return out
+
+
+def run_block(ours: Ours, peer: Peer, prompts: list[Prompt], n: int, threads: int, repeats: int) -> dict:
+    set_threads(threads)
+    ours.run(prompts[0], min(n, 8))  # warm-up: first calls pay one-time costs
+    load_before, cpu0, t0 = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
+    reps: list[dict] = []
+    identical: list[list[bool]] = []
+    common: list[list[int]] = []
+    for r in range(repeats):
+        got: dict[str, list[Run]] = {"ours": [], "peer": []}
+        for p in prompts:
+            order = ("ours", "peer") if r % 2 == 0 else ("peer", "ours")
+            for who in order:
+                got[who].append(ours.run(p, n) if who == "ours" else peer.run(p, n, threads))
+        checks = [same_output(a, b) for a, b in zip(got["ours"], got["peer"])]
+        identical.append([c[0] for c in checks])
+        common.append([c[1] for c in checks])
+        o, q = summarise(got["ours"]), summarise(got["peer"])
+        reps.append({"ours": o, "peer": q, "ratio": o["tokens_per_s"] / q["tokens_per_s"],
+                     "identical": identical[-1], "common_prefix_chars": common[-1],
+                     "ours_runs": [dataclasses.asdict(x) for x in got["ours"]],
+                     "peer_runs": [dataclasses.asdict(x) for x in got["peer"]]})
+        log(f"      repeat {r + 1}/{repeats}: ours {o['tokens_per_s']:.1f} tok/s, llama.cpp "
+            f"{q['tokens_per_s']:.1f} tok/s, ratio {reps[-1]['ratio']:.2f}, identical "
+            f"{sum(identical[-1])}/{len(prompts)}")
+    wall = time.perf_counter() - t0
+
+    def med(who: str, key: str) -> float | None:
+        values = [x[who][key] for x in reps if x[who].get(key) is not None]
+        return statistics.median(values) if values else None
+
+    ratios = [x["ratio"] for x in reps]
+    return {
+        "ours_tokens_per_s": med("ours", "tokens_per_s"), "peer_tokens_per_s": med("peer", "tokens_per_s"),
+        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "ours_prompt_s": med("ours", "prompt_s"), "peer_prompt_s": med("peer", "prompt_s"),
+        "ours_acceptance_rate": med("ours", "acceptance_rate"), "peer_acceptance_rate": med("peer", "acceptance_rate"),
+        "identical_prompts_min": min(sum(x) for x in identical), "prompts": len(prompts),
+        "common_prefix_chars_min": min(min(c) for c in common),
+        "seconds": wall, "repeats": reps,
+        "machine": {"loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
+                    "other_cpu_share": other_cpu_share(cpu0, cpu_seconds(), wall)},
+    }
+
+
+def special_token_ids(folder: Path) -> set[int]:
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    return {t["id"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
+
+
+def check_prompt_ids(models: ModelSet, llama: LlamaCpp, prompts: dict[str, list[Prompt]]) -> dict:
+    """Fail unless llama.cpp makes of every prompt's text the very token ids ours is given."""
+    gguf = models.gguf(llama, "F32")
+    checked = {}
+    for w, ps in prompts.items():
+        for i, p in enumerate(ps):
+            theirs = peer_prompt_ids(llama, gguf, p.text)
+            checked[f"{w}[{i}]"] = {"tokens": len(p.ids), "llama_cpp_tokens": len(theirs), "same_ids": theirs == p.ids}
+            if theirs != p.ids:
+                raise QuickdraftError(f"{models.name} {w} prompt {i}: llama.cpp tokenises it differently "
+                                      f"({len(theirs)} vs {len(p.ids)} tokens)")
+    log(f"{models.name}: prompt token ids identical in both engines for all {len(checked)} prompts")
+    return checked
+
+
+def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
+    """Every configuration asked for, at every thread count, on every workload it applies to."""
+    models = model_set(name)
+    tokenizer = Tokenizer(models.hf_target)
+    workloads = [w for w in args.workloads or WORKLOADS[name] if w in WORKLOADS[name]]
+    prompts = workload_prompts(models, tokenizer, workloads, args.prompts)
+    log(f"{name}: " + ", ".join(f"{w} {len(p)} prompts ({', '.join(str(len(x.ids)) for x in p)} tokens)"
+                                for w, p in prompts.items()))
+    checked = check_prompt_ids(models, llama, prompts)
+
+    blocks, skipped, peer_commands = [], {}, {}
+    special = special_token_ids(models.hf_target)
+    for cname in args.configs:
+        config = CONFIGS[cname]
+        reason = skip_reason(config, models)
+        if reason:
+            log(f"{name} {cname}: skipped ({reason})")
+            skipped[cname] = reason
+            continue
+        draft_gguf = models.gguf(llama, "F32", draft=True) if config.draft else None
+        peer = Peer(llama, config.peer, models.gguf(llama, config.gguf), list(config.flags), draft_gguf)
+        kwargs = {"device": "cpu", "method": "none", **config.ours}
+        try:
+            llm = LLM(models.target, draft=models.draft if config.draft else None, **kwargs)
+        except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks
+            log(f"{name} {cname}: skipped (quickdraft could not load it: {exc})")
+            skipped[cname] = f"quickdraft could not load it: {exc}"
+            continue
+        ours = Ours(llm, special)
+        peer_commands[cname] = peer.describe()
+        for threads in args.threads:
+            for w in config.workloads or workloads:
+                if w not in prompts:
+                    continue
+                log(f"  {name} {cname}, {w}, {threads} thread(s):")
+                b = run_block(ours, peer, prompts[w], args.new_tokens, threads, args.repeats)
+                blocks.append({"config": cname, "workload": w, "threads": threads, "ours": kwargs,
+                               "peer_command": peer.describe(), **b})
+                log(f"    median: ours {b['ours_tokens_per_s']:.1f} tok/s, llama.cpp {b['peer_tokens_per_s']:.1f} "
+                    f"tok/s, ours/llama.cpp {b['ratio_median']:.2f}x")
+        del llm, ours
+    return {"model": name, "target": str(models.target), "llama_cpp_models": str(peers_dir() / "models"),
+            "draft": models.draft_status, "prompt_check": checked, "peer_commands": peer_commands,
+            "skipped": skipped, "blocks": blocks}
+
+
+# --- report -------------------------------------------------------------------------------------
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def markdown(result: dict, model: dict) -> list[str]:
+    s, h = result["setup"], result["hardware"]
+    md = [f"# quickdraft vs llama.cpp, {model['model']} ({h['cpu_model']})", "",
+          f"{result['date']}. llama.cpp {result['llama_cpp']['version']} (vendored in llama-cpp-python=="
+          f"{LLAMA_CPP_PYTHON}, built with {' '.join(result['llama_cpp']['cmake_flags'])}). Batch 1, greedy, "
+          f"{s['new_tokens']} new tokens (eos ignored), {s['prompts']} prompt(s) per workload, {s['repeats']} "
+          f"repeats per block, ours "
+          f"and llama.cpp alternating first. tok/s: decode phase only, medians over repeats; ratio: median of "
+          f"per-repeat ours/llama.cpp (min - max); prompt: median per repeat of the prompt-phase seconds summed "
+          f"over prompts. Identical: prompts whose llama.cpp output starts with ours (ours cut at its first "
+          f"special token), fewest over repeats. Draft: {model['draft']}.", "",
+          "| configuration | workload | threads | ours tok/s | llama.cpp tok/s | ours / llama.cpp | identical | "
+          "ours prompt ms | llama.cpp prompt ms | acceptance ours / llama.cpp | other CPU |",
+          "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for b in model["blocks"]:
+        acc = ""
+        if b["ours_acceptance_rate"] is not None or b["peer_acceptance_rate"] is not None:
+            acc = " / ".join("-" if x is None else f"{x:.2f}" for x in (b["ours_acceptance_rate"],
+                                                                         b["peer_acceptance_rate"]))
+        other = b["machine"]["other_cpu_share"]
+        md.append(f"| {b['config']} | {b['workload']} | {b['threads']} | {b['ours_tokens_per_s']:.1f} | "
+                  f"{b['peer_tokens_per_s']:.1f} | {b['ratio_median']:.2f}x ({b['ratio_min']:.2f} - "
+                  f"{b['ratio_max']:.2f}) | {b['identical_prompts_min']}/{b['prompts']} | {_ms(b['ours_prompt_s'])} | "
+                  f"{_ms(b['peer_prompt_s'])} | {acc} | {'-' if other is None else f'{100 * other:.0f}%'} |")
+    md.append("")
+    for cname, reason in model["skipped"].items():
+        md.append(f"- {cname}: skipped, {reason}.")
+    md += ["", "llama.cpp command per configuration:", ""]
+    md += [f"- {c}: `{cmd}`" for c, cmd in model["peer_commands"].items()]
+    md += ["", f"Hardware: {h['cpu_model']}, {h['logical_cores']} logical cores; load average "
+           f"{h['loadavg_1m_before']:.2f} before, {h['loadavg_1m_after']:.2f} after. torch "
+           f"{result['software']['torch']}, Python {result['software']['python']}. 'other CPU': CPU time of other "
+           f"processes during the block, as "
+           f"a share of all cores (above ~10% the timings are unreliable).", "",
+           f"Command: `{result['command']}`", ""]
+    return md
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+def split_list(values: list[str] | None) -> list[str] | None:
+    """Accept both `--x a b` and `--x a,b`."""
+    return None if values is None else [v for x in values for v in x.split(",") if v]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=None, help=f"of {', '.join(MODELS)} (default: both)")
+    ap.add_argument("--configs", nargs="+", default=None, help=f"of {', '.join(CONFIGS)} (default: all)")
+    ap.add_argument("--workloads", nargs="+", default=None, help="of chat, code, editing (default: the model's)")
+    ap.add_argument("--threads", nargs="+", default=None, help="thread counts, one block each (default 1 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="paired repeats per block (default 3)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="per prompt (default 256; --quick 64)")
+    ap.add_argument("--prompts", type=int, default=None, help="per workload (default 3; --quick 1)")
+    ap.add_argument("--quick", action="store_true", help="1 prompt per workload, 64 new tokens")
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results",
+                    help="where llamacpp_<model>_cpu.json and .md go (default benchmarks/results)")
+    args = ap.parse_args()
+    args.models = split_list(args.models) or list(MODELS)
+    args.configs = split_list(args.configs) or list(CONFIGS)
+    args.workloads = split_list(args.workloads)
+    args.threads = [int(t) for t in split_list(args.threads) or ["1", "2"]]
+    args.new_tokens = args.new_tokens or (64 if args.quick else 256)
+    args.prompts = args.prompts or (1 if args.quick else 3)
+    for flag, values, known in (("--models", args.models, MODELS), ("--configs", args.configs, CONFIGS),
+                                ("--workloads", args.workloads or [], ("chat", "code", "editing"))):
+        unknown = [v for v in values if v not in known]
+        if unknown:
+            ap.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    if min(args.repeats, args.new_tokens, args.prompts, *args.threads) < 1:
+        ap.error("--repeats, --new-tokens, --prompts and --threads must be >= 1")
+
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    try:
+        llama = ensure_llama_cpp()
+        log(f"llama.cpp: {llama.root} ({llama.version()})")
+        results = [benchmark_model(m, llama, args) for m in args.models]
+    except QuickdraftError as exc:
+        sys.exit(f"error: {exc}")
+    common = {
+        "benchmark": "llamacpp",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/llamacpp.py " + shlex.join(sys.argv[1:]),
+        "llama_cpp": {"llama_cpp_python_sdist": LLAMA_CPP_PYTHON, "version": llama.version(), "root": str(llama.root),
+                      "cmake_flags": list(llama.cmake_flags)},
+        "setup": {"threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
+                  "prompts": args.prompts, "quick": args.quick, "batch": 1, "temperature": 0, "ignore_eos": True},
+        "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
+                     "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]},
+        "software": {"python": platform.python_version(), "torch": torch.__version__},
+        "seconds": time.perf_counter() - started,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for model in results:
+        stem = args.out_dir / f"llamacpp_{model['model']}_cpu"
+        result = {**common, **model}
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        md = markdown(result, model)
+        stem.with_suffix(".md").write_text("\n".join(md))
+        print("\n".join(md))
+        log(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
