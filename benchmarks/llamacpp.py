@@ -564,7 +564,7 @@ def summarise(runs: list[Run]) -> dict:
 
 def run_block(ours: Ours, peer: Peer, prompts: list[Prompt], n: int, threads: int, repeats: int) -> dict:
     set_threads(threads)
-    ours.run(prompts[0], min(n, 8))  # warm-up: first calls pay one-time costs
+    ours.run(prompts[0], min(n, 64))  # warm-up: one-time costs, and AMX units ramp up over ~100 tokens
     load_before, cpu0, t0 = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
     reps: list[dict] = []
     identical: list[list[bool]] = []
