@@ -125,6 +125,29 @@ def candidates():
     return c
 
 
+def markdown(results: dict) -> str:
+    """The JSON results as tables: rooflines per model and precision, then kernels per thread count."""
+    lines = [f"# CPU matmul paths and the memory roofline ({results['shapes']})", "",
+             f"torch {results['torch']}; load average before {results['load_before'][0]:.2f}, "
+             f"after {results['load_after'][0]:.2f}. Medians of repeats; one decode step's linear layers.", ""]
+    for threads, r in results["threads"].items():
+        lines += [f"## {threads} thread(s): read bandwidth {r['read_bandwidth_GBps']:.1f} GB/s "
+                  f"(best of {', '.join(f'{k} {v:.1f}' for k, v in r['probes_GBps'].items())})", "",
+                  "| model, precision | MB read per token | roofline ms/token |", "|---|---:|---:|"]
+        lines += [f"| {name} | {x['bytes_per_token'] / 1e6:.1f} | {x['min_ms_per_token']:.2f} |"
+                  for name, x in r["rooflines"].items()]
+        lines += ["", "| kernel | GB/s at 1 row | roofline fraction | ms per step | 4 rows / 1 | 8 rows / 1 |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, k in r["kernels"].items():
+            if "error" in k:
+                lines.append(f"| {name} | unavailable: {k['error'][:60]} | | | | |")
+                continue
+            lines.append(f"| {name} | {k['GBps_M1']:.1f} | {k['roofline_fraction_M1']:.0%} | {k['M=1_ms']:.1f} | "
+                         f"{k.get('M=4_vs_M=1', float('nan')):.2f}x | {k.get('M=8_vs_M=1', float('nan')):.2f}x |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -174,6 +197,7 @@ def main() -> None:
     results["load_after"] = os.getloadavg()
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(results))
 
 
 if __name__ == "__main__":
