@@ -452,6 +452,8 @@ class Peer:
         extra: dict = {"process_s": wall}
         if self.binary == "llama-completion":
             perf = {m.group(1): (float(m.group(2)), int(m.group(3) or 0)) for m in _PERF.finditer(err)}
+            if not {"prompt eval time", "eval time", "sampling time"} <= perf.keys():
+                raise PeerFailed(f"{self.binary} printed no timings (exit {proc.returncode}): {err[-300:]!r}")
             (p_ms, p_tokens), (e_ms, runs), (s_ms, _) = (perf["prompt eval time"], perf["eval time"],
                                                           perf["sampling time"])
             extra.update({"prompt_tokens": p_tokens, "eval_ms": e_ms, "sampling_ms": s_ms,
@@ -562,6 +564,10 @@ def summarise(runs: list[Run]) -> dict:
     return out
 
 
+class PeerFailed(RuntimeError):
+    """A llama.cpp run that gave no timings (crashed or printed something else)."""
+
+
 def run_block(ours: Ours, peer: Peer, prompts: list[Prompt], n: int, threads: int, repeats: int) -> dict:
     set_threads(threads)
     ours.run(prompts[0], min(n, 64))  # warm-up: one-time costs, and AMX units ramp up over ~100 tokens
@@ -661,7 +667,12 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
                 if w not in prompts:
                     continue
                 log(f"  {name} {cname}, {w}, {threads} thread(s):")
-                b = run_block(ours, peer, prompts[w], args.new_tokens, threads, args.repeats)
+                try:
+                    b = run_block(ours, peer, prompts[w], args.new_tokens, threads, args.repeats)
+                except (PeerFailed, QuickdraftError) as exc:  # a failed llama.cpp run loses its block, not the run
+                    log(f"    failed: {exc}")
+                    skipped[f"{cname} {w} {threads} thread(s)"] = str(exc)
+                    continue
                 blocks.append({"config": cname, "workload": w, "threads": threads, "ours": kwargs,
                                "peer_command": peer.describe(), **b})
                 log(f"    median: ours {b['ours_tokens_per_s']:.1f} tok/s, llama.cpp {b['peer_tokens_per_s']:.1f} "
