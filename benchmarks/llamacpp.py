@@ -70,7 +70,6 @@ import json
 import os
 import platform
 import re
-import resource
 import shlex
 import shutil
 import statistics
@@ -84,7 +83,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, cpu_seconds, other_cpu_share
 from quickdraft.bench.workloads import (chat_requests, code_completion, code_requests, editing,
                                         editing_requests)
 from quickdraft.errors import QuickdraftError
@@ -527,26 +526,6 @@ def skip_reason(config: Config, models: ModelSet) -> str | None:
 
 
 # --- measuring ----------------------------------------------------------------------------------
-
-def cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds the machine has been busy, CPU seconds of this process and its children),
-    or None off Linux: their difference over a block is the work of other processes."""
-    try:
-        tick = os.sysconf("SC_CLK_TCK")
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    mine = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
-    return (sum(fields) - fields[3] - fields[4]) / tick, mine
-
-
-def other_cpu_share(before, after, wall: float) -> float | None:
-    if before is None or after is None or wall <= 0:
-        return None
-    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * (os.cpu_count() or 1)))
-
 
 def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)

@@ -43,7 +43,6 @@ import hashlib
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
 import sys
@@ -54,7 +53,7 @@ from typing import Callable
 import torch
 
 from quickdraft import LLM, SamplingParams, SpecStats
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, cpu_seconds, other_cpu_share
 from quickdraft.bench.measure import measure_propose, measure_target_steps
 from quickdraft.bench.peers import load_hf, transformers_missing
 from quickdraft.bench.workloads import chat_requests, code_requests, copied_lines, editing_requests
@@ -72,26 +71,6 @@ COST_CONTEXT = 512  # tokens cached when measuring T(1), T(k+1), T_draft
 
 
 # --- machine ----------------------------------------------------------------------------------
-
-def cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds the machine has been busy, CPU seconds this process used), or None off
-    Linux; their difference over a block is the work of other processes."""
-    try:
-        tick = os.sysconf("SC_CLK_TCK")
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return busy / tick, me.ru_utime + me.ru_stime
-
-
-def other_cpu_share(before, after, wall: float) -> float | None:
-    if before is None or after is None or wall <= 0:
-        return None
-    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * (os.cpu_count() or 1)))
-
 
 # --- models -----------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -26,3 +27,26 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "mps":
         return "Apple MPS"
     return cpu_model()
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the machine has been busy, CPU seconds of this process and its children),
+    or None off Linux: their difference over a block is the work of other processes."""
+    try:
+        import resource  # POSIX only
+
+        tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (ImportError, OSError, ValueError):
+        return None
+    mine = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return (sum(fields) - fields[3] - fields[4]) / tick, mine  # busy: all but idle and iowait
+
+
+def other_cpu_share(before, after, wall: float) -> float | None:
+    """The share of the machine's CPUs other processes used between two cpu_seconds() readings."""
+    if before is None or after is None or wall <= 0:
+        return None
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * (os.cpu_count() or 1)))
