@@ -215,11 +215,6 @@ def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None =
     return model
 
 
-def quantize(model: nn.Module, method: str | None) -> nn.Module:
-    """prepare(model, method): kept for callers that only quantise."""
-    return prepare(model, method)
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of parameters and buffers resident for inference (tied tensors counted once)."""
     seen, total = set(), 0
