@@ -92,7 +92,7 @@ class FastLinear(nn.Module):
         biases = [lin.bias for lin in linears]
         self.splits = [lin.out_features for lin in linears]
         self.out_features, self.in_features = w.shape
-        self.fmt, self.dtype = fmt, w.dtype
+        self.fmt = fmt
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = nn.Parameter(torch.cat([b.detach() if b is not None else w.new_zeros(n)
