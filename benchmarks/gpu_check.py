@@ -25,6 +25,14 @@ e. tune and bench of the bundled pair on the device (quickdraft.bench.tune.tune 
 f. benchmarks/compiled.py on the device: the bundled pair with eager vs compiled steps and a
    full-precision vs an int8 draft (speedup over plain decoding of the same mode, acceptance).
 
+g. weight formats on the device: the bundled pair with quantization none / int8 / int4 (the
+   target's; eager, and CUDA graphs for none): plain and draft (k=3) greedy tokens/s, whether the
+   speculative output equals plain decoding's, and the format each linear got (PyTorch has no
+   int8 / int4 weight-only kernel for CUDA: those dequantise per call, labelled so).
+h. ahead-of-time compiled CPU steps (quickdraft.aot) on the device machine's CPU and its torch:
+   build and load time of the bundled target's package, eager vs package ms/token (4 threads),
+   greedy output equality.
+
 A part that would start past the time budget (--budget-s) is skipped and says so.
 """
 
@@ -299,6 +307,88 @@ def compiled_pair(out: Path, s: Settings) -> dict:
             for name, c in result["configs"].items()}
 
 
+def _generate(llm, prompts, tokens: int, device: torch.device) -> tuple[list[list[int]], float]:
+    from quickdraft import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts, params)  # warm-up at the same batch shape: CUDA graphs are captured per shape
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    return [o.token_ids for o in outs], len(prompts) * tokens / seconds
+
+
+def weight_formats(device: torch.device, s: Settings) -> dict:
+    from quickdraft.llm import LLM
+    from quickdraft.model.quant import FastLinear
+
+    prompts = ["def fibonacci(n):", "The capital of France is", "Once upon a time", "import numpy as np\n"]
+    tokens = 16 if s is SMALL else 96
+    result = {"prompts": len(prompts), "new_tokens": tokens, "draft_k": 3, "configs": {}}
+    configs = [(None, False), (None, True), ("int8", False), ("int4", False)]
+    for quant, compile in configs[:1] + configs[2:] if s is SMALL else configs:  # small: no compile on CPU
+        name = f"{quant or 'none'}-{'compiled' if compile else 'eager'}"
+        try:
+            plain = LLM(method="none", device=str(device), dtype="float32", quantization=quant, compile=compile)
+            linear = next(m for m in plain.target.modules() if isinstance(m, FastLinear))
+            want, plain_tps = _generate(plain, prompts, tokens, device)
+            del plain
+            spec = LLM(method="draft", num_speculative_tokens=3, device=str(device), dtype="float32",
+                       quantization=quant, compile=compile)
+            got, spec_tps = _generate(spec, prompts, tokens, device)
+            result["configs"][name] = {"format": repr(linear), "plain_tokens_per_s": plain_tps,
+                                       "draft_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
+                                       "identical_to_plain": got == want,
+                                       "tokens_equal": sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)),
+                                       "tokens": sum(len(w) for w in want)}
+        except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
+            result["configs"][name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0],
+                                       "traceback": traceback.format_exc()}
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def aot_cpu(s: Settings) -> dict:
+    """The bundled target's AOT package on this machine's CPU (a scratch cache folder)."""
+    import tempfile
+
+    from quickdraft import aot
+    from quickdraft.llm import LLM
+
+    threads, cache = torch.get_num_threads(), os.environ.get("QUICKDRAFT_CACHE")
+    torch.set_num_threads(1 if s is SMALL else 4)
+    os.environ["QUICKDRAFT_CACHE"] = tempfile.mkdtemp(prefix="quickdraft-aot-")
+    try:
+        eager = LLM(method="none", device="cpu", dtype="float32", compile=False)
+        t0 = time.perf_counter()
+        aot.build(eager.target)
+        built = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        step = aot.load(eager.target)
+        loaded = time.perf_counter() - t0
+        prompts = ["def fibonacci(n):", "The capital of France is"]
+        tokens = 16 if s is SMALL else 96
+        cpu = torch.device("cpu")
+        want, eager_tps = _generate(eager, prompts[:1], tokens, cpu)
+        packaged = LLM(method="none", device="cpu", dtype="float32", compile="auto")
+        got, aot_tps = _generate(packaged, prompts[:1], tokens, cpu)
+        return {"torch": torch.__version__, "threads": torch.get_num_threads(), "build_s": built, "load_s": loaded,
+                "loaded": repr(step), "engine_step": type(packaged.engine._forward).__name__,
+                "eager_ms_per_token": 1e3 / eager_tps, "aot_ms_per_token": 1e3 / aot_tps,
+                "identical": got == want, "new_tokens": tokens,
+                "timing": "one prompt, batch 1, greedy, generate() wall time / new tokens (prefill included)"}
+    finally:
+        torch.set_num_threads(threads)
+        if cache is None:
+            os.environ.pop("QUICKDRAFT_CACHE")
+        else:
+            os.environ["QUICKDRAFT_CACHE"] = cache
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and part e's files")
@@ -306,15 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda | cpu | mps (default: cuda if available, else cpu)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip parts that would start after this many seconds (default 420, 50 with --small)")
-    ap.add_argument("--parts", default="abcdef", help="which parts to run, e.g. abcd (default: all)")
+    ap.add_argument("--parts", default="abcdefgh", help="which parts to run, e.g. abcd (default: all)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no CUDA device")
     if device.type == "cpu" and not args.small:
         ap.error("the full check builds an 8B-parameter model: it needs a GPU (use --small on CPU)")
-    if set(args.parts) - set("abcdef") or not args.parts:
-        ap.error(f"--parts takes letters from abcdef, got {args.parts!r}")
+    if set(args.parts) - set("abcdefgh") or not args.parts:
+        ap.error(f"--parts takes letters from abcdefgh, got {args.parts!r}")
     s = SMALL if args.small else FULL
     if args.small and device.type == "cpu":
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads; on a shared CPU extra ones stall
@@ -373,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     part("tune", "e", lambda: tune_default_pair(device, args.out, s), min_left=150.0 if not args.small else 15.0)
     part("bench", "e", lambda: bench_default_pair(device, args.out, s), min_left=120.0 if not args.small else 10.0)
+    part("weight_formats", "g", lambda: weight_formats(device, s), min_left=90.0 if not args.small else 10.0)
+    part("aot_cpu", "h", lambda: aot_cpu(s), min_left=90.0 if not args.small else 10.0)
     part("compiled_pair", "f", lambda: compiled_pair(args.out, s), min_left=120.0 if not args.small else 10.0)
     report["total_seconds"] = time.perf_counter() - start
     if device.type == "cuda":

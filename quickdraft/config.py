@@ -184,7 +184,10 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_num_seqs: int = 64  # rows of the running batch (KV-cache slots)
     max_model_len: int | None = None  # cache length per slot; None = the target's context length
-    compile: bool = False  # torch.compile the decode / verify / draft steps (quickdraft.compile)
+    # The decode / verify / draft steps: False eager; True torch.compile (quickdraft.compile); "aot"
+    # ahead-of-time compiled packages on CPU, built when missing; "auto" such packages when cached
+    # (quickdraft.aot), else eager.
+    compile: bool | str = False
     preallocate: bool = False  # caches for max_num_seqs x max_model_len at once (a server); else sized per batch
 
     def __post_init__(self) -> None:
@@ -192,4 +195,6 @@ class EngineConfig:
             raise QuickdraftError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise QuickdraftError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.compile not in (False, True, "aot", "auto"):
+            raise QuickdraftError(f"compile must be True, False, 'aot' or 'auto', got {self.compile!r}")
 

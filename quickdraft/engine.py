@@ -133,12 +133,19 @@ class Engine:
             profile = None if config.spec.profile is None else load_profile(config.spec.profile)
             self.policy = make_policy(config.spec.policy, self.k, profile, config.spec.method)
         self._forward = target  # the decode / verify forward: the model, or its compiled step
-        if config.compile:
+        if config.compile is True:
             from .compile import StepFunction
 
             self._forward = StepFunction(target, name="target")
             if proposer is not None:
                 proposer.compile(lambda model, name, **kw: StepFunction(model, name=name, **kw))
+        elif config.compile:  # "aot" / "auto": ahead-of-time compiled packages (CPU)
+            from . import aot
+
+            make = aot.load_or_build if config.compile == "aot" else aot.load
+            self._forward = make(target) or target
+            if proposer is not None:
+                proposer.use_forward(make)
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         ctx = target.config.max_position_embeddings

@@ -57,11 +57,13 @@ class LLM:
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
-                 profile: str | Path | None = None, compile: bool | None = None,
+                 profile: str | Path | None = None, compile: bool | str | None = None,
                  quantization: str | None = None, draft_quantization: str | None = None,
                  preallocate: bool = False, draft_dtype: str | torch.dtype | None = None):
-        """compile: torch.compile the decode / verify / draft steps (None = on for CUDA/ROCm,
-        off elsewhere). quantization / draft_quantization: "int8" or "int4" weight-only for the target
+        """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
+        ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
+        then cached on disk); False: eager. None (default): CUDA graphs on CUDA/ROCm; on CPU the
+        cached ahead-of-time steps when this model's are built, else eager. quantization / draft_quantization: "int8" or "int4" weight-only for the target
         / the draft (output follows the target as loaded, quantised or not). draft_dtype: the
         draft's precision when it should differ from the target's (`dtype`); it changes
         acceptance and speed only, never the output's distribution. preallocate: KV
@@ -100,12 +102,12 @@ class LLM:
                 check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
             proposer = cls.build(target=self.target, draft=self.draft, **spec.options)
         if compile is None:
-            compile = dev.type == "cuda"
+            compile = True if dev.type == "cuda" else "auto"
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
                               preallocate=preallocate)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
-        if compile:
+        if compile is True:
             self._warm_up()
 
     def _warm_up(self) -> None:

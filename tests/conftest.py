@@ -95,3 +95,14 @@ def target_dir(ckpt_factory):
 @pytest.fixture(scope="session")
 def draft_dir(ckpt_factory):
     return ckpt_factory("draft", seed=1, layers=1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def aot_packages(tmp_path_factory):
+    """Ahead-of-time compiled steps (quickdraft.aot) in a folder of the test session's own: a CPU
+    engine loads a cached package by default, and one the user built must not change what the
+    tests run."""
+    folder = tmp_path_factory.mktemp("aot")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("quickdraft.aot.aot_dir", lambda: folder)
+        yield folder

@@ -131,7 +131,10 @@ PROFILE = typer.Option(None, "--profile", help="Cost profile from `quickdraft tu
 DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, the "
                      "checkpoint's on a GPU).")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available).")
-COMPILE = typer.Option(None, "--compile/--no-compile", help="torch.compile the steps (default: on for CUDA/ROCm only).")
+COMPILE = typer.Option(None, "--compile/--no-compile",
+                       help="torch.compile the steps (default: CUDA graphs on CUDA/ROCm; on CPU the --aot steps once built).")
+AOT = typer.Option(False, "--aot", help="CPU: ahead-of-time compiled steps, built once per model shape (about a "
+                                        "minute) and cached; later runs load them in under a second.")
 QUANTIZATION = typer.Option(None, "--quantization", help="Target weights: int8 or int4 (weight-only; int4 groups of 32).")
 DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 or int4 (weight-only).")
 DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should differ from --dtype "

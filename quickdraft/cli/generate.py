@@ -40,6 +40,7 @@ def generate(
     compare: bool = typer.Option(False, "--compare",
                                  help="Also decode without speculation and report the speedup."),
     compile: Optional[bool] = opts.COMPILE,
+    aot: bool = opts.AOT,
     quantization: Optional[str] = opts.QUANTIZATION,
     draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
     draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
@@ -52,7 +53,7 @@ def generate(
                             max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos)
     options = parse_spec_options(spec_option, tree_width)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
-              spec_options=options, policy=policy, profile=profile, compile=compile, quantization=quantization,
+              spec_options=options, policy=policy, profile=profile, compile="aot" if aot else compile, quantization=quantization,
               draft_quantization=draft_quantization, draft_dtype=draft_dtype)
     if chat and ids:
         fail("--chat and --ids cannot be combined")

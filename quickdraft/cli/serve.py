@@ -37,6 +37,7 @@ def serve_command(
     dtype: Optional[str] = opts.DTYPE,
     device: Optional[str] = opts.DEVICE,
     compile: Optional[bool] = opts.COMPILE,
+    aot: bool = opts.AOT,
     quantization: Optional[str] = opts.QUANTIZATION,
     draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
     draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
@@ -79,7 +80,7 @@ def serve_command(
 
         return LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
-                   profile=profile, compile=compile, quantization=quantization,
+                   profile=profile, compile="aot" if aot else compile, quantization=quantization,
                    draft_quantization=draft_quantization, draft_dtype=draft_dtype, preallocate=True)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")

@@ -15,7 +15,8 @@
   | `int8` | any | `torch._weight_int8pack_mm`, per-channel scales (bf16 activations on CPU) | 1 byte/weight | large M: dequantised to bf16, dense GEMM |
   | `int4` | CPU | `torch._weight_int4pack_mm_for_cpu`, groups of 32, asymmetric | 0.56 byte/weight read | large M: from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
 
-  int4 elsewhere dequantises per call (a fallback, labelled as such in its repr).
+  Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
+  matmul dequantises per call (a fallback, labelled as such in its repr).
 
 Quantisation changes the model: speculative output follows the quantised target exactly
 (lossless with respect to it). A quantised draft only changes how often it is accepted.
@@ -23,6 +24,8 @@ Training never sees these modules: `prepare` is applied by `LLM` after loading.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,19 @@ INT4_GROUP = 32
 # weight-only kernels are GEMV kernels: from ~16 rows on, conversion + the AMX/AVX512 GEMM wins;
 # measured in benchmarks/results/cpu_kernels_*.json).
 DENSE_ROWS = 16
+_KERNELS_ONLY = False  # set while exporting a step (quickdraft.aot): no branch on the row count
+
+
+@contextlib.contextmanager
+def kernels_only():
+    """Quantised matmuls take their kernel path whatever the row count (a traced graph has one
+    path; its caller keeps it to at most DENSE_ROWS rows)."""
+    global _KERNELS_ONLY
+    _KERNELS_ONLY = True
+    try:
+        yield
+    finally:
+        _KERNELS_ONLY = False
 
 
 def onednn_bf16_supported() -> bool:
@@ -43,6 +59,16 @@ def onednn_bf16_supported() -> bool:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def has_kernel(op: str, device: torch.device) -> bool:
+    """Whether this PyTorch build has a kernel for aten `op` on `device` (the weight-only matmuls
+    exist for CPU, some for MPS, none for CUDA in PyTorch itself)."""
+    key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}.get(device.type)
+    try:
+        return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+    except (AttributeError, RuntimeError):
+        return device.type == "cpu"
 
 
 def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +119,7 @@ class FastLinear(nn.Module):
         self.splits = [lin.out_features for lin in linears]
         self.out_features, self.in_features = w.shape
         self.fmt = fmt
+        self.kernel = False  # int8 / int4: a weight-only kernel runs small matmuls
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = nn.Parameter(torch.cat([b.detach() if b is not None else w.new_zeros(n)
@@ -108,6 +135,7 @@ class FastLinear(nn.Module):
                                  persistent=False)
         elif fmt == "int8":
             q, scale = int8_quantize(w)
+            self.kernel = has_kernel("_weight_int8pack_mm", w.device)
             self.register_buffer("qweight", q)
             self.act_dtype = torch.bfloat16 if cpu else w.dtype  # f32 activations hit a slow path on CPU
             self.register_buffer("scales", scale.to(self.act_dtype))
@@ -117,7 +145,7 @@ class FastLinear(nn.Module):
             self.register_buffer("q", q)
             self.register_buffer("scale", scale.to(torch.bfloat16))
             self.register_buffer("offset", (zero - 8 * scale).to(torch.bfloat16))
-            self.kernel = cpu
+            self.kernel = cpu and has_kernel("_weight_int4pack_mm_for_cpu", w.device)
             if cpu:
                 packed, sz = _int4_cpu_pack(q, scale, zero)
                 self.register_buffer("packed", packed)
@@ -150,7 +178,7 @@ class FastLinear(nn.Module):
             return out.reshape(*shape[:-1], self.out_features)
         if fmt == "dense":
             out = F.linear(x2, self.weight, self.bias)
-        elif x2.shape[0] > DENSE_ROWS or (fmt == "int4" and not self.kernel):
+        elif not self.kernel or (not _KERNELS_ONLY and x2.shape[0] > DENSE_ROWS):
             xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
             if fmt == "int8":  # per-row scales apply to the output: one conversion of the weight
                 out = (F.linear(xd, self.qweight.to(xd.dtype)) * self.scales.to(xd.dtype)).to(x.dtype)
@@ -181,7 +209,8 @@ class FastLinear(nn.Module):
 
     def extra_repr(self) -> str:
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
-        fallback = " (dequantised per call: no int4 kernel on this device)" if self.fmt == "int4" and not self.kernel else ""
+        fallback = (f" (dequantised per call: no {self.fmt} kernel on this device)"
+                    if self.fmt in ("int8", "int4") and not self.kernel else "")
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}{fused}{fallback}"
 
 

@@ -69,9 +69,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
         self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -89,7 +88,8 @@ class Attention(nn.Module):
         self.qkv_proj = make([self.q_proj, self.k_proj, self.v_proj])
         self.q_proj = self.k_proj = self.v_proj = None
 
-    def forward(self, x, cos, sin, mask, write_pos, cache: CacheView | None, kv_len: int):
+    def forward(self, x, cos, sin, mask, write_pos, kv: tuple[torch.Tensor, torch.Tensor] | None, kv_len: int):
+        """kv: this layer's cache tensors (k, v), each (rows, H_kv, slots, D), or None."""
         B, T, _ = x.shape
         H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
         if self.qkv_proj is not None and self.q_norm is None:
@@ -107,8 +107,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        if cache is not None:
-            ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        if kv is not None:
+            ck, cv = kv
             ck[write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D) at (row, :, position)
             cv[write_pos] = v.transpose(1, 2)
             # the view may hold more rows than the batch (static-shape steps pass the whole cache)
@@ -139,15 +139,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, write_pos, cache, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, write_pos, cache, kv_len)
+    def forward(self, x, cos, sin, mask, write_pos, kv, kv_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, write_pos, kv, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,7 +157,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -231,8 +231,9 @@ class Transformer(nn.Module):
         mask = mask[:, None]  # (B, 1, T, S), shared by all heads and layers
 
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, write_pos, cache, kv_len)
+        for i, layer in enumerate(self.model.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x = layer(x, cos, sin, mask, write_pos, kv, kv_len)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x))

@@ -131,6 +131,11 @@ class Proposer:
     def warm_up(self, k: int) -> None:
         """Compile this proposer's steps for the shapes drafting k tokens uses (after compile())."""
 
+    def use_forward(self, make) -> None:
+        """Run this proposer's model forward through `make(model)` where that returns a step
+        (an ahead-of-time compiled one, quickdraft.aot) rather than None. Proposers without a
+        model ignore it."""
+
     def compile(self, make_step) -> None:
         """Compile this proposer's model steps: `make_step(model, name)` returns a callable
         with the model's forward signature, `make_step(model, name, fn=f, pad=p)` one for

@@ -71,6 +71,11 @@ class DraftModelProposer(Proposer):
     def _chain_ready(self) -> set[tuple]:
         return set() if self._chains is None else self._chains.ready
 
+    def use_forward(self, make) -> None:
+        step = make(self.model)
+        if step is not None:
+            self._step = step
+
     def compile(self, make_step) -> None:
         self._step = make_step(self.model, "draft")
         if self.confidence_threshold == 0 and (self.tree_width == 1 or self.tree_sampled):

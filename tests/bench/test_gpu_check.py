@@ -27,7 +27,7 @@ def test_gpu_check_small_on_cpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     for key in ("hardware", "bandwidth", "random_target", "decode", "decode_compiled", "verify", "tune", "bench",
-                "compiled_pair"):
+                "compiled_pair", "weight_formats", "aot_cpu"):
         assert "error" not in data[key] and "skipped" not in data[key], (key, data[key])
     assert data["small"] is True and data["device"] == "cpu"
     assert data["hardware"]["device"] == "cpu" and data["hardware"]["torch"]
@@ -39,6 +39,12 @@ def test_gpu_check_small_on_cpu(tmp_path):
     c = data["decode_compiled"]
     assert c["compiled"] is True and c["compile_fell_back"] is None and c["ms_per_token"] > 0
     assert set(data["compiled_pair"]) == {"plain-eager", "draft-eager", "int8-draft-eager"}
+    formats = data["weight_formats"]["configs"]
+    assert set(formats) == {"none-eager", "int8-eager", "int4-eager"}
+    assert all(f["identical_to_plain"] and "error" not in f for f in formats.values()), formats
+    assert "int4" in formats["int4-eager"]["format"] and "dequantised per call" not in formats["int4-eager"]["format"]
+    a = data["aot_cpu"]
+    assert a["identical"] and a["engine_step"] == "AOTStep" and a["build_s"] > 0
     assert all(x["identical_to_plain"] for x in data["compiled_pair"].values())
     v = data["verify"]
     assert v["batch_sizes"] == [1, 2, 4] and v["query_lengths"] == [1, 2, 3, 4]

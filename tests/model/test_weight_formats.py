@@ -85,3 +85,16 @@ def test_bytes_read_per_token_counts_each_format(target_dir):
     int8 = prepare(load_model(target_dir), "int8")
     rows = sum(m.weight.shape[0] for m in plain.modules() if isinstance(m, torch.nn.Linear))
     assert bytes_read_per_token(int8) == linear + 2 * rows + 4 * (small + cfg.hidden_size)  # bf16 scales
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantised_linear_without_a_kernel_dequantises(fmt, monkeypatch):
+    """A device without PyTorch's weight-only kernel (int8 / int4 on CUDA) gets the same
+    product from the dequantised weight, and says so in its repr."""
+    monkeypatch.setattr("quickdraft.model.quant.has_kernel", lambda op, device: False)
+    lins = linears()
+    fallback = FastLinear(lins, fmt)
+    assert not fallback.kernel and "dequantised per call" in repr(fallback)
+    x = torch.randn(3, 64)
+    exact = x @ fallback.dequantized(torch.float32).t() + torch.cat([lin.bias for lin in lins])
+    assert (fallback(x) - exact).abs().max() <= 0.02 * exact.abs().max()  # bf16 activations on CPU

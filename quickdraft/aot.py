@@ -1,0 +1,233 @@
+"""Ahead-of-time compiled forward steps on CPU: AOTInductor packages, built once, cached on disk.
+
+On a CPU, eager PyTorch spends a few microseconds of dispatch on every operator: ~40 per
+layer, which at batch 1 is a quarter of SmolLM2-135M's step and a third of the bundled
+target's (benchmarks/results/llamacpp_cpu.md). `torch.compile` removes it but re-traces the
+model at every start-up (25-75 s here, even with Inductor's disk cache). An AOTInductor
+package is the compiled step as a shared library: loading it takes a fraction of a second.
+
+- One package per model *shape* (config, weight formats, dtype), torch version and CPU
+  capability, under `<cache>/aot/` (`QUICKDRAFT_CACHE`, else ~/.cache/quickdraft). The
+  weights are not in it: they are handed to the package at load time (the model's own
+  tensors, shared, not copied), so one package serves every checkpoint of that shape.
+  Except int4: Inductor turns the kernel's group size into tensor constants of its own,
+  which only a package with its weights inside carries; an int4 package embeds them (a
+  second copy of the packed weights in memory, 0.56 byte per weight) and its key includes a
+  fingerprint of the weights.
+- Exported with symbolic batch size, query length, key length, cache rows and cache
+  capacity: one package serves decode (1 token), verify (k + 1 tokens) and every context length.
+- What it covers: `model(input_ids, positions, cache, kv_len=...)`, the decode and chain
+  verify steps (and a draft model's one-token steps). Prefill, token trees (slots and a mask)
+  and gathers run eagerly, as before; so do int8 / int4 matmuls of more than DENSE_ROWS rows
+  (their dense prefill path, which the package leaves out).
+- `build(model)` compiles (about a minute per model here, once); `load(model)` returns the
+  cached step or None. `LLM(compile="aot")` / `--compile aot` builds what is missing; by default
+  a CPU engine uses a package when one is cached for its model and runs eagerly otherwise.
+
+The outputs equal the eager forward's to float rounding (Inductor fuses the elementwise ops);
+tests check greedy decoding through a package against plain decoding and the logits against
+eager ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .cache import CacheView
+from .errors import QuickdraftError
+from .model import quant, transformer
+from .model.quant import DENSE_ROWS, FastLinear
+from .model.sources import cache_dir
+
+log = logging.getLogger("quickdraft")
+
+MIN_TORCH = "2.13"  # the first version whose packages without weights load (2.13.0 tested)
+# upper bounds of the symbolic sizes (export needs them finite; they are far above use)
+_MAX_ROWS, _MAX_QUERY, _MAX_SLOTS = 4096, 4096, 1 << 20
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why `model` cannot have a package here, or None."""
+    if model.device.type != "cpu":
+        return f"AOT steps are for CPU (this model is on {model.device.type}; CUDA uses CUDA graphs)"
+    if torch.torch_version.TorchVersion(torch.__version__) < MIN_TORCH:
+        # torch 2.11 builds such packages but dies with a segmentation fault loading them
+        # (seen on the H200 machine: benchmarks/results/gpu_check_h200_formats.md)
+        return f"AOT steps need torch >= {MIN_TORCH} (this is {torch.__version__})"
+    if any(isinstance(m, FastLinear) and m.fmt == "onednn" for m in model.modules()):
+        return "oneDNN-packed bfloat16 weights are opaque tensors, which export cannot take"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """The code a package was traced from: a change to the forward invalidates old packages."""
+    h = hashlib.sha256()
+    for module in (transformer, quant):
+        h.update(inspect.getsource(module).encode())
+    return h.hexdigest()[:16]
+
+
+def _embeds_weights(model: nn.Module) -> bool:
+    return any(isinstance(m, FastLinear) and m.fmt == "int4" for m in model.modules())
+
+
+def _fingerprint(model: nn.Module) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(_constants(_Step(model)).items()):
+        h.update(name.encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def shape_key(model: nn.Module) -> str:
+    """What a package depends on besides the weights."""
+    formats = [(name, m.fmt, m.out_features, m.in_features) for name, m in model.named_modules()
+               if isinstance(m, FastLinear)]
+    spec = {"config": asdict(model.config), "dtype": str(model.dtype), "formats": formats,
+            "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine(), "source": _source_hash()}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def aot_dir() -> Path:
+    return cache_dir() / "aot"
+
+
+def package_path(model: nn.Module) -> Path:
+    """`<cache>/aot/<shape key>.pt2`, with the weights' fingerprint appended where they are inside."""
+    name = shape_key(model) + (f"-{_fingerprint(model)}" if _embeds_weights(model) else "")
+    return aot_dir() / f"{name}.pt2"
+
+
+class _Step(nn.Module):
+    """The exported signature: tensors only (key_pos's length is the key length)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, key_pos, ks, vs):
+        cache = CacheView(list(ks), list(vs), ks[0].shape[2] - 1)
+        return self.model(input_ids, positions, cache, kv_len=key_pos.shape[0])
+
+
+def _constants(step: _Step) -> dict[str, torch.Tensor]:
+    named = dict(step.named_parameters(remove_duplicate=False))
+    named.update(step.named_buffers(remove_duplicate=False))
+    return {name: t.detach() for name, t in named.items()}
+
+
+def build(model: nn.Module, path: Path | None = None) -> Path:
+    """Export and compile `model`'s decode/verify forward into a package (once per shape)."""
+    reason = unsupported(model)
+    if reason:
+        raise QuickdraftError(reason)
+    from torch.export import Dim, export
+
+    from .cache import KVCache
+
+    path = path or package_path(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    cache = KVCache.for_model(model, 3, 16)  # example sizes: all > 1 and distinct, so none is specialised
+    ids = torch.zeros(2, 2, dtype=torch.long)
+    positions = torch.tensor([[5, 6], [7, 8]])
+    key_pos = torch.arange(9)
+    B, T = Dim("batch", max=_MAX_ROWS), Dim("query", max=_MAX_QUERY)
+    S, R, C = Dim("keys", min=2, max=_MAX_SLOTS), Dim("rows", max=_MAX_ROWS), Dim("slots", min=3, max=_MAX_SLOTS)
+    per_layer = [{0: R, 2: C}] * len(cache.k)
+    with torch.no_grad(), quant.kernels_only():
+        program = export(_Step(model).eval(), (ids, positions, key_pos, cache.k, cache.v),
+                         dynamic_shapes=({0: B, 1: T}, {0: B, 1: T}, {0: S}, per_layer, per_layer), strict=False)
+        tmp = path.with_suffix(".tmp.pt2")
+        configs = {"aot_inductor.package_constants_in_so": _embeds_weights(model)}
+        if hasattr(torch._inductor.config, "emulate_precision_casts"):
+            configs["emulate_precision_casts"] = True  # bf16 activations rounded where eager rounds them
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
+    tmp.replace(path)  # atomically: a crashed build never leaves a package that looks complete
+    log.info("quickdraft: AOT step built in %.1f s: %s", time.perf_counter() - start, path)
+    return path
+
+
+class AOTStep:
+    """A drop-in for calling the model in the decode / verify / draft paths: the package runs
+    `model(input_ids, positions, cache, kv_len=...)`; every other call goes to the model."""
+
+    def __init__(self, model: nn.Module, runner, path: Path):
+        self.model = model
+        self.runner = runner
+        self.path = path
+        quantised = any(isinstance(m, FastLinear) and m.fmt in ("int8", "int4") for m in model.modules())
+        self.max_rows = DENSE_ROWS if quantised else _MAX_ROWS  # beyond: the eager dense path
+        self._key_pos = torch.arange(0)
+
+    def __call__(self, input_ids, positions=None, cache: CacheView | None = None, *, kv_len=None,
+                 slots=None, attn_mask=None, logits_at=None):
+        B, T = input_ids.shape
+        if (cache is None or positions is None or slots is not None or attn_mask is not None
+                or logits_at is not None or B * T > self.max_rows or T > _MAX_QUERY
+                or not cache.k[0].is_contiguous()):
+            return self.model(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
+                              logits_at=logits_at)
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        if self._key_pos.shape[0] < kv_len:
+            self._key_pos = torch.arange(max(kv_len, 2 * self._key_pos.shape[0]))
+        # the package assumes the strides it was traced with (contiguous): an expanded view
+        # (stride 0) would be read as if it were not
+        return self.runner(input_ids.contiguous(), positions.contiguous(), self._key_pos[:max(kv_len, 2)],
+                           cache.k, cache.v)
+
+    def __repr__(self) -> str:
+        return f"AOTStep({self.path.name})"
+
+
+def load(model: nn.Module, path: Path | None = None) -> AOTStep | None:
+    """The model's cached package as a step, or None (no package, or not loadable here)."""
+    if unsupported(model):
+        return None
+    if path is None:
+        if not any(aot_dir().glob(f"{shape_key(model)}*.pt2")):
+            return None  # (before fingerprinting an int4 model's weights)
+        path = package_path(model)
+    if not path.exists():
+        return None
+    try:
+        runner = torch._inductor.aoti_load_package(str(path))
+        if _embeds_weights(model):
+            return AOTStep(model, runner, path)
+        constants = _constants(_Step(model))
+        wanted = runner.get_constant_fqns()
+        missing = [name for name in wanted if name not in constants]
+        if missing:
+            raise QuickdraftError(f"the package wants tensors the model lacks: {missing[:3]}")
+        runner.load_constants({name: constants[name] for name in wanted}, check_full_update=True, user_managed=True)
+    except Exception as exc:  # noqa: BLE001 - a stale or foreign package: run eagerly, say why once
+        log.warning("quickdraft: the AOT step %s did not load (%s: %s); running eagerly", path, type(exc).__name__, exc)
+        return None
+    return AOTStep(model, runner, path)
+
+
+def load_or_build(model: nn.Module) -> AOTStep | None:
+    """The cached step, built first when missing (None where packages are unsupported)."""
+    reason = unsupported(model)
+    if reason:
+        log.warning("quickdraft: %s; running eagerly", reason)
+        return None
+    step = load(model)
+    if step is None:
+        build(model)
+        step = load(model)
+    return step
