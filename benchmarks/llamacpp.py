@@ -101,6 +101,7 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
 MODELS = ("smollm2", "bundled")
 WORKLOADS = {"smollm2": ("chat", "code", "editing"), "bundled": ("code", "editing")}
 PEER_TIMEOUT_S = 1800
+COMPILE_MODES = {"aot": "aot", "auto": None, "off": False}  # --compile -> LLM(compile=...)
 
 
 def log(msg: str) -> None:
@@ -632,9 +633,12 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             continue
         draft_gguf = models.gguf(llama, "F32", draft=True) if config.draft else None
         peer = Peer(llama, config.peer, models.gguf(llama, config.gguf), list(config.flags), draft_gguf)
-        kwargs = {"device": "cpu", "method": "none", **config.ours}
+        kwargs = {"device": "cpu", "method": "none", "compile": COMPILE_MODES[args.compile], **config.ours}
         try:
+            started = time.perf_counter()
             llm = LLM(models.target, draft=models.draft if config.draft else None, **kwargs)
+            log(f"{name} {cname}: loaded in {time.perf_counter() - started:.1f} s, steps: "
+                f"{type(llm.engine._forward).__name__}")
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks
             log(f"{name} {cname}: skipped (quickdraft could not load it: {exc})")
             skipped[cname] = f"quickdraft could not load it: {exc}"
@@ -653,6 +657,7 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
                     skipped[f"{cname} {w} {threads} thread(s)"] = str(exc)
                     continue
                 blocks.append({"config": cname, "workload": w, "threads": threads, "ours": kwargs,
+                               "ours_steps": type(llm.engine._forward).__name__,
                                "peer_command": peer.describe(), **b})
                 log(f"    median: ours {b['ours_tokens_per_s']:.1f} tok/s, llama.cpp {b['peer_tokens_per_s']:.1f} "
                     f"tok/s, ours/llama.cpp {b['ratio_median']:.2f}x")
@@ -723,6 +728,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="per prompt (default 256; --quick 64)")
     ap.add_argument("--prompts", type=int, default=None, help="per workload (default 3; --quick 1)")
     ap.add_argument("--quick", action="store_true", help="1 prompt per workload, 64 new tokens")
+    ap.add_argument("--compile", choices=sorted(COMPILE_MODES), default="aot",
+                    help="our steps: aot = ahead-of-time compiled CPU steps, built once (not timed) and cached "
+                         "(default); auto = the cached ones if built; off = eager")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results",
                     help="where llamacpp_<model>_cpu.json and .md go (default benchmarks/results)")
     args = ap.parse_args()
