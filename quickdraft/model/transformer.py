@@ -42,8 +42,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies (head_dim / 2,), float32, with the configured scaling."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    """Rotary inverse frequencies (head_dim / 2,), float32, with the configured scaling; computed
+    on the CPU whatever the default device (on meta these ops import PyTorch's Python references:
+    ~1 s of start-up)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.kind == "linear":
         return inv_freq / rope.factor
@@ -169,7 +171,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim).to(torch.get_default_device()),
+                             persistent=False)
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after building on the meta device)."""

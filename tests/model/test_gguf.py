@@ -281,6 +281,38 @@ def test_k_quant_dequantisation_matches_transformers_kernels(tmp_path, qtype):
     assert torch.equal(ours.reshape(-1), theirs)
 
 
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_our_reader_and_dequantisers_match_the_gguf_package(tmp_path, qtype):
+    """The header parser and the torch dequantisers (F16/BF16/Q8_0/Q4_0/Q4_1) against the gguf
+    package's reader and numpy dequantisers, bit for bit, metadata included."""
+    from quickdraft.model.gguf import _dequantize
+
+    rng = np.random.default_rng(3)
+    arr = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
+
+    def tensors(w):
+        w.add_array("test.floats", [0.5, -1.25])
+        w.add_array("test.nested", [[1, 2], [3]])
+        if qtype in K_LAYOUT:
+            w.add_tensor("test.q", random_blocks(qtype, arr.shape, rng), raw_dtype=Q[qtype])
+        elif qtype == "BF16":
+            w.add_tensor("test.q", gguf.quants.quantize(arr, Q.BF16), raw_dtype=Q.BF16)
+        else:
+            w.add_tensor("test.q", gguf.quants.quantize(arr, Q[qtype]), raw_dtype=Q[qtype])
+
+    path = write_gguf(tmp_path / "r.gguf", hf_model("llama", vocab_size("gpt2")), "llama", extra=tensors)
+    ours, theirs = read_gguf(path), gguf.GGUFReader(path)
+    theirs_meta = {name: f.contents() for name, f in theirs.fields.items() if not name.startswith("GGUF.")}
+    assert theirs_meta.pop("test.nested") == [1, 2, 3]  # the gguf reader flattens nested arrays
+    assert ours.metadata.pop("test.nested") == [[1, 2], [3]]
+    assert ours.metadata == theirs_meta
+    for t in theirs.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.tensor_type == t.tensor_type and mine.shape == tuple(int(d) for d in t.shape)
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        assert torch.equal(_dequantize(mine), want.reshape(mine.hf_shape)), t.name
+
+
 def test_quantised_load_into_half_precision(tmp_path):
     path = write_gguf(tmp_path / "q.gguf", hf_model("qwen2", vocab_size("gpt2")), "qwen2", qtype="Q8_0")
     ref = load_model(path, dtype="float32")
