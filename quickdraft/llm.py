@@ -91,14 +91,15 @@ class LLM:
             raise QuickdraftError(f"method {method!r} needs a draft model folder")
         dev = resolve_device(device)
         target_dir = checkpoint_dir(target)
-        self.target = prepare(load_model(target_dir, dtype=dtype, device=dev), quantization)
+        self.target = prepare(load_model(target_dir, dtype=dtype, device=dev, quantization=quantization), quantization)
         self.tokenizer = Tokenizer.from_dir(target_dir)
         proposer = None
         self.draft = None
         if cls is not None:
             if cls.needs_draft_model:
                 draft_dir = checkpoint_dir(draft)
-                self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev), draft_quantization)
+                self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev,
+                                                      quantization=draft_quantization), draft_quantization)
                 check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
             proposer = cls.build(target=self.target, draft=self.draft, **spec.options)
         if compile is None:

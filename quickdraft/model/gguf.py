@@ -341,16 +341,46 @@ def _dequantize(t: GGUFTensor) -> torch.Tensor:
     return values.reshape(t.hf_shape)
 
 
+def int4_groups(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A Q4_0 / Q4_1 / Q4_K matrix in the int4 weight format's terms, without re-quantising: q in
+    0..15 (out, in) uint8, scale and zero (out, in / 32) float32 with w = (q - 8) * scale + zero.
+    Q4_0 stores w = d (q - 8); Q4_1 w = d q + m; Q4_K, per 32 values of a 256-value block,
+    w = (d sc) q - (dmin m) with 6-bit sc and m. None for any other type."""
+    kind = t.tensor_type.name
+    if kind not in ("Q4_0", "Q4_1", "Q4_K") or len(t.shape) != 2:
+        return None
+    out_f, in_f = t.hf_shape
+    raw = torch.from_numpy(t.data)
+    if kind == "Q4_K":
+        from gguf.quants import Q4_K
+
+        blocks = raw.reshape(-1, 144)  # d, dmin (f16), 12 bytes of packed 6-bit scales and mins, 128 of nibbles
+        d, dmin = (blocks[:, i:i + 2].view(torch.float16).float() for i in (0, 2))
+        sc, m = (torch.from_numpy(np.ascontiguousarray(a)).float() for a in Q4_K.get_scale_min(blocks[:, 4:16].numpy()))
+        scale, low = d * sc, dmin * m  # (blocks, 8): per 32 values
+        shifts = torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+        q = ((blocks[:, 16:].reshape(-1, 4, 1, 32) >> shifts) & 0xF).reshape(-1, 32)  # 64 values per 32 bytes: low then high nibbles
+        zero = 8 * scale - low
+    else:
+        blocks = raw.reshape(-1, _BLOCKS[kind])
+        scale = blocks[:, 0:2].view(torch.float16).float()
+        qs = blocks[:, 2 if kind == "Q4_0" else 4:]
+        q = torch.cat([qs & 0xF, qs >> 4], dim=1)
+        zero = torch.zeros_like(scale) if kind == "Q4_0" else blocks[:, 2:4].view(torch.float16).float() + 8 * scale
+    return q.reshape(out_f, in_f), scale.reshape(out_f, in_f // 32), zero.reshape(out_f, in_f // 32)
+
+
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's `permute` of llama's q/k rows (weights and biases), which interleaves
     the two rotary halves of each head for ggml's rope: rows (head, pair, half) -> (head, half, pair)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype,
-                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                    int4: dict[str, tuple[torch.Tensor, ...]] | None = None) -> dict[str, torch.Tensor]:
     """Every weight, dequantised, under its Hugging Face name. Unknown tensors keep their GGUF
-    name, so the loader's unexpected-tensor check names them."""
+    name, so the loader's unexpected-tensor check names them. With `int4` (a dict), the 4-bit
+    matrices' blocks are put there too, under the same names (see `int4_groups`)."""
     state: dict[str, torch.Tensor] = {}
     for name, t in g.tensors.items():
         if name == _ROPE_FREQS:
@@ -363,21 +393,32 @@ def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype,
         elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
             hf_name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
         w = _dequantize(t)
+        groups = int4_groups(t) if int4 is not None else None
         if g.arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
-            w = _unpermute(w, cfg.num_attention_heads if parts[-1] == "attn_q" else cfg.num_key_value_heads)
+            n_head = cfg.num_attention_heads if parts[-1] == "attn_q" else cfg.num_key_value_heads
+            w = _unpermute(w, n_head)
+            groups = groups and tuple(_unpermute(x, n_head) for x in groups)
         state[hf_name] = w.to(device=device, dtype=dtype)
+        if groups is not None:
+            int4[hf_name] = tuple(x.to(device) for x in groups)
     return state
 
 
 def load_gguf_model(path: str | Path, dtype: str | torch.dtype | None = None,
-                    device: str | torch.device | None = None) -> Transformer:
-    """Load a GGUF's weights, dequantised into `dtype`. `model(input_ids)` (B, T) -> logits (B, T, vocab)."""
+                    device: str | torch.device | None = None, quantization: str | None = None) -> Transformer:
+    """Load a GGUF's weights, dequantised into `dtype`. `model(input_ids)` (B, T) -> logits (B, T, vocab).
+    With quantization="int4", each Q4_0 / Q4_1 / Q4_K matrix also keeps its own blocks (the
+    parameter's `gguf_int4` attribute), which `quant.prepare` packs as they are."""
     from .loader import assemble, resolve_device, resolve_dtype
 
     g = read_gguf(path)
     cfg = ModelConfig.from_hf(hf_config(g))
     dev = resolve_device(device)
-    return assemble(cfg, gguf_state_dict(g, cfg, resolve_dtype(dtype, cfg, dev), dev), g.path)
+    int4: dict[str, tuple[torch.Tensor, ...]] | None = {} if quantization == "int4" else None
+    model = assemble(cfg, gguf_state_dict(g, cfg, resolve_dtype(dtype, cfg, dev), dev, int4), g.path)
+    for name, groups in (int4 or {}).items():
+        model.get_parameter(name).gguf_int4 = groups
+    return model
 
 
 # --- folders --------------------------------------------------------------------------------

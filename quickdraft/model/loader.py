@@ -98,20 +98,21 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None) -> Transformer:
+               device: str | torch.device | None = None, quantization: str | None = None) -> Transformer:
     """Load a Llama-family checkpoint folder or GGUF file. Returns the module in eval mode.
 
-    `model(input_ids)` with input_ids (B, T) returns logits (B, T, vocab).
+    `model(input_ids)` with input_ids (B, T) returns logits (B, T, vocab). `quantization` is what
+    `quant.prepare` will be asked for: with "int4", a GGUF's 4-bit blocks are kept for it.
     """
     from .gguf import gguf_source, is_gguf_file, load_gguf_model
 
     path = Path(path).expanduser()
     if is_gguf_file(path):
-        return load_gguf_model(path, dtype=dtype, device=device)
+        return load_gguf_model(path, dtype=dtype, device=device, quantization=quantization)
     path = checkpoint_dir(path)
     source = gguf_source(path)  # a GGUF's metadata folder: the weights are in the GGUF
     if source is not None:
-        return load_gguf_model(source, dtype=dtype, device=device)
+        return load_gguf_model(source, dtype=dtype, device=device, quantization=quantization)
     cfg = ModelConfig.from_file(path / "config.json")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)

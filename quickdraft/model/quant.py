@@ -140,7 +140,12 @@ class FastLinear(nn.Module):
             self.act_dtype = torch.bfloat16 if cpu else w.dtype  # f32 activations hit a slow path on CPU
             self.register_buffer("scales", scale.to(self.act_dtype))
         elif fmt == "int4":
-            q, scale, zero = int4_quantize(w)
+            native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
+            self.source = "GGUF blocks" if all(n is not None for n in native) else None
+            if self.source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
+                q, scale, zero = (torch.cat(parts) for parts in zip(*native))
+            else:
+                q, scale, zero = int4_quantize(w)
             # unpacked copy for dense (prefill) matmuls: w = q * scale + offset per group
             self.register_buffer("q", q)
             self.register_buffer("scale", scale.to(torch.bfloat16))
@@ -211,7 +216,8 @@ class FastLinear(nn.Module):
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
         fallback = (f" (dequantised per call: no {self.fmt} kernel on this device)"
                     if self.fmt in ("int8", "int4") and not self.kernel else "")
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}{fused}{fallback}"
+        source = f" from {self.source}" if getattr(self, "source", None) else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}{source}{fused}{fallback}"
 
 
 def weight_format(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:

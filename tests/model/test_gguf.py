@@ -313,6 +313,40 @@ def test_our_reader_and_dequantisers_match_the_gguf_package(tmp_path, qtype):
         assert torch.equal(_dequantize(mine), want.reshape(mine.hf_shape)), t.name
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4bit_blocks_load_into_int4_as_they_are(tmp_path, qtype):
+    """Q4_0 / Q4_1 / Q4_K matrices become the int4 format's (q, scale, zero) without re-quantising:
+    the same values as the dequantised file, up to float rounding and the kernel's bf16 scales;
+    and the quantised target's speculative output equals its own plain output."""
+    from quickdraft.model.gguf import _dequantize, int4_groups
+    from quickdraft.model.quant import FastLinear
+
+    source = hf_model("llama", vocab_size("gpt2"), **WIDE)
+    path = write_gguf(tmp_path / "q4.gguf", source, "llama", qtype=qtype)
+    g = read_gguf(path)
+    for t in g.tensors.values():
+        groups = int4_groups(t)
+        assert (groups is None) == (t.tensor_type.name != qtype)
+        if groups is not None:
+            q, scale, zero = groups
+            assert q.dtype == torch.uint8 and int(q.max()) <= 15
+            w = ((q.float() - 8).unflatten(1, (-1, 32)) * scale[..., None] + zero[..., None]).flatten(1)
+            assert torch.allclose(w, _dequantize(t), rtol=0, atol=1e-6 * float(_dequantize(t).abs().max()))
+    llm = LLM(target=path, draft=path, dtype="float32", quantization="int4", draft_quantization="int4",
+              num_speculative_tokens=3)
+    for m in llm.target.model.layers.modules():  # every layer matrix was written in qtype
+        if isinstance(m, FastLinear):
+            assert m.fmt == "int4" and "from GGUF blocks" in repr(m), repr(m)
+    ref = load_model(path, dtype="float32").model.layers[0].mlp.up_proj.weight
+    up = llm.target.model.layers[0].mlp.gate_up_proj
+    assert "from GGUF blocks" in repr(up)
+    got = up.dequantized(torch.float32)[up.splits[0]:]
+    assert (got - ref).abs().max() <= 2 ** -7 * ref.abs().max()  # bf16 scales: 8 significant bits
+    prompt, params = [5, 9, 14, 3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = LLM(target=path, dtype="float32", quantization="int4")
+    assert llm.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
+
+
 def test_quantised_load_into_half_precision(tmp_path):
     path = write_gguf(tmp_path / "q.gguf", hf_model("qwen2", vocab_size("gpt2")), "qwen2", qtype="Q8_0")
     ref = load_model(path, dtype="float32")
