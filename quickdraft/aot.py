@@ -174,13 +174,13 @@ class AOTStep:
         self._key_pos = torch.arange(0)
 
     def __call__(self, input_ids, positions=None, cache: CacheView | None = None, *, kv_len=None,
-                 slots=None, attn_mask=None, logits_at=None):
+                 slots=None, attn_mask=None, logits_at=None, hidden_at=None):
         B, T = input_ids.shape
         if (cache is None or positions is None or slots is not None or attn_mask is not None
-                or logits_at is not None or B * T > self.max_rows or T > _MAX_QUERY
+                or logits_at is not None or hidden_at is not None or B * T > self.max_rows or T > _MAX_QUERY
                 or not cache.k[0].is_contiguous()):
             return self.model(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
-                              logits_at=logits_at)
+                              logits_at=logits_at, hidden_at=hidden_at)
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         if self._key_pos.shape[0] < kv_len:

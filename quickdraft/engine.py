@@ -43,6 +43,7 @@ class StepOutcome:
     num_drafted: list[int]  # draft tokens (nodes) the row proposed
     accepted_nodes: list[list[int]] | None  # trees: the accepted path's node indices (root's child first)
     target_tokens: list[list[int]] | None  # for proposers that want them: the target's argmax at every position
+    hidden: torch.Tensor | None = None  # for proposers with hidden_layers: the verify forward's states (B, 1+N, ...)
 
 
 def _read_back(**fields: torch.Tensor | None) -> dict[str, list[list[int]]]:
@@ -128,6 +129,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.k = config.spec.k
         self._wants_target_tokens = proposer is not None and proposer.wants_target_tokens
+        self._hidden_layers = None if proposer is None else proposer.hidden_layers
         self.policy = None
         if self.k > 0:
             profile = None if config.spec.profile is None else load_profile(config.spec.profile)
@@ -319,7 +321,12 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.start(start + i, r.prompt)
         view = self.cache.rows(start, start + len(requests))
-        logits = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view)
+        if self._hidden_layers is not None:
+            logits, hidden = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view,
+                                            hidden_at=self._hidden_layers)
+            self.proposer.add_hidden(start, hidden, [list(range(len(r.prompt))) for r in requests])
+        else:
+            logits = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view)
         sampling = BatchSampling.build([r.params for r in requests], self.device)
         tokens = sample(process_logits(logits, sampling), [r.generator for r in requests], sampling.all_greedy).tolist()
         for r, t in zip(requests, tokens):
@@ -351,6 +358,10 @@ class Engine:
             result = self._verify_chain(draft, last, lengths, sampling, generators)
         else:
             result = self._verify_tree(draft, last, lengths, sampling, generators)
+        if result.hidden is not None:  # every committed token but the new last one now has its state
+            nodes = result.accepted_nodes
+            self.proposer.add_hidden(0, result.hidden, [list(range(n + 1)) if nodes is None else [0] + [1 + i for i in nodes[b]]
+                                                        for b, n in enumerate(result.num_accepted)])
         if draft is not None:
             self.proposer.observe(VerifyResult(result.num_accepted, lengths, k, result.accepted_nodes,
                                                result.target_tokens, draft=draft))
@@ -365,14 +376,21 @@ class Engine:
             self.policy.observe_step(len(rows), k, time.perf_counter() - started)
         return list(rows)
 
+    def _verify_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The verify forward: (logits, None), or with the proposer's hidden_layers (logits,
+        states) from the eager model (compiled steps return logits only)."""
+        if self._hidden_layers is None:
+            return self._forward(*args, **kwargs), None
+        return self.target(*args, **kwargs, hidden_at=self._hidden_layers)
+
     def _verify_chain(self, draft, last, lengths, sampling, generators) -> StepOutcome:
         """Target forward over [last, d_1..d_k] at positions L-1..L-1+k, then verify."""
         B = len(lengths)
         draft_tokens = last[:, :0] if draft is None else draft.tokens
         k = draft_tokens.shape[1]
         positions = to_device(lengths, self.device)[:, None] - 1 + torch.arange(k + 1, device=self.device)
-        logits = self._forward(torch.cat([last, draft_tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
-                               kv_len=max(lengths) + k)  # (B, k+1, V)
+        logits, hidden = self._verify_forward(torch.cat([last, draft_tokens.clamp(min=0)], 1), positions,
+                                              self.cache.rows(0, B), kv_len=max(lengths) + k)  # (B, k+1, V)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted = greedy_verify(draft_tokens, argmax)
@@ -385,7 +403,7 @@ class Engine:
         host = _read_back(tokens=out, num_accepted=num_accepted[:, None], num_drafted=drafted[:, None],
                           target_tokens=argmax if self._wants_target_tokens else None)
         return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
-                           None, host["target_tokens"])
+                           None, host["target_tokens"], hidden)
 
     def _verify_tree(self, draft, last, lengths, sampling, generators) -> StepOutcome:
         """Target forward over [last, nodes...] with tree attention, verify, then move the
@@ -401,8 +419,9 @@ class Engine:
         slots = torch.cat([L[:, None] - 1, torch.where(valid, L[:, None] + nodes, -1)], 1)
         queries = torch.cat([nodes.new_full((B, 1), -1), nodes.expand(B, N)], 1)
         mask = tree_mask(L, queries, anc, kv_len)
-        logits = self._forward(torch.cat([last, draft.tokens.clamp(min=0)], 1), positions, self.cache.rows(0, B),
-                               kv_len=kv_len, slots=slots, attn_mask=mask)  # (B, 1+N, V)
+        logits, hidden = self._verify_forward(torch.cat([last, draft.tokens.clamp(min=0)], 1), positions,
+                                              self.cache.rows(0, B), kv_len=kv_len, slots=slots,
+                                              attn_mask=mask)  # (B, 1+N, V)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax, (anc, depth))
@@ -417,7 +436,7 @@ class Engine:
         host = _read_back(tokens=out, path=path, num_accepted=num_accepted[:, None], num_drafted=valid.sum(1)[:, None],
                           target_tokens=argmax if self._wants_target_tokens else None)
         return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
-                           [[i for i in row if i >= 0] for row in host["path"]], host["target_tokens"])
+                           [[i for i in row if i >= 0] for row in host["path"]], host["target_tokens"], hidden)
 
     def _append(self, r: _Request, tokens: list[int]) -> None:
         """Commit emitted tokens, cutting at eos, a stop string or max_tokens."""

@@ -13,7 +13,7 @@ from .config import EngineConfig, SpecConfig
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
-from .model.loader import checkpoint_dir, load_model, resolve_device
+from .model.loader import checkpoint_dir, load_model, resolve_device, resolve_dtype
 from .model.quant import prepare
 from .model.sources import CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
@@ -96,7 +96,12 @@ class LLM:
         proposer = None
         self.draft = None
         if cls is not None:
-            if cls.needs_draft_model:
+            if cls.needs_draft_model and cls.draft_is_head:
+                from .model.eagle3 import load_eagle3
+
+                self.draft = prepare(load_eagle3(draft, self.target, resolve_dtype(draft_dtype, self.target.config, dev)
+                                                 if draft_dtype else None), draft_quantization)
+            elif cls.needs_draft_model:
                 draft_dir = checkpoint_dir(draft)
                 self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev,
                                                       quantization=draft_quantization), draft_quantization)

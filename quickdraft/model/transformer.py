@@ -190,7 +190,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, logits_at: torch.Tensor | None = None,
                 kv_len: int | None = None, slots: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, hidden_at: tuple[int, ...] | None = None):
         """input_ids (B, T) -> logits (B, T, V), or (B, n, V) at the indices `logits_at` (B, n).
 
         positions (B, T): absolute positions, -1 for padding; default 0..T-1.
@@ -198,57 +198,77 @@ class Transformer(nn.Module):
         (max position + 1), saving a device sync when the caller already knows it.
         slots (B, T) and attn_mask (B, T, kv_len), with a cache only: where each token's k/v
         is written (-1 = nowhere) and which cache slots each query may read (token trees).
+        hidden_at: layer indices; then (logits, hidden) where hidden (B, T, len * hidden_size)
+        concatenates the residual stream entering each of those layers (index
+        num_hidden_layers: leaving the last, before the final norm), at every position: what
+        an EAGLE-3 head reads, from the same forward.
         """
         B, T = input_ids.shape
-        device = input_ids.device
         if positions is None:
-            positions = torch.arange(T, device=device).expand(B, T)
-        pos = positions.clamp(min=0)  # padding gets a harmless position
-        # RoPE angles in float32, cast to the activation dtype like the reference.
-        angles = pos[..., None].float() * self.inv_freq  # (B, T, D/2)
-        cos, sin = angles.cos(), angles.sin()
-        cos = torch.cat((cos, cos), dim=-1)[:, :, None, :].to(self.dtype)  # (B, T, 1, D)
-        sin = torch.cat((-sin, sin), dim=-1)[:, :, None, :].to(self.dtype)  # the sign of rotate_half folded in
-
-        if cache is not None:
-            if slots is None:
-                slots = positions
-            if kv_len is None:
-                kv_len = int(slots.max()) + 1
-            key_pos = torch.arange(kv_len, device=device)  # a key's slot (its position outside trees)
-            mask = key_pos <= pos[..., None] if attn_mask is None else attn_mask  # (B, T, S)
-            rows = torch.arange(B, device=device)[:, None].expand(B, T)
-            write_pos = (rows, slice(None), torch.where(slots >= 0, slots, cache.trash))
-        else:
-            kv_len = T
-            key_pos = positions[:, None, :]  # (B, 1, T) keys are the tokens themselves
-            mask = (key_pos <= pos[..., None]) & (key_pos >= 0)
-            # a padding query must still see one key, or softmax over nothing gives NaN
-            mask = mask | (positions[..., None] < 0)
-            write_pos = None
-        window = self.config.sliding_window
-        # In a tree a node's slot is >= its position, so ancestors are only dropped by the
-        # window when the tree is deeper than the window itself.
-        if window is not None:
-            mask = mask & (key_pos > pos[..., None] - window)
-        mask = mask[:, None]  # (B, 1, T, S), shared by all heads and layers
-
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        cos, sin, mask, write_pos, kv_len = attention_inputs(self.inv_freq, self.dtype, positions, cache, kv_len,
+                                                             slots, attn_mask, self.config.sliding_window)
         x = self.model.embed_tokens(input_ids)
+        captured = []
         for i, layer in enumerate(self.model.layers):
+            if hidden_at is not None and i in hidden_at:
+                captured.append((i, x))
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x = layer(x, cos, sin, mask, write_pos, kv, kv_len)
+        if hidden_at is not None:
+            captured.append((len(self.model.layers), x))
+            by_layer = dict(captured)
+            hidden = torch.cat([by_layer[i] for i in hidden_at], dim=-1)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        return logits if hidden_at is None else (logits, hidden)
+
+
+def attention_inputs(inv_freq: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor, cache: CacheView | None,
+                     kv_len: int | None, slots: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                     window: int | None = None):
+    """What every layer of a forward shares: rotary cos / sin (B, T, 1, D), the attention mask
+    (B, 1, T, S), where the new keys are written and how many keys are read (see forward)."""
+    B, T = positions.shape
+    device = positions.device
+    pos = positions.clamp(min=0)  # padding gets a harmless position
+    # RoPE angles in float32, cast to the activation dtype like the reference.
+    angles = pos[..., None].float() * inv_freq  # (B, T, D/2)
+    cos, sin = angles.cos(), angles.sin()
+    cos = torch.cat((cos, cos), dim=-1)[:, :, None, :].to(dtype)  # (B, T, 1, D)
+    sin = torch.cat((-sin, sin), dim=-1)[:, :, None, :].to(dtype)  # the sign of rotate_half folded in
+    if cache is not None:
+        if slots is None:
+            slots = positions
+        if kv_len is None:
+            kv_len = int(slots.max()) + 1
+        key_pos = torch.arange(kv_len, device=device)  # a key's slot (its position outside trees)
+        mask = key_pos <= pos[..., None] if attn_mask is None else attn_mask  # (B, T, S)
+        rows = torch.arange(B, device=device)[:, None].expand(B, T)
+        write_pos = (rows, slice(None), torch.where(slots >= 0, slots, cache.trash))
+    else:
+        kv_len = T
+        key_pos = positions[:, None, :]  # (B, 1, T) keys are the tokens themselves
+        mask = (key_pos <= pos[..., None]) & (key_pos >= 0)
+        # a padding query must still see one key, or softmax over nothing gives NaN
+        mask = mask | (positions[..., None] < 0)
+        write_pos = None
+    # In a tree a node's slot is >= its position, so ancestors are only dropped by the
+    # window when the tree is deeper than the window itself.
+    if window is not None:
+        mask = mask & (key_pos > pos[..., None] - window)
+    return cos, sin, mask[:, None], write_pos, kv_len  # the mask is shared by all heads and layers
 
 
 def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int],
-                   cache: CacheView, step=None) -> torch.Tensor:
+                   cache: CacheView, step=None, hidden_at: tuple[int, ...] | None = None):
     """Feed each row its own run of tokens (ragged; right-padded here) starting at
     position starts[b], writing the cache; returns the logits after each row's last
     token, (B, V) (meaningless for an empty run, which feeds nothing). Used for prefill and
     for a draft catching up with accepted tokens.
-    `step` (a compiled StepFunction) is used instead of the model when given."""
+    `step` (a compiled StepFunction) is used instead of the model when given. With
+    `hidden_at`, (logits, hidden (B, T, ...)) at every fed position (Transformer.forward)."""
     B, T = len(chunks), max(len(c) for c in chunks)
     device = model.device
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -258,6 +278,10 @@ def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int
         positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
     last = torch.tensor([max(len(c) - 1, 0) for c in chunks], dtype=torch.long)[:, None]
     kv_len = max(s + len(c) for s, c in zip(starts, chunks))
+    if hidden_at is not None:
+        logits, hidden = model(to_device(ids, device), to_device(positions, device), cache,
+                               logits_at=to_device(last, device), kv_len=kv_len, hidden_at=hidden_at)
+        return logits[:, 0], hidden
     logits = (step or model)(to_device(ids, device), to_device(positions, device), cache,
                              logits_at=to_device(last, device), kv_len=kv_len)
     return logits[:, 0]

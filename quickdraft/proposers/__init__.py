@@ -3,7 +3,7 @@ under its name (`register`); `get(name)` is the one place a method name is check
 
 from ..errors import QuickdraftError
 from .base import PROPOSERS, Draft, ProposeBatch, Proposer, VerifyResult
-from . import draft_model, lookahead, ngram, suffix  # noqa: F401  (each registers its method)
+from . import draft_model, eagle3, lookahead, ngram, suffix  # noqa: F401  (each registers its method)
 
 
 def get(method: str) -> type[Proposer] | None:

@@ -100,6 +100,10 @@ class Proposer:
     OPTIONS: tuple[str, ...] = ()  # option names build() accepts
     needs_draft_model = False  # LLM loads a draft model folder and passes it as `draft`
     wants_target_tokens = False  # observe() gets the target's argmax at every draft node
+    draft_is_head = False  # `draft` is a head reading the target's states (LLM loads it as such)
+    # Target layers whose hidden states this proposer reads (EAGLE-3); the engine then passes
+    # them from its prefill and verify forwards to add_hidden. None: no hidden states.
+    hidden_layers: tuple[int, ...] | None = None
 
     @classmethod
     def build(cls, *, target, draft=None, **options) -> Proposer:
@@ -127,6 +131,11 @@ class Proposer:
 
     def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
         """The request in `row` is leaving (finished or aborted): tokens = prompt + output."""
+
+    def add_hidden(self, start: int, hidden: torch.Tensor, index: list[list[int]]) -> None:
+        """For proposers with `hidden_layers`: the target's states hidden (B, T, ...) from a
+        forward over rows start .. start + B - 1, and per row the columns holding its next
+        committed positions, in order (every token committed but the last has its state)."""
 
     def warm_up(self, k: int) -> None:
         """Compile this proposer's steps for the shapes drafting k tokens uses (after compile())."""

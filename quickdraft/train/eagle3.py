@@ -1,0 +1,197 @@
+"""Train an EAGLE-3 head for a target, with EAGLE-3's training-time test (arXiv 2503.01840).
+
+The head learns the target's own next-token distributions (soft labels over the draft
+vocabulary, renormalised there) from the target's hidden states at its three layers, on
+token sequences the caller provides (text the target generated itself is what the head
+meets at inference: `train_eagle3` trains on the target's continuations of corpus openings).
+
+Training-time test: step 0 feeds the pairs (target state at p, token at p + 1) and predicts
+the target's distribution at p + 1; step j > 0 feeds the head's own output of step j - 1 at
+p with the token at p + 1 + j, one position on, and predicts the target at p + 1 + j. A
+step-j query at p attends to the step-0 keys at positions <= p and to the keys of steps
+1..j at p: exactly the keys a chain's j-th draft token reads at inference (the context's
+pairs and the draft's own earlier steps). The losses of all steps are summed, step j
+weighted by `decay ** j`.
+
+The target's hidden states and final states are computed once per sequence batch (no
+gradient); the target's embedding is shared and frozen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..model.eagle3 import Eagle3Head
+from ..model.transformer import attention_inputs, rotate
+
+
+def _attend(attn, x, cos, sin, past: list[tuple[torch.Tensor, torch.Tensor]], mask):
+    """The head's attention over its own new keys plus earlier steps' keys (no cache writes,
+    so autograd sees every step)."""
+    B, T, _ = x.shape
+    H, H_kv, D = attn.n_heads, attn.n_kv, attn.head_dim
+    q = rotate(attn.q_proj(x).view(B, T, H, D), cos, sin).transpose(1, 2)
+    k = rotate(attn.k_proj(x).view(B, T, H_kv, D), cos, sin).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, H_kv, D).transpose(1, 2)
+    keys = torch.cat([pk for pk, _ in past] + [k], dim=2)
+    values = torch.cat([pv for _, pv in past] + [v], dim=2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H_kv != H)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), (k, v)
+
+
+def _ttt_mask(T: int, step: int, device) -> torch.Tensor:
+    """(T, (step + 1) T): step-0 keys causally, then each later step's key at the same index."""
+    p = torch.arange(T, device=device)
+    parts = [p[None, :] <= p[:, None]] + [torch.eye(T, dtype=torch.bool, device=device)] * step
+    return torch.cat(parts, dim=1)
+
+
+def ttt_loss(head: Eagle3Head, target, ids: torch.Tensor, steps: int = 3, decay: float = 0.8):
+    """Loss and per-step top-1 agreement with the target on sequences ids (B, T)."""
+    B, T = ids.shape
+    with torch.no_grad():
+        logits, feats = target(ids, hidden_at=head.aux_layers)
+        draft_ids = head.draft_to_target
+        p_target = logits.float()[..., draft_ids].softmax(-1)  # (B, T, draft V) renormalised on the draft vocabulary
+        embeds = head.embed_tokens(ids).float()
+    layer = head.midlayer
+    hidden = head.fc(feats.float())  # (B, T, h): step 0's hidden input at p
+    past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    total = ids.new_zeros((), dtype=torch.float32)
+    agree = []
+    for j in range(steps):
+        n = T - 1 - j  # queries p = 0 .. n - 1 have a token at p + 1 + j and a target at p + 1 + j
+        if n <= 0:
+            break
+        positions = (torch.arange(T, device=ids.device) + j).expand(B, T)
+        cos, sin, *_ = attention_inputs(head.inv_freq, torch.float32, positions, None, None, None, None)
+        emb = torch.cat([embeds[:, 1 + j:], embeds.new_zeros(B, 1 + j, embeds.shape[-1])], 1)  # token p + 1 + j
+        normed = layer.hidden_norm(hidden)
+        residual = normed if layer.norm_before_residual else hidden
+        x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)
+        a, kv = _attend(layer.self_attn, x, cos, sin, past, _ttt_mask(T, j, ids.device))
+        past.append(kv)
+        x = residual + a
+        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        logq = head.lm_head(head.norm(out)).float().log_softmax(-1)  # (B, T, draft V)
+        want = p_target[:, 1 + j:]
+        step_loss = -(want * logq[:, :n]).sum(-1).mean()
+        total = total + decay ** j * step_loss
+        agree.append((logq[:, :n].argmax(-1) == want.argmax(-1)).float().mean().item())
+        hidden = out
+    return total, agree
+
+
+def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epochs: int = 1, batch_size: int = 8,
+               seq_len: int = 128, lr: float = 3e-3, steps: int = 3, decay: float = 0.8, seed: int = 0,
+               log=None) -> list[dict]:
+    """Train `head` (in place, float32) on windows of `sequences`; returns the log per epoch."""
+    g = torch.Generator().manual_seed(seed)
+    windows = [s[i:i + seq_len] for s in sequences for i in range(0, max(len(s) - 1, 1), seq_len)
+               if len(s[i:i + seq_len]) >= steps + 2]
+    if not windows:
+        raise ValueError("no training windows: sequences are too short")
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    total_steps = epochs * math.ceil(len(windows) / batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
+    history = []
+    head.train()
+    device = head.device
+    for epoch in range(epochs):
+        order = torch.randperm(len(windows), generator=g).tolist()
+        start, losses, agrees = time.perf_counter(), [], []
+        for b in range(0, len(order), batch_size):
+            chunk = [windows[i] for i in order[b:b + batch_size]]
+            width = min(len(c) for c in chunk)  # equal lengths: no padding inside the loss
+            ids = torch.tensor([c[:width] for c in chunk], device=device)
+            loss, agree = ttt_loss(head, target, ids, steps, decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            agrees.append(agree)
+        entry = {"epoch": epoch, "loss": sum(losses) / len(losses),
+                 "agreement_per_step": [round(sum(a[j] for a in agrees if len(a) > j) / len(agrees), 4)
+                                        for j in range(steps)],
+                 "seconds": round(time.perf_counter() - start, 1), "windows": len(windows)}
+        history.append(entry)
+        if log is not None:
+            log(entry)
+    head.eval()
+    return history
+
+
+def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens: int = 64,
+                 temperature: float = 0.0, seed: int = 0) -> dict[str, float]:
+    """Acceptance of `head` against `target` on `prompts` (each gets `max_tokens` new tokens)."""
+    from ..config import EngineConfig, SpecConfig
+    from ..engine import Engine
+    from ..metrics import SpecStats
+    from ..proposers.eagle3 import Eagle3Proposer
+    from ..sampling import SamplingParams
+
+    engine = Engine(target, Eagle3Proposer(head, target.config.vocab_size),
+                    EngineConfig(SpecConfig("eagle3", k), max_num_seqs=8))
+    stats = SpecStats()
+    requests = [(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i))
+                for i, p in enumerate(prompts)]
+    for out in engine.generate(requests):
+        stats.merge(out.stats)
+    return {"acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 3), "k": k, "temperature": temperature}
+
+
+def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 128, epochs: int = 4,
+                 batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, ttt_steps: int = 3,
+                 draft_vocab: int | None = None, seed: int = 0, log=print) -> dict:
+    """Train and save an EAGLE-3 head for `target_path` on its own continuations of corpus
+    openings (the corpus' train split; held-out openings measure acceptance before and after)."""
+    import json
+
+    from ..model.eagle3 import new_head, save_eagle3
+    from ..model.loader import checkpoint_dir, load_model
+    from ..model.sources import resolve_model
+    from ..model.tokenizer import Tokenizer
+    from .corpus import load_corpus
+    from .distill import generate_pool
+    from .prompts import opening_prompts
+
+    torch.manual_seed(seed)
+    folder = checkpoint_dir(resolve_model(target_path))
+    target = load_model(folder, dtype="float32")
+    tok = Tokenizer.from_dir(folder)
+    corpus = load_corpus()
+    train_docs, held_docs = corpus.train, corpus.heldout
+    train_prompts = [tok.encode(p) for p in opening_prompts(train_docs, prompts)]
+    held = [tok.encode(p) for p in opening_prompts(held_docs, 16)]
+    start = time.perf_counter()
+    sequences = generate_pool(target, train_prompts, new_tokens, seed)
+    gen_s = time.perf_counter() - start
+    vocab = None
+    if draft_vocab is not None and draft_vocab < target.config.vocab_size:  # the most frequent target tokens
+        counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=target.config.vocab_size)
+        vocab = counts.topk(draft_vocab).indices
+    head = new_head(target, vocab)
+    before = measure_head(target, head, held)
+    history = train_head(head, target, sequences, epochs=epochs, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                         steps=ttt_steps, seed=seed, log=log)
+    after = measure_head(target, head, held)
+    report = {"target": str(target_path), "prompts": len(train_prompts), "new_tokens": new_tokens,
+              "generate_seconds": round(gen_s, 1), "epochs": history, "acceptance_before": before,
+              "acceptance_after": after, "draft_vocab_size": head.head_config.draft_vocab_size,
+              "ttt_steps": ttt_steps, "lr": lr, "batch_size": batch_size, "seq_len": seq_len,
+              "torch_threads": torch.get_num_threads()}
+    save_eagle3(head, out_dir)
+    (Path(out_dir) / "train_log.json").write_text(json.dumps(report, indent=2))
+    log(report)
+    return report
