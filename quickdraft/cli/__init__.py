@@ -19,14 +19,14 @@ from .common import err
 from .generate import generate
 from .models import convert_command, models_command, pull_command
 from .serve import serve_command
-from .train import distill_command, train_command
+from .train import distill_command, train_command, train_eagle3_command
 from .tune import tune_command
 from .verify import verify_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="quickdraft: lossless speculative decoding for Llama-family models.")
 
-for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command),
+for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command), ("train-eagle3", train_eagle3_command),
                         ("verify", verify_command), ("tune", tune_command), ("bench", bench_command),
                         ("serve", serve_command), ("bench-serve", bench_serve_command), ("models", models_command),
                         ("pull", pull_command), ("convert", convert_command)):

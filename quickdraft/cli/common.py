@@ -117,9 +117,10 @@ TARGET = typer.Option(None, "--target", help="Target model: a Hugging Face folde
                       "(`quickdraft models`, e.g. smollm2) or a Hub id (default: the bundled code model).")
 DRAFT = typer.Option(None, "--draft", help="Draft model, given like --target (default: the target's own draft "
                      "for the bundled and named models).")
-METHOD = typer.Option(None, "--method", help="none | draft | ngram | suffix | lookahead (default: draft when a "
+METHOD = typer.Option(None, "--method", help="none | draft | eagle3 | ngram | suffix | lookahead (eagle3: --draft "
+                      "is an EAGLE-3 head folder; default: draft when a "
                       "draft is given, else none).")
-METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable): draft | ngram | suffix | "
+METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable): draft | eagle3 | ngram | suffix | "
                        "lookahead (default: draft when a draft is available, else ngram).")
 NUM_SPECULATIVE_TOKENS = typer.Option(5, "-k", "--num-speculative-tokens",
                                       help="Draft tokens per step (the most; the depth of a tree).")

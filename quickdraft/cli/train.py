@@ -85,3 +85,41 @@ def distill_command(
             eval_prompts=eval_prompts, k=k, device=device, seed=seed, save_dtype=save_dtype, bf16=bf16,
             teacher_dtype=teacher_dtype, teacher_topk=teacher_topk, teacher_windows=teacher_windows, init=init,
             instructions=instructions, eval_every=eval_every, save_every=save_every, command=command_line())
+
+
+@user_errors
+def train_eagle3_command(
+    target: Optional[str] = opts.TARGET,
+    out: Path = typer.Option(..., "--out", help="Output folder for the head."),
+    prompts: int = typer.Option(256, "--prompts", help="Target answers / continuations generated for training."),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens per generated sequence (at most)."),
+    epochs: int = typer.Option(4, "--epochs"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Windows per step."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate (cosine schedule)."),
+    ttt_steps: int = typer.Option(3, "--ttt-steps", help="Training-time-test steps (draft depths trained)."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab",
+                                              help="Draft vocabulary: the N most frequent target tokens "
+                                                   "(default: the whole vocabulary)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat",
+                                        help="Train on chat answers (default: when the target has a chat template)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: PyTorch's)."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Train an EAGLE-3 head for a target (its own text, training-time test); use it with
+    `--method eagle3 --draft OUT`."""
+    import torch
+
+    from ..train.eagle3 import train_eagle3
+
+    if threads:
+        torch.set_num_threads(threads)
+    train_eagle3(target or _bundled_target(), out, prompts=prompts, new_tokens=new_tokens, epochs=epochs,
+                 batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
+                 chat=chat, seed=seed, log=lambda entry: opts.err.print(entry))
+
+
+def _bundled_target():
+    from ..llm import default_model_dirs
+
+    return default_model_dirs()[0]

@@ -132,8 +132,9 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
 
 
 def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens: int = 64,
-                 temperature: float = 0.0, seed: int = 0) -> dict[str, float]:
-    """Acceptance of `head` against `target` on `prompts` (each gets `max_tokens` new tokens)."""
+                 temperature: float = 0.0, seed: int = 0, eos: tuple[int, ...] = ()) -> dict[str, float]:
+    """Acceptance of `head` against `target` on `prompts` (each gets `max_tokens` new tokens,
+    or ends at `eos`)."""
     from ..config import EngineConfig, SpecConfig
     from ..engine import Engine
     from ..metrics import SpecStats
@@ -141,9 +142,9 @@ def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens:
     from ..sampling import SamplingParams
 
     engine = Engine(target, Eagle3Proposer(head, target.config.vocab_size),
-                    EngineConfig(SpecConfig("eagle3", k), max_num_seqs=8))
+                    EngineConfig(SpecConfig("eagle3", k), max_num_seqs=8), eos_token_ids=eos)
     stats = SpecStats()
-    requests = [(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i))
+    requests = [(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=not eos, seed=seed + i))
                 for i, p in enumerate(prompts)]
     for out in engine.generate(requests):
         stats.merge(out.stats)
@@ -153,45 +154,62 @@ def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens:
 
 def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 128, epochs: int = 4,
                  batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, ttt_steps: int = 3,
-                 draft_vocab: int | None = None, seed: int = 0, log=print) -> dict:
-    """Train and save an EAGLE-3 head for `target_path` on its own continuations of corpus
-    openings (the corpus' train split; held-out openings measure acceptance before and after)."""
+                 draft_vocab: int | None = None, chat: bool | None = None, eval_prompts: int = 16, seed: int = 0,
+                 log=print) -> dict:
+    """Train and save an EAGLE-3 head for `target_path` on its own text: its answers to the
+    instructions in `instructions.py` for a chat target (one with a chat template; `chat`
+    overrides), else its continuations of corpus openings; greedy and sampled at T = 1 in
+    turn. Acceptance on held-out instructions / openings is measured before and after."""
     import json
 
+    from ..errors import QuickdraftError
     from ..model.eagle3 import new_head, save_eagle3
     from ..model.loader import checkpoint_dir, load_model
     from ..model.sources import resolve_model
-    from ..model.tokenizer import Tokenizer
+    from ..model.tokenizer import Tokenizer, eos_token_ids
     from .corpus import load_corpus
     from .distill import generate_pool
+    from .instructions import HELDOUT, INSTRUCTIONS
     from .prompts import opening_prompts
 
     torch.manual_seed(seed)
     folder = checkpoint_dir(resolve_model(target_path))
     target = load_model(folder, dtype="float32")
     tok = Tokenizer.from_dir(folder)
-    corpus = load_corpus()
-    train_docs, held_docs = corpus.train, corpus.heldout
-    train_prompts = [tok.encode(p) for p in opening_prompts(train_docs, prompts)]
-    held = [tok.encode(p) for p in opening_prompts(held_docs, 16)]
+    chat = bool(tok.chat_template) if chat is None else chat
+    if chat and not tok.chat_template:
+        raise QuickdraftError("chat training needs a target with a chat template (tokenizer_config.json)")
+    eos = tuple(eos_token_ids(folder, tok)) if chat else ()
+    if chat:
+        seeds = [tok.encode_chat([{"role": "user", "content": INSTRUCTIONS[i % len(INSTRUCTIONS)]}])
+                 for i in range(prompts)]
+        held = [tok.encode_chat([{"role": "user", "content": m}]) for m in HELDOUT[:eval_prompts]]
+    else:
+        corpus = load_corpus()
+        seeds = [tok.encode(p) for p in opening_prompts(corpus.train, prompts)]
+        held = [tok.encode(p) for p in opening_prompts(corpus.heldout, eval_prompts)]
     start = time.perf_counter()
-    sequences = generate_pool(target, train_prompts, new_tokens, seed)
+    greedy = [i < len(INSTRUCTIONS) if chat else i % 2 == 0 for i in range(len(seeds))]
+    sequences = generate_pool(target, seeds, new_tokens, seed, eos=eos, greedy=greedy)
     gen_s = time.perf_counter() - start
+    log({"generated_sequences": len(sequences), "tokens": sum(map(len, sequences)), "seconds": round(gen_s, 1)})
     vocab = None
     if draft_vocab is not None and draft_vocab < target.config.vocab_size:  # the most frequent target tokens
         counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=target.config.vocab_size)
         vocab = counts.topk(draft_vocab).indices
     head = new_head(target, vocab)
-    before = measure_head(target, head, held)
+    measure = dict(max_tokens=128 if chat else 64, eos=eos)
+    before = measure_head(target, head, held, **measure)
     history = train_head(head, target, sequences, epochs=epochs, batch_size=batch_size, seq_len=seq_len, lr=lr,
                          steps=ttt_steps, seed=seed, log=log)
-    after = measure_head(target, head, held)
-    report = {"target": str(target_path), "prompts": len(train_prompts), "new_tokens": new_tokens,
-              "generate_seconds": round(gen_s, 1), "epochs": history, "acceptance_before": before,
-              "acceptance_after": after, "draft_vocab_size": head.head_config.draft_vocab_size,
-              "ttt_steps": ttt_steps, "lr": lr, "batch_size": batch_size, "seq_len": seq_len,
-              "torch_threads": torch.get_num_threads()}
+    after = measure_head(target, head, held, **measure)
+    report = {"target": str(target_path), "kind": "chat answers" if chat else "code continuations",
+              "sequences": len(sequences), "new_tokens": new_tokens, "generate_seconds": round(gen_s, 1),
+              "epochs": history, "acceptance_before": before, "acceptance_after": after,
+              "eval": f"{len(held)} held-out {'instructions' if chat else 'openings'}",
+              "draft_vocab_size": head.head_config.draft_vocab_size, "ttt_steps": ttt_steps, "lr": lr,
+              "batch_size": batch_size, "seq_len": seq_len, "torch_threads": torch.get_num_threads()}
     save_eagle3(head, out_dir)
     (Path(out_dir) / "train_log.json").write_text(json.dumps(report, indent=2))
-    log(report)
+    log({"acceptance_before": before, "acceptance_after": after})
     return report
