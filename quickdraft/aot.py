@@ -105,22 +105,28 @@ def aot_dir() -> Path:
     return cache_dir() / "aot"
 
 
-def package_path(model: nn.Module) -> Path:
-    """`<cache>/aot/<shape key>.pt2`, with the weights' fingerprint appended where they are inside."""
-    name = shape_key(model) + (f"-{_fingerprint(model)}" if _embeds_weights(model) else "")
+def package_path(model: nn.Module, hidden_at: tuple[int, ...] | None = None) -> Path:
+    """`<cache>/aot/<shape key>[-h<layers>].pt2`, with the weights' fingerprint appended where
+    they are inside; `-h<layers>` for the variant that also returns those layers' states."""
+    name = shape_key(model) + _hidden_suffix(hidden_at) + (f"-{_fingerprint(model)}" if _embeds_weights(model) else "")
     return aot_dir() / f"{name}.pt2"
+
+
+def _hidden_suffix(hidden_at: tuple[int, ...] | None) -> str:
+    return "" if hidden_at is None else "-h" + "_".join(map(str, hidden_at))
 
 
 class _Step(nn.Module):
     """The exported signature: tensors only (key_pos's length is the key length)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, hidden_at: tuple[int, ...] | None = None):
         super().__init__()
         self.model = model
+        self.hidden_at = hidden_at
 
     def forward(self, input_ids, positions, key_pos, ks, vs):
         cache = CacheView(list(ks), list(vs), ks[0].shape[2] - 1)
-        return self.model(input_ids, positions, cache, kv_len=key_pos.shape[0])
+        return self.model(input_ids, positions, cache, kv_len=key_pos.shape[0], hidden_at=self.hidden_at)
 
 
 def _constants(step: _Step) -> dict[str, torch.Tensor]:
@@ -129,8 +135,9 @@ def _constants(step: _Step) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in named.items()}
 
 
-def build(model: nn.Module, path: Path | None = None) -> Path:
-    """Export and compile `model`'s decode/verify forward into a package (once per shape)."""
+def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None) -> Path:
+    """Export and compile `model`'s decode/verify forward into a package (once per shape); with
+    `hidden_at`, the forward that also returns those layers' states (Transformer.forward)."""
     reason = unsupported(model)
     if reason:
         raise QuickdraftError(reason)
@@ -138,7 +145,7 @@ def build(model: nn.Module, path: Path | None = None) -> Path:
 
     from .cache import KVCache
 
-    path = path or package_path(model)
+    path = path or package_path(model, hidden_at)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     cache = KVCache.for_model(model, 3, 16)  # example sizes: all > 1 and distinct, so none is specialised
@@ -149,7 +156,7 @@ def build(model: nn.Module, path: Path | None = None) -> Path:
     S, R, C = Dim("keys", min=2, max=_MAX_SLOTS), Dim("rows", max=_MAX_ROWS), Dim("slots", min=3, max=_MAX_SLOTS)
     per_layer = [{0: R, 2: C}] * len(cache.k)
     with torch.no_grad(), quant.kernels_only():
-        program = export(_Step(model).eval(), (ids, positions, key_pos, cache.k, cache.v),
+        program = export(_Step(model, hidden_at).eval(), (ids, positions, key_pos, cache.k, cache.v),
                          dynamic_shapes=({0: B, 1: T}, {0: B, 1: T}, {0: S}, per_layer, per_layer), strict=False)
         tmp = path.with_suffix(".tmp.pt2")
         configs = {"aot_inductor.package_constants_in_so": _embeds_weights(model)}
@@ -165,10 +172,11 @@ class AOTStep:
     """A drop-in for calling the model in the decode / verify / draft paths: the package runs
     `model(input_ids, positions, cache, kv_len=...)`; every other call goes to the model."""
 
-    def __init__(self, model: nn.Module, runner, path: Path):
+    def __init__(self, model: nn.Module, runner, path: Path, hidden_at: tuple[int, ...] | None = None):
         self.model = model
         self.runner = runner
         self.path = path
+        self.hidden_at = hidden_at  # the states this package returns with the logits (None: logits only)
         quantised = any(isinstance(m, FastLinear) and m.fmt in ("int8", "int4") for m in model.modules())
         self.max_rows = DENSE_ROWS if quantised else _MAX_ROWS  # beyond: the eager dense path
         self._key_pos = torch.arange(0)
@@ -177,7 +185,7 @@ class AOTStep:
                  slots=None, attn_mask=None, logits_at=None, hidden_at=None):
         B, T = input_ids.shape
         if (cache is None or positions is None or slots is not None or attn_mask is not None
-                or logits_at is not None or hidden_at is not None or B * T > self.max_rows or T > _MAX_QUERY
+                or logits_at is not None or hidden_at != self.hidden_at or B * T > self.max_rows or T > _MAX_QUERY
                 or not cache.k[0].is_contiguous()):
             return self.model(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
                               logits_at=logits_at, hidden_at=hidden_at)
@@ -187,27 +195,28 @@ class AOTStep:
             self._key_pos = torch.arange(max(kv_len, 2 * self._key_pos.shape[0]))
         # the package assumes the strides it was traced with (contiguous): an expanded view
         # (stride 0) would be read as if it were not
-        return self.runner(input_ids.contiguous(), positions.contiguous(), self._key_pos[:max(kv_len, 2)],
-                           cache.k, cache.v)
+        out = self.runner(input_ids.contiguous(), positions.contiguous(), self._key_pos[:max(kv_len, 2)],
+                          cache.k, cache.v)
+        return out if self.hidden_at is None else tuple(out)
 
     def __repr__(self) -> str:
         return f"AOTStep({self.path.name})"
 
 
-def load(model: nn.Module, path: Path | None = None) -> AOTStep | None:
+def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None) -> AOTStep | None:
     """The model's cached package as a step, or None (no package, or not loadable here)."""
     if unsupported(model):
         return None
     if path is None:
-        if not any(aot_dir().glob(f"{shape_key(model)}*.pt2")):
+        if not any(aot_dir().glob(f"{shape_key(model)}{_hidden_suffix(hidden_at)}*.pt2")):
             return None  # (before fingerprinting an int4 model's weights)
-        path = package_path(model)
+        path = package_path(model, hidden_at)
     if not path.exists():
         return None
     try:
         runner = torch._inductor.aoti_load_package(str(path))
         if _embeds_weights(model):
-            return AOTStep(model, runner, path)
+            return AOTStep(model, runner, path, hidden_at)
         constants = _constants(_Step(model))
         wanted = runner.get_constant_fqns()
         missing = [name for name in wanted if name not in constants]
@@ -217,17 +226,17 @@ def load(model: nn.Module, path: Path | None = None) -> AOTStep | None:
     except Exception as exc:  # noqa: BLE001 - a stale or foreign package: run eagerly, say why once
         log.warning("quickdraft: the AOT step %s did not load (%s: %s); running eagerly", path, type(exc).__name__, exc)
         return None
-    return AOTStep(model, runner, path)
+    return AOTStep(model, runner, path, hidden_at)
 
 
-def load_or_build(model: nn.Module) -> AOTStep | None:
+def load_or_build(model: nn.Module, hidden_at: tuple[int, ...] | None = None) -> AOTStep | None:
     """The cached step, built first when missing (None where packages are unsupported)."""
     reason = unsupported(model)
     if reason:
         log.warning("quickdraft: %s; running eagerly", reason)
         return None
-    step = load(model)
+    step = load(model, hidden_at=hidden_at)
     if step is None:
-        build(model)
-        step = load(model)
+        build(model, hidden_at=hidden_at)
+        step = load(model, hidden_at=hidden_at)
     return step

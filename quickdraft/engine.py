@@ -145,7 +145,8 @@ class Engine:
             from . import aot
 
             make = aot.load_or_build if config.compile == "aot" else aot.load
-            self._forward = make(target) or target
+            # a proposer reading hidden states gets the package that returns them with the logits
+            self._forward = make(target, hidden_at=self._hidden_layers) or target
             if proposer is not None:
                 proposer.use_forward(make)
         # cache room past a request's last token for one step's draft nodes
@@ -378,10 +379,12 @@ class Engine:
 
     def _verify_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The verify forward: (logits, None), or with the proposer's hidden_layers (logits,
-        states) from the eager model (compiled steps return logits only)."""
+        states): from the AOT package that returns them, else the eager model (torch.compile'd
+        steps return logits only)."""
         if self._hidden_layers is None:
             return self._forward(*args, **kwargs), None
-        return self.target(*args, **kwargs, hidden_at=self._hidden_layers)
+        forward = self.target if self.config.compile is True else self._forward  # an AOT step or the model
+        return forward(*args, **kwargs, hidden_at=self._hidden_layers)
 
     def _verify_chain(self, draft, last, lengths, sampling, generators) -> StepOutcome:
         """Target forward over [last, d_1..d_k] at positions L-1..L-1+k, then verify."""

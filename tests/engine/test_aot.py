@@ -112,3 +112,36 @@ def test_int8_package(target_dir):
     assert isinstance(spec.engine._forward, aot.AOTStep) and spec.engine._forward.max_rows == 16
     plain = LLM(target_dir, method="none", compile="aot", quantization="int8", dtype="float32")
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+
+
+def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step):
+    """The variant returning layers' states (what an EAGLE-3 head reads): logits and states
+    equal eager; an eagle3 engine with compile="aot" runs it and stays greedy-equal to plain."""
+    from quickdraft.model.eagle3 import new_head, save_eagle3
+
+    model, _ = target_step
+    layers = (1, 1, 2)
+    aot.build(model, hidden_at=layers)
+    step = aot.load(model, hidden_at=layers)
+    assert step is not None and step.hidden_at == layers and step.path != aot.package_path(model)
+    prompt = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache_a, cache_b = KVCache.for_model(model, 2, 32), KVCache.for_model(model, 2, 32)
+        for cache in (cache_a, cache_b):
+            model(prompt, torch.arange(5).expand(2, 5), cache.rows(0, 2), kv_len=5)
+        pos = torch.arange(5, 8).expand(2, 3)
+        want = model(prompt[:, :3], pos, cache_a.rows(0, 2), kv_len=8, hidden_at=layers)
+        got = step(prompt[:, :3], pos, cache_b.rows(0, 2), kv_len=8, hidden_at=layers)
+    assert isinstance(got, tuple) and len(got) == 2
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    torch.manual_seed(0)
+    save_eagle3(new_head(model), tmp_path / "h")
+    # the bundled-style default head reads (2, L // 2, L - 3) clamped to this 2-layer target: (1, 1, 0)
+    spec = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
+               dtype="float32")
+    assert isinstance(spec.engine._forward, aot.AOTStep) and spec.engine._forward.hidden_at == (1, 1, 0)
+    plain = LLM(target_dir, method="none", compile=False, dtype="float32")
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[3, 17, 42, 9], [5, 6, 7]]
+    assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
