@@ -4,7 +4,10 @@ Processing order (the same for target p and draft q, so rejection sampling compa
 like with like): temperature, then top-k, then top-p, then min-p, each on the
 distribution left by the previous one. Temperature 0 means greedy: the processed
 distribution is one-hot on the argmax, which makes greedy decoding a special case of
-the same sampling and verification code rather than a separate path.
+the same sampling and verification code rather than a separate path. Temperatures
+below GREEDY_BELOW are greedy too: dividing float32 logits by them overflows (NaN, or
+token 0 repeated) or rounds the temperature to 0.0, and the distribution they ask for
+is the argmax's up to ties anyway.
 
 Randomness comes from one torch.Generator per request, so a seeded request gives the
 same tokens whatever else shares its batch. Tokens are drawn with the exponential race
@@ -22,6 +25,10 @@ import torch
 from .errors import QuickdraftError
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
+MAX_TOP_K = 2**31 - 1  # a larger top_k keeps every token of any vocabulary: the same as off
+
+
 def _finite(value: int | float) -> bool:
     try:
         return math.isfinite(value)
@@ -31,7 +38,7 @@ def _finite(value: int | float) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW = 1e-5) = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
     min_p: float = 0.0  # drop tokens below min_p * max probability; 0 = off
@@ -78,7 +85,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,8 @@ class BatchSampling:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device) -> BatchSampling:
-        temps = [p.temperature for p in params]
-        top_k = [max(p.top_k, 0) for p in params]
+        temps = [0.0 if p.greedy else float(p.temperature) for p in params]
+        top_k = [min(max(p.top_k, 0), MAX_TOP_K) for p in params]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -106,9 +113,9 @@ class BatchSampling:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             any_greedy=any(t == 0 for t in temps),
             all_greedy=all(t == 0 for t in temps),
-            any_top_k=any(k > 0 for p, k in zip(params, top_k) if p.temperature > 0),
-            any_top_p=any(p.top_p < 1 for p in params if p.temperature > 0),
-            any_min_p=any(p.min_p > 0 for p in params if p.temperature > 0),
+            any_top_k=any(k > 0 for p, k in zip(params, top_k) if not p.greedy),
+            any_top_p=any(p.top_p < 1 for p in params if not p.greedy),
+            any_min_p=any(p.min_p > 0 for p in params if not p.greedy),
         )
 
 

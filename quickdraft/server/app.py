@@ -178,7 +178,7 @@ async def completions(request: Request):
             p = tok.encode(p)
         prompts.append(p)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts))
+    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts), "prompt")
     return await _respond(state, request, req, subs, prompts, arrival, chat=False)
 
 
@@ -197,12 +197,8 @@ async def chat_completions(request: Request):
                        "messages") from None
     limit = req.max_completion_tokens or req.max_tokens
     if limit is None:
-        limit = engine.engine.max_model_len - len(prompt)
-        if limit < 1:
-            raise APIError(400, f"the messages take {len(prompt)} tokens, the model's context length is "
-                           f"{engine.engine.max_model_len}: no room to answer", "messages",
-                           code="context_length_exceeded")
-    subs = _subs(engine.engine, req, [prompt], [limit])
+        limit = max(1, engine.engine.max_model_len - len(prompt))  # _check names the messages if none is left
+    subs = _subs(engine.engine, req, [prompt], [limit], "messages")
     return await _respond(state, request, req, subs, [prompt], arrival, chat=True)
 
 
@@ -236,14 +232,14 @@ def _check_model(state: ServerState, model: str) -> None:
                        "model", code="model_not_found")
 
 
-def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int]) -> list[_Sub]:
+def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int], prompt_param: str) -> list[_Sub]:
     """The engine requests of one HTTP request: n choices per prompt, each prompt checked once."""
     subs = []
     for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
         for j in range(req.n):
             params = _sampling(req, mt, j)
             if j == 0:
-                _check(engine, prompt, params, req.num_speculative_tokens)
+                _check(engine, prompt, params, req.num_speculative_tokens, prompt_param)
             subs.append(_Sub(i * req.n + j, prompt, params))
     return subs
 
@@ -269,14 +265,18 @@ def _param_error(exc: QuickdraftError) -> APIError:
     return APIError(400, text, param)
 
 
-def _check(engine, prompt: list[int], params: SamplingParams, k: int | None) -> None:
+def _check(engine, prompt: list[int], params: SamplingParams, k: int | None, prompt_param: str) -> None:
+    if len(prompt) >= engine.max_model_len:  # no max_tokens could make it fit: name the prompt
+        what = "messages take" if prompt_param == "messages" else "prompt takes"
+        raise APIError(400, f"the {what} {len(prompt)} tokens, the model's context length is "
+                       f"{engine.max_model_len}: no room to answer", prompt_param, code="context_length_exceeded")
     try:
         engine.check_request(prompt, params, k)
     except QuickdraftError as exc:
         text = str(exc)
         param = ("max_tokens" if "context length" in text else
                  "num_speculative_tokens" if "num_speculative_tokens" in text else
-                 "stop" if "stop" in text else "prompt")
+                 "stop" if "stop" in text else prompt_param)
         raise APIError(400, text, param, code="context_length_exceeded" if "context length" in text else None) \
             from None
 

@@ -10,13 +10,55 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, \
+    StrictInt, StrictStr, ValidationError
 
 MAX_N = 64  # choices per request
 MAX_STOP = 16  # stop strings per request
 
-Number = Annotated[float, Field(allow_inf_nan=False)]
+
+def _utf8(text: str) -> str:
+    """Strings must be encodable text: JSON's "\\ud800" escapes decode to lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone surrogate ({text[exc.start]!r} at index {exc.start}): "
+                         "not valid Unicode text") from None
+    return text
+
+
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # strict: "0" and true are not numbers
+Text = Annotated[StrictStr, AfterValidator(_utf8)]
 TokenIds = list[StrictInt]
+
+
+def _texts(value: Any) -> Any:
+    """A string or a list of them: each checked by _utf8 before a union of types can hide why
+    it failed; anything else is left to the field's type."""
+    for x in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(x, str):
+            _utf8(x)
+    return value
+
+
+def _prompt_shape(value: Any) -> Any:
+    """One clear message for a prompt of the wrong shape (a union's error would name its first
+    member: "should be a valid string" for a list of floats)."""
+    if isinstance(value, str):
+        return _texts(value)
+    if isinstance(value, list):
+        if all(isinstance(x, str) for x in value):
+            return _texts(value)
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return value
+        if all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+               for x in value):
+            return value
+        if any(isinstance(x, (float, bool)) for x in value) or any(
+                isinstance(x, list) and any(isinstance(t, (float, bool)) for t in x) for x in value):
+            raise ValueError("token ids must be integers")
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) "
+                     "or a list of such lists")
 
 
 class APIError(Exception):
@@ -29,8 +71,9 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error",
-                              429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "server_error")
+        self.type = type_ or {401: "authentication_error", 429: "rate_limit_exceeded",
+                              503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
@@ -54,7 +97,7 @@ class _Sampling(BaseModel):
     top_k: StrictInt | None = Field(None, ge=-1)  # extra field (vLLM): 0 or -1 = off
     min_p: Number | None = Field(None, ge=0, le=1)  # extra field (vLLM)
     seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Annotated[Text | list[Text] | None, BeforeValidator(_texts)] = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # extra field (vLLM)
@@ -85,7 +128,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    prompt: Annotated[Text | list[Text] | TokenIds | list[TokenIds], BeforeValidator(_prompt_shape)]
     echo: StrictBool = False
     suffix: StrictStr | None = None
     logprobs: StrictInt | None = None
@@ -118,14 +161,14 @@ class CompletionRequest(_Sampling):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[ContentPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -174,7 +217,7 @@ def parse_body(model: type[BaseModel], data: Any) -> Union[CompletionRequest, Ch
         # pydantic adds the union member's type name to the location; keep the field path
         path = [x for x in loc if x not in _TYPE_TAGS and not x.startswith(_TYPE_TAG_PREFIXES)]
         param = ".".join(path) or None
-        msg = first.get("msg", "invalid value")
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
         if first.get("type") == "missing":
             message = f"missing required field {param!r}"
         else:

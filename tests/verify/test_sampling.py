@@ -440,3 +440,34 @@ def test_noise_shapes_and_ranges():
     assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
     assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
     assert not torch.equal(e[0], e[1])  # rows come from their own generators
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-38, 1e-300, 5e-324, 1e-7, 9.9e-6])
+def test_tiny_temperatures_are_greedy_never_nan(temperature):
+    """Below GREEDY_BELOW a temperature is greedy: float32 logits divided by it overflow
+    (NaN, token 0 repeated), and 1e-300 rounds to 0.0 in float32."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(9)) * 3
+    logits[:, 0] = -5.0  # token 0 is never the argmax here: "token 0 repeated" would fail
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    s = BatchSampling.build([params, SamplingParams(temperature=1.0)] * 2, CPU)
+    probs = process_logits(logits, s)
+    assert not torch.isnan(probs).any()
+    assert torch.equal(probs[0::2], torch.nn.functional.one_hot(logits[0::2].argmax(-1), 50).float())
+    tokens = sample(probs, [make_generator(i, CPU) for i in range(4)])
+    assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
+
+
+def test_temperature_just_above_the_greedy_threshold_is_sampled_without_nan():
+    params = SamplingParams(temperature=2e-5)
+    assert not params.greedy
+    probs = process_logits(torch.randn(3, 40, generator=torch.Generator().manual_seed(10)) * 50,
+                           BatchSampling.build([params] * 3, CPU))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3))
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 2**70])
+def test_huge_top_k_is_off(top_k):
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(11))
+    s = BatchSampling.build([SamplingParams(top_k=top_k)] * 2, CPU)
+    assert torch.allclose(process_logits(logits, s), logits.softmax(-1))
