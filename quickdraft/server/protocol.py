@@ -8,6 +8,7 @@ a client that asks for them would otherwise get a different answer than it think
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, \
@@ -199,6 +200,58 @@ class ChatCompletionRequest(_Sampling):
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             bad.append("response_format")
         return bad
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What no request can exceed and still be served, known without tokenizing."""
+    max_sequences: int  # engine requests held at once (--max-num-seqs + --max-queue)
+    context: int  # tokens per request (the model's context length)
+    max_chars: int | None  # characters of one prompt (context x the most characters one token spells)
+    max_messages: int  # messages of one chat (each takes at least one token of any real template)
+
+
+def precheck(data: Any, limits: Limits) -> None:
+    """Cheap checks on a decoded body before it is validated and tokenized: a request that can
+    never fit is a 400 naming the limit at once, not after seconds of work on its size. Only
+    fields of the expected types are looked at; validation reports the others."""
+    if not isinstance(data, dict):
+        return
+    n = data.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+    prompt = data.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+    if prompts and not isinstance(prompts[0], (str, list)):
+        prompts = [prompts]  # one prompt of token ids
+    if len(prompts) * n > limits.max_sequences:
+        raise APIError(400, f"this request asks for {len(prompts) * n} sequences ({len(prompts)} prompts x n={n}); "
+                       f"the server holds at most {limits.max_sequences} at once", "prompt" if len(prompts) > 1
+                       else "n", code="request_too_large")
+    for p in prompts:
+        if isinstance(p, str) and limits.max_chars is not None and len(p) > limits.max_chars:
+            raise APIError(400, f"the prompt has {len(p)} characters: more than the model's context length "
+                           f"({limits.context} tokens) can hold ({limits.max_chars} characters at most)",
+                           "prompt", code="context_length_exceeded")
+        if isinstance(p, list) and len(p) >= limits.context:
+            raise APIError(400, f"the prompt takes {len(p)} tokens, the model's context length is "
+                           f"{limits.context}: no room to answer", "prompt", code="context_length_exceeded")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > limits.max_messages:
+            raise APIError(400, f"{len(messages)} messages: more than the model's context length "
+                           f"({limits.context} tokens) can hold ({limits.max_messages} messages at most)",
+                           "messages", code="context_length_exceeded")
+        if limits.max_chars is not None:
+            chars = 0
+            for m in messages:
+                content = m.get("content") if isinstance(m, dict) else None
+                parts = content if isinstance(content, list) else [content]
+                chars += sum(len(x) if isinstance(x, str) else len(x.get("text", "")) if isinstance(x, dict)
+                             and isinstance(x.get("text"), str) else 0 for x in parts)
+            if chars > limits.max_chars:
+                raise APIError(400, f"the messages have {chars} characters: more than the model's context length "
+                               f"({limits.context} tokens) can hold ({limits.max_chars} characters at most)",
+                               "messages", code="context_length_exceeded")
 
 
 _TYPE_TAGS = {"str", "int", "bool", "float", "dict", "list", "none"}
