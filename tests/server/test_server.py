@@ -563,16 +563,20 @@ def _fuzz_strategies():
     def mostly(valid):
         return st.one_of(valid, valid, junk)
 
-    token = st.integers(min_value=-2, max_value=400)
-    prompt = st.one_of(st.text(max_size=30), st.lists(token, min_size=0, max_size=20),
+    token = st.one_of(st.integers(min_value=-2, max_value=400), st.floats(0, 400))
+    odd_text = st.sampled_from(["\ud800", "a\udc00b", "\x00", "\u202e", "<|im_start|>", "{{ 7*7 }}"])
+    prompt = st.one_of(st.text(max_size=30), odd_text, st.lists(odd_text, min_size=1, max_size=3),
+                       st.lists(token, min_size=0, max_size=20),
                        st.lists(st.lists(st.integers(0, 383), min_size=1, max_size=5), max_size=3))
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bot"]),
-                                     "content": mostly(st.text(max_size=20))})
+                                     "content": mostly(st.one_of(st.text(max_size=20), odd_text))})
     optional = {
         "max_tokens": mostly(st.integers(-2, 40)), "max_completion_tokens": mostly(st.integers(-2, 40)),
-        "n": mostly(st.integers(-1, 4)), "temperature": mostly(st.floats(-1, 3)),
-        "top_p": mostly(st.floats(-0.5, 1.5)), "top_k": mostly(st.integers(-3, 50)),
-        "min_p": mostly(st.floats(-0.5, 1.5)), "seed": mostly(st.integers()),
+        "n": mostly(st.one_of(st.integers(-1, 4), st.integers(60, 300))),
+        "temperature": mostly(st.one_of(st.floats(-1, 3), st.sampled_from([1e-45, 1e-38, 1e-300, 5e-324, "0", True]))),
+        "top_p": mostly(st.one_of(st.floats(-0.5, 1.5), st.booleans())),
+        "top_k": mostly(st.one_of(st.integers(-3, 50), st.integers(2**62, 2**70))),
+        "min_p": mostly(st.one_of(st.floats(-0.5, 1.5), st.booleans())), "seed": mostly(st.integers()),
         "stop": mostly(st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=20))),
         "stream": mostly(st.booleans()), "ignore_eos": mostly(st.booleans()),
         "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
@@ -584,8 +588,10 @@ def _fuzz_strategies():
     chats = st.fixed_dictionaries({"model": model, "messages": mostly(st.lists(message, max_size=3))},
                                   optional=optional)
     valid = {  # every field in range: these reach generation with random parameters
-        "max_tokens": st.integers(1, 40), "n": st.integers(1, 3), "temperature": st.floats(0, 2),
-        "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1),
+        "max_tokens": st.integers(1, 40), "n": st.integers(1, 3),
+        "temperature": st.one_of(st.floats(0, 2), st.floats(0, 1e-4), st.just(5e-324)),
+        "top_p": st.floats(0.05, 1), "top_k": st.one_of(st.integers(-1, 50), st.integers(2**62, 2**64)),
+        "min_p": st.floats(0, 1),
         "seed": st.integers(-(2**63), 2**64 - 1), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
         "stream": st.booleans(), "ignore_eos": st.booleans(), "num_speculative_tokens": st.integers(0, 4),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
