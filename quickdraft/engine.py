@@ -28,8 +28,7 @@ from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks
 from .proposers import get as get_proposer
 from .proposers.base import Draft, ProposeBatch, Proposer, VerifyResult
-from .sampling import BatchSampling, SamplingParams, exponential_noise, make_generator, process_logits, \
-    sample, uniform_noise
+from .sampling import BatchSampling, SamplingParams, StepRandom, Stream, process_logits, race, seed_key
 from .tree import tree_mask, tree_structure
 from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
@@ -80,6 +79,7 @@ class _Request:
         self.max_k = max_k  # this request's own cap on num_speculative_tokens (None = the engine's)
         self.prompt = prompt
         self.params = params
+        self.key = seed_key(params.seed)  # every random draw of this request is keyed by it (StepRandom)
         self.start_over(device, tokenizer)
         self.finish_reason: str | None = None
         self.spec_state: RowState | None = None  # the speculation policy's view of this request
@@ -90,7 +90,6 @@ class _Request:
         """Nothing generated yet (a new request, or one whose prefill is retried)."""
         self.tokens = list(self.prompt)  # prompt + generated, committed
         self.output: list[int] = []
-        self.generator = make_generator(self.params.seed, device)
         self.detok = Detokenizer(tokenizer, self.prompt) if tokenizer is not None else None
         self.text = ""
         self.sent_ids = 0  # how much of output/text earlier outputs carried
@@ -329,7 +328,12 @@ class Engine:
         else:
             logits = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view)
         sampling = BatchSampling.build([r.params for r in requests], self.device)
-        tokens = sample(process_logits(logits, sampling), [r.generator for r in requests], sampling.all_greedy).tolist()
+        probs = process_logits(logits, sampling)
+        if sampling.all_greedy:
+            tokens = probs.argmax(-1).tolist()
+        else:
+            rnd = StepRandom([r.key for r in requests], [len(r.tokens) for r in requests], self.device)
+            tokens = race(probs, rnd.exponential(Stream.SAMPLE, probs.shape[-1])).tolist()
         for r, t in zip(requests, tokens):
             self._append(r, [t])
         return requests
@@ -340,25 +344,27 @@ class Engine:
         if self._batch_sampling is None:
             self._batch_sampling = BatchSampling.build([r.params for r in rows], self.device)
         sampling = self._batch_sampling
-        generators = [r.generator for r in rows]
         lengths = [len(r.tokens) for r in rows]
+        # each row's draws keyed by its own request and position: the batch cannot change them
+        rnd = StepRandom([r.key for r in rows], lengths, self.device)
         # No row can use more than remaining - 1 drafts (the step adds one token of its own).
         k_bound = min(self.k, max(r.remaining for r in rows) - 1)
         ks = self.policy.choose([r.spec_state for r in rows], k_bound) if k_bound > 0 else [0] * len(rows)
-        ks = [k if r.max_k is None else min(k, r.max_k) for r, k in zip(rows, ks)]
+        # each row's own bounds, so that how far a row drafts does not depend on the others
+        ks = [max(0, min(k, r.remaining - 1, self.k if r.max_k is None else r.max_k)) for r, k in zip(rows, ks)]
         k = max(ks)
         last = to_device([r.tokens[-1] for r in rows], self.device)[:, None]
         draft = None
         if k > 0:
-            draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, generators))
+            draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, rnd))
             if min(ks) < k:
                 draft = _limit_depth(draft, ks)
             if draft.tokens.shape[1] == 0:  # nothing proposed for any row
                 draft = None
         if draft is None or draft.parents is None:
-            result = self._verify_chain(draft, last, lengths, sampling, generators)
+            result = self._verify_chain(draft, last, lengths, sampling, rnd)
         else:
-            result = self._verify_tree(draft, last, lengths, sampling, generators)
+            result = self._verify_tree(draft, last, lengths, sampling, rnd)
         if result.hidden is not None:  # every committed token but the new last one now has its state
             nodes = result.accepted_nodes
             self.proposer.add_hidden(0, result.hidden, [list(range(n + 1)) if nodes is None else [0] + [1 + i for i in nodes[b]]
@@ -386,7 +392,7 @@ class Engine:
         forward = self.target if self.config.compile is True else self._forward  # an AOT step or the model
         return forward(*args, **kwargs, hidden_at=self._hidden_layers)
 
-    def _verify_chain(self, draft, last, lengths, sampling, generators) -> StepOutcome:
+    def _verify_chain(self, draft, last, lengths, sampling, rnd: StepRandom) -> StepOutcome:
         """Target forward over [last, d_1..d_k] at positions L-1..L-1+k, then verify."""
         B = len(lengths)
         draft_tokens = last[:, :0] if draft is None else draft.tokens
@@ -400,15 +406,15 @@ class Engine:
         else:
             p = process_logits(logits, sampling)
             out, num_accepted = rejection_sample(draft_tokens, p, None if draft is None else draft.probs,
-                                                 uniform_noise(generators, k, self.device),
-                                                 exponential_noise(generators, p.shape[-1], self.device))
+                                                 rnd.uniform(Stream.ACCEPT, k),
+                                                 rnd.exponential(Stream.FINAL, p.shape[-1]))
         drafted = (draft_tokens >= 0).sum(1)
         host = _read_back(tokens=out, num_accepted=num_accepted[:, None], num_drafted=drafted[:, None],
                           target_tokens=argmax if self._wants_target_tokens else None)
         return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
                            None, host["target_tokens"], hidden)
 
-    def _verify_tree(self, draft, last, lengths, sampling, generators) -> StepOutcome:
+    def _verify_tree(self, draft, last, lengths, sampling, rnd: StepRandom) -> StepOutcome:
         """Target forward over [last, nodes...] with tree attention, verify, then move the
         accepted path's cache entries to their chain slots (quickdraft.tree has the layout)."""
         B, N = draft.tokens.shape
@@ -431,8 +437,8 @@ class Engine:
         else:
             p = process_logits(logits, sampling)
             out, num_accepted, path = tree_rejection_sample(
-                draft.tokens, draft.parents, p, draft.probs, uniform_noise(generators, N, device),
-                exponential_noise(generators, p.shape[-1], device), (anc, depth))
+                draft.tokens, draft.parents, p, draft.probs, rnd.uniform(Stream.ACCEPT, N),
+                rnd.exponential(Stream.FINAL, p.shape[-1]), (anc, depth))
         D = path.shape[1]
         steps = torch.arange(D, device=device)
         self.cache.compact(torch.where(path >= 0, L[:, None] + path, -1), L[:, None] + steps)

@@ -4,22 +4,34 @@ Processing order (the same for target p and draft q, so rejection sampling compa
 like with like): temperature, then top-k, then top-p, then min-p, each on the
 distribution left by the previous one. Temperature 0 means greedy: the processed
 distribution is one-hot on the argmax, which makes greedy decoding a special case of
-the same sampling and verification code rather than a separate path.
+the same sampling and verification code rather than a separate path. Temperatures
+below GREEDY_BELOW are greedy too: dividing float32 logits by them overflows (NaN, or
+token 0 repeated) or rounds the temperature to 0.0, and the distribution they ask for
+is the argmax's up to ties anyway.
 
-Randomness comes from one torch.Generator per request, so a seeded request gives the
-same tokens whatever else shares its batch. Tokens are drawn with the exponential race
+Randomness is counter-based (StepRandom): every draw of a request is keyed by its seed
+(all 64 bits, hashed: seed_key), the position it is generating at (its committed tokens)
+and what the draw is for (a stream: the draft's tokens, the accept tests, the final token)
+and index (draft depth, tree node). Nothing a row draws depends on how many numbers any row
+drew before, so a seeded request gives the same tokens whatever else shares its batch,
+however many tokens the other rows draft. Tokens are drawn with the exponential race
 (argmax of w / E with E ~ Exp(1)), which needs no normalisation and no host sync.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .errors import QuickdraftError
+
+
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
+MAX_TOP_K = 2**31 - 1  # a larger top_k keeps every token of any vocabulary: the same as off
 
 
 def _finite(value: int | float) -> bool:
@@ -31,7 +43,7 @@ def _finite(value: int | float) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW = 1e-5) = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
     min_p: float = 0.0  # drop tokens below min_p * max probability; 0 = off
@@ -78,7 +90,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -97,8 +109,8 @@ class BatchSampling:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device) -> BatchSampling:
-        temps = [p.temperature for p in params]
-        top_k = [max(p.top_k, 0) for p in params]
+        temps = [0.0 if p.greedy else float(p.temperature) for p in params]
+        top_k = [min(max(p.top_k, 0), MAX_TOP_K) for p in params]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -106,9 +118,9 @@ class BatchSampling:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             any_greedy=any(t == 0 for t in temps),
             all_greedy=all(t == 0 for t in temps),
-            any_top_k=any(k > 0 for p, k in zip(params, top_k) if p.temperature > 0),
-            any_top_p=any(p.top_p < 1 for p in params if p.temperature > 0),
-            any_min_p=any(p.min_p > 0 for p in params if p.temperature > 0),
+            any_top_k=any(k > 0 for p, k in zip(params, top_k) if not p.greedy),
+            any_top_p=any(p.top_p < 1 for p in params if not p.greedy),
+            any_min_p=any(p.min_p > 0 for p in params if not p.greedy),
         )
 
 
@@ -154,12 +166,88 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that mixes every input bit."""
+    x &= _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _hash(*parts: int) -> int:
+    """A 64-bit hash of a tuple of integers (each taken modulo 2**64)."""
+    h = 0x6A09E667F3BCC908
+    for p in parts:
+        h = _mix64(h ^ _mix64((p & _M64) + 0x9E3779B97F4A7C15))
+    return h
+
+
+def seed_key(seed: int | None) -> int:
+    """A request's 64-bit random key: a hash of all 64 bits of its seed (PyTorch's CPU generator
+    keeps only the low 32 bits of a seed: s and s + 2**32 would be the same stream), or 64 fresh
+    random bits for an unseeded request."""
     if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    g.manual_seed(seed)
+        return secrets.randbits(64)
+    return _hash(0x5EED, seed)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator whose stream depends on all 64 bits of `seed` (None: a fresh one)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed_key(seed))
     return g
+
+
+class Stream:
+    """What a draw is for: each has its own numbers (StepRandom)."""
+    SAMPLE = 1  # a token sampled from p alone (prefill, plain decoding without a verifier)
+    DRAFT = 2  # a draft's tokens, per depth (index = depth): width x V Exp(1) draws
+    ACCEPT = 3  # the verifier's accept tests: one U[0, 1) per draft node
+    FINAL = 4  # the verifier's recovered or bonus token: V Exp(1) draws
+
+
+class StepRandom:
+    """The random numbers of one step for a batch of requests, counter-based: row b's draws
+    are a function of (its request's key, its position, the stream, the index) only.
+
+    keys: seed_key per row; positions: per row, the committed tokens at the step's start
+    (every step commits at least one, so no two steps of a request share a position).
+    Exp(1) vectors come from a torch.Generator seeded with the hash of that tuple (device
+    kernels, one generator per row and index); accept-test uniforms are the hash itself,
+    element by element, so a row's i-th uniform is the same however many the batch needs."""
+
+    def __init__(self, keys: Sequence[int], positions: Sequence[int], device: torch.device | str):
+        self.keys = list(keys)
+        self.positions = list(positions)
+        self.device = torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _generator(self, b: int, stream: int, index: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(_hash(self.keys[b], self.positions[b], stream, index))
+        return g
+
+    def exponential(self, stream: int, n: int, index: int = 0) -> torch.Tensor:
+        """(B, n) Exp(1) draws; row b's from (key_b, position_b, stream, index)."""
+        return torch.stack([torch.empty(n, device=self.device).exponential_(generator=self._generator(b, stream, index))
+                            for b in range(len(self.keys))])
+
+    def draft_noise(self, k: int, n: int) -> torch.Tensor:
+        """(B, k, n) Exp(1) draws for a draft k deep, n per depth (width x V): depth i's are
+        the same whatever k is."""
+        return torch.stack([self.exponential(Stream.DRAFT, n, i) for i in range(k)], 1)
+
+    def uniform(self, stream: int, n: int) -> torch.Tensor:
+        """(B, n) U[0, 1) draws (24-bit, exact in float32); element i of row b is a hash of
+        (key_b, position_b, stream, i)."""
+        rows = [[(_hash(key, pos, stream, i) >> 40) * 2.0**-24 for i in range(n)]
+                for key, pos in zip(self.keys, self.positions)]
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(self.keys), n).to(self.device)
 
 
 def exponential_noise(generators: Sequence[torch.Generator], n: int, device: torch.device) -> torch.Tensor:

@@ -42,12 +42,22 @@ def serve_command(
     draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
     draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QUICKDRAFT_API_KEY", show_envvar=True,
+                                          help="Require `Authorization: Bearer KEY` on every /v1/* request "
+                                          "(/health and /metrics stay open)."),
+    request_timeout: float = typer.Option(30.0, "--request-timeout", help="Seconds a request's headers, then "
+                                          "its body, may take to arrive (slow or stalled uploads are closed, "
+                                          "or answered 408)."),
+    allowed_origins: Optional[str] = typer.Option(None, "--allowed-origins", help="Comma-separated browser "
+                                                  "origins allowed to call the API cross-origin (CORS), e.g. "
+                                                  "https://app.example.com; none by default."),
 ) -> None:
     """Serve the OpenAI API (completions, chat completions, streaming) with speculative decoding."""
     try:
         import uvicorn
 
         from ..server.app import ServerState, build_app
+        from ..server.connections import uvicorn_config
     except ImportError as exc:
         fail(f"the server needs fastapi, uvicorn and prometheus_client ({exc})")
     if not 0 <= port <= 65535:
@@ -84,10 +94,12 @@ def serve_command(
                    draft_quantization=draft_quantization, draft_dtype=draft_dtype, preallocate=True)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    state = ServerState(load, name, max_queue=max_queue, chat_template=template)
-    app = build_app(state)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+    if not request_timeout > 0:
+        fail(f"--request-timeout must be > 0, got {request_timeout}")
+    state = ServerState(load, name, max_queue=max_queue, chat_template=template, request_timeout=request_timeout)
+    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
+    app = build_app(state, api_key=api_key or None, allowed_origins=origins)
+    config = uvicorn_config(app, host, port, log_level, request_timeout)
     server = uvicorn.Server(config)
     shown_host = f"[{host}]" if ":" in host else host
 

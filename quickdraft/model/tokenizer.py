@@ -7,6 +7,7 @@ in a sandbox. A folder without tokenizer files still serves prompts given as tok
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,10 @@ class Tokenizer:
             template = jinja_file.read_text()
         self.chat_template: str | None = template
         self._compiled = None
+        # encode without holding the GIL (the server tokenizes on worker threads beside its
+        # event loop); off by default: tokenizers' batch path marks the process as having used
+        # its thread pool, which then warns in forked children
+        self.release_gil = False
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer | None:
@@ -92,7 +97,15 @@ class Tokenizer:
         return self.token_to_id(self.bos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.release_gil:  # the same ids; encode_batch lets other threads run meanwhile
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: a text longer than n times this takes more
+        than n tokens (a cheap bound the server checks before tokenizing)."""
+        return max(map(len, self.get_vocab()), default=1) or 1
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuickdraftError
-from ..sampling import BatchSampling
+from ..sampling import BatchSampling, StepRandom
 
 
 @dataclass
@@ -41,7 +41,7 @@ class ProposeBatch:
     tokens: list[list[int]]  # per row: prompt + generated tokens committed so far
     k: int  # most tokens any path may propose this step (>= 1): a tree's depth bound
     sampling: BatchSampling  # the rows' sampling parameters; q must use the same processing
-    generators: list[torch.Generator]  # per-row randomness
+    random: StepRandom  # per-row randomness, keyed by each row's request and position
 
 
 @dataclass

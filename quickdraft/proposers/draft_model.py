@@ -29,7 +29,7 @@ from ..cache import KVCache, to_device
 from ..compile import CompiledVariants, chain_key, pad_chain, warm_samplings, warms_up
 from ..errors import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
-from ..sampling import BatchSampling, exponential_noise, process_logits, race, sample
+from ..sampling import BatchSampling, StepRandom, Stream, process_logits, race
 from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_options, register
 from .draft_tree import chain_prefix, sampled_tree_parents, top_w_tree
 
@@ -115,7 +115,7 @@ class DraftModelProposer(Proposer):
                     for length in (8, 9):  # two context lengths: the graph settles on symbolic sizes
                         self.cached[:B] = [length - 2] * B
                         self._draft_chain([[0] * length] * B, k, sampling, w,
-                                          [torch.Generator(self.model.device) for _ in range(B)])
+                                          StepRandom([0] * B, [length] * B, self.model.device))
         finally:
             self.cache, self.cached = cache, cached
 
@@ -168,14 +168,14 @@ class DraftModelProposer(Proposer):
             logits = self._catch_up(batch)
             tokens, probs, fed = self._confident_chain(batch, logits, lengths, self.cache.rows(0, B))
         else:
-            tokens, probs = self._draft_chain(batch.tokens, k, batch.sampling, w, batch.generators)
+            tokens, probs = self._draft_chain(batch.tokens, k, batch.sampling, w, batch.random)
             fed = k - 1
         for b in range(B):
             self.cached[b] = lengths[b] + fed
         parents = sampled_tree_parents(B, k, w, tokens.device) if w > 1 else None
         return Draft(tokens=tokens, probs=probs, parents=parents)
 
-    def _draft_chain(self, rows: list[list[int]], k, sampling, w, generators):
+    def _draft_chain(self, rows: list[list[int]], k, sampling, w, rnd: StepRandom):
         """Catch up and draft (draft_chain): as one compiled graph where one is registered
         for this batch shape and sampling mix, else one (compiled) forward at a time; the same
         tokens either way. Each row's last <= 2 uncached tokens go into the chain (right-padded
@@ -198,9 +198,9 @@ class DraftModelProposer(Proposer):
                 pos[b, :n] = torch.arange(c, len(t))
                 last[b, 0] = n - 1
         noise = None
-        if not sampling.all_greedy:  # every draw of the chain up front, row b from generators[b]
+        if not sampling.all_greedy:  # every draw of the chain up front, depth i's keyed by i (StepRandom)
             V = self.model.config.vocab_size
-            noise = exponential_noise(generators, k * w * V, device).view(B, k, w, V)
+            noise = rnd.draft_noise(k, w * V).view(B, k, w, V)
         args = (to_device(ids, device), to_device(pos, device), view)
         kwargs = dict(last=to_device(last, device), kv_len=max(len(t) for t in rows), k=k, sampling=sampling,
                       noise=noise, width=w)
@@ -221,7 +221,9 @@ class DraftModelProposer(Proposer):
             if i > 0 and not bool(going.any()):  # the host sync
                 break
             q = process_logits(logits, batch.sampling)  # (B, V) float32
-            tokens.append(torch.where(going, sample(q, batch.generators, batch.sampling.all_greedy), -1))
+            # depth i's draws as in the chain (draft_noise): where the batch stops changes nothing
+            x = q.argmax(-1) if batch.sampling.all_greedy else race(q, batch.random.exponential(Stream.DRAFT, q.shape[-1], i))
+            tokens.append(torch.where(going, x, -1))
             probs.append(q)
             if i < k - 1:  # the last draft token is never fed: the target will judge it
                 logits = self._step(tokens[-1][:, None].clamp(min=0), start + i, view,

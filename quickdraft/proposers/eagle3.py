@@ -26,7 +26,7 @@ import torch
 from ..cache import KVCache, to_device
 from ..errors import QuickdraftError
 from ..model.eagle3 import Eagle3Head
-from ..sampling import exponential_noise, process_logits, race
+from ..sampling import process_logits, race
 from .base import Draft, ProposeBatch, Proposer, check_options, register
 
 
@@ -123,8 +123,8 @@ class Eagle3Proposer(Proposer):
         kv_len = max(len(t) for t in batch.tokens) - 1
         sampling = batch.sampling
         noise = None
-        if not sampling.all_greedy:  # every draw of the chain up front, row b from generators[b]
-            noise = exponential_noise(batch.generators, k * self.vocab_size, self.head.device).view(B, k, -1)
+        if not sampling.all_greedy:  # every draw of the chain up front, keyed by row, position and depth
+            noise = batch.random.draft_noise(k, self.vocab_size)
         tokens, probs = [], []
         for i in range(k):
             q = process_logits(self.head.to_target(logits, self.vocab_size), sampling)  # (B, V) float32

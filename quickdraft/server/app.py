@@ -9,8 +9,14 @@ _server(request), and registers them.
 
 Every error is OpenAI's body {"error": {"message", "type", "param", "code"}} with a 4xx
 status for anything the client sent (malformed JSON, wrong types, bad sampling values,
-a prompt over the context, an unknown model), 429 + Retry-After when the queue is full,
-503 while the model loads or after the engine died. An error after a stream started is a
+a prompt over the context, an unknown model, a request larger than the server can ever
+hold), 401 without the API key (access.py), 413 past the body limit, 415 for a body not
+declared application/json, 408 for a body that does not arrive in time, 429 + Retry-After
+when the queue is full, 503 while the model loads or after the engine died.
+
+Parsing, validation and tokenizing run on a worker thread (tokenizers releases the GIL),
+after cheap bounds (protocol.precheck): one big request does not stall the event loop,
+which streams every other request's tokens. An error after a stream started is a
 `data: {"error": ...}` event followed by `data: [DONE]`.
 """
 
@@ -31,18 +37,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import RequestOutput
 from ..errors import QuickdraftError
 from ..sampling import SamplingParams
+from .access import add_access_control
 from .async_engine import EngineDead, EngineError, QueueFull, now
 from .metrics import RequestTimer
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body, precheck
 from .state import ServerState  # with build_app, the entry point (serve.py, tests)
 
 log = logging.getLogger("quickdraft.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+_CLOSE = {"Connection": "close"}  # after an unread body: the connection cannot be reused
 
 
 @dataclass
@@ -96,10 +105,13 @@ class _Job:
 
 # ---- the app ------------------------------------------------------------------------------
 
-def build_app(state: ServerState) -> FastAPI:
-    """The server's app over `state` (which it starts and stops with the app's lifespan)."""
+def build_app(state: ServerState, api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+    """The server's app over `state` (which it starts and stops with the app's lifespan);
+    `api_key`: required on /v1/*; `allowed_origins`: browser origins allowed (CORS)."""
     app = FastAPI(title="quickdraft", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    add_access_control(app, api_key, allowed_origins,
+                       on_reject=lambda: state.metrics.errors.labels(status="401").inc())
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
@@ -166,8 +178,34 @@ async def models(request: Request):
 
 
 async def completions(request: Request):
+    return await _generate(request, _prepare_completion, chat=False)
+
+
+async def chat_completions(request: Request):
+    return await _generate(request, _prepare_chat, chat=True)
+
+
+async def _generate(request: Request, prepare, chat: bool):
+    """Read the body here; parse, check and tokenize it on a worker thread (a big request
+    must not hold up the event loop, which streams everyone's tokens); then submit."""
     state = _server(request)
-    arrival, req, engine, tok = await _begin(state, request, CompletionRequest)
+    arrival = now()
+    body = await _read_body(request)
+    job = await asyncio.to_thread(prepare, state, body)
+    return await _respond(state, request, job.req, job.subs, job.prompts, arrival, chat=chat)
+
+
+# ---- request -> engine inputs (on a worker thread) ----------------------------------------
+
+@dataclass(frozen=True)
+class _Prepared:
+    req: Any  # CompletionRequest | ChatCompletionRequest
+    subs: list[_Sub]
+    prompts: list[list[int]]
+
+
+def _prepare_completion(state: ServerState, body: bytes) -> _Prepared:
+    req, engine, tok = _begin(state, body, CompletionRequest)
     prompts: list[list[int]] = []
     for p in req.prompts():
         if isinstance(p, str):
@@ -178,13 +216,12 @@ async def completions(request: Request):
             p = tok.encode(p)
         prompts.append(p)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts))
-    return await _respond(state, request, req, subs, prompts, arrival, chat=False)
+    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts), "prompt")
+    return _Prepared(req, subs, prompts)
 
 
-async def chat_completions(request: Request):
-    state = _server(request)
-    arrival, req, engine, tok = await _begin(state, request, ChatCompletionRequest)
+def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
+    req, engine, tok = _begin(state, body, ChatCompletionRequest)
     if tok is None or not tok.chat_template:
         raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template; "
                        "start the server with --chat-template FILE, or use /v1/completions)", "messages")
@@ -197,37 +234,62 @@ async def chat_completions(request: Request):
                        "messages") from None
     limit = req.max_completion_tokens or req.max_tokens
     if limit is None:
-        limit = engine.engine.max_model_len - len(prompt)
-        if limit < 1:
-            raise APIError(400, f"the messages take {len(prompt)} tokens, the model's context length is "
-                           f"{engine.engine.max_model_len}: no room to answer", "messages",
-                           code="context_length_exceeded")
-    subs = _subs(engine.engine, req, [prompt], [limit])
-    return await _respond(state, request, req, subs, [prompt], arrival, chat=True)
+        limit = max(1, engine.engine.max_model_len - len(prompt))  # _check names the messages if none is left
+    subs = _subs(engine.engine, req, [prompt], [limit], "messages")
+    return _Prepared(req, subs, [prompt])
 
 
-# ---- request -> engine inputs ------------------------------------------------------------
-
-async def _begin(state: ServerState, request: Request, model):
-    """Parse and check what every generation request shares: body, engine, model name."""
-    arrival = now()
-    req = parse_body(model, await _read_json(request))
-    engine = state.require_engine()
-    _check_model(state, req.model)
-    return arrival, req, engine, state.llm.tokenizer
-
-
-async def _read_json(request: Request) -> Any:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body too large ({size} bytes; limit {MAX_BODY_BYTES})")
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body too large ({len(body)} bytes; limit {MAX_BODY_BYTES})")
+def _begin(state: ServerState, body: bytes, model):
+    """Decode, bound and parse a body, and check what every generation request shares:
+    the engine, the model name."""
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"malformed JSON body: {exc}") from None
+    if state.ready:  # cheap bounds before the expensive validation and tokenizing
+        precheck(data, state.limits())
+    req = parse_body(model, data)
+    engine = state.require_engine()
+    _check_model(state, req.model)
+    return req, engine, state.llm.tokenizer
+
+
+_JSON_TYPES = ("application/json",)
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, counted as it streams in (a chunked upload has no Content-Length to trust):
+    413 at MAX_BODY_BYTES, 408 if it is not complete within the request timeout, 415 unless it is
+    declared JSON (a browser's cross-origin "simple" POST cannot declare it)."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media not in _JSON_TYPES:
+        raise APIError(415, f"the body must be JSON sent with Content-Type: application/json "
+                       f"(got {media or 'no Content-Type'!r})", code="unsupported_media_type")
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body too large ({size} bytes; limit {MAX_BODY_BYTES})",
+                       code="body_too_large", headers=_CLOSE)
+    chunks: list[bytes] = []
+    timeout = _server(request).request_timeout
+
+    async def receive() -> None:
+        received = 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > MAX_BODY_BYTES:
+                raise APIError(413, f"request body too large (over {MAX_BODY_BYTES} bytes, the limit)",
+                               code="body_too_large", headers=_CLOSE)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s "
+                       f"({sum(map(len, chunks))} bytes received)", code="request_timeout", headers=_CLOSE) from None
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected while sending the request", code="client_disconnected") \
+            from None
+    return b"".join(chunks)
 
 
 def _check_model(state: ServerState, model: str) -> None:
@@ -236,14 +298,14 @@ def _check_model(state: ServerState, model: str) -> None:
                        "model", code="model_not_found")
 
 
-def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int]) -> list[_Sub]:
+def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int], prompt_param: str) -> list[_Sub]:
     """The engine requests of one HTTP request: n choices per prompt, each prompt checked once."""
     subs = []
     for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
         for j in range(req.n):
             params = _sampling(req, mt, j)
             if j == 0:
-                _check(engine, prompt, params, req.num_speculative_tokens)
+                _check(engine, prompt, params, req.num_speculative_tokens, prompt_param)
             subs.append(_Sub(i * req.n + j, prompt, params))
     return subs
 
@@ -269,14 +331,18 @@ def _param_error(exc: QuickdraftError) -> APIError:
     return APIError(400, text, param)
 
 
-def _check(engine, prompt: list[int], params: SamplingParams, k: int | None) -> None:
+def _check(engine, prompt: list[int], params: SamplingParams, k: int | None, prompt_param: str) -> None:
+    if len(prompt) >= engine.max_model_len:  # no max_tokens could make it fit: name the prompt
+        what = "messages take" if prompt_param == "messages" else "prompt takes"
+        raise APIError(400, f"the {what} {len(prompt)} tokens, the model's context length is "
+                       f"{engine.max_model_len}: no room to answer", prompt_param, code="context_length_exceeded")
     try:
         engine.check_request(prompt, params, k)
     except QuickdraftError as exc:
         text = str(exc)
         param = ("max_tokens" if "context length" in text else
                  "num_speculative_tokens" if "num_speculative_tokens" in text else
-                 "stop" if "stop" in text else "prompt")
+                 "stop" if "stop" in text else prompt_param)
         raise APIError(400, text, param, code="context_length_exceeded" if "context length" in text else None) \
             from None
 
@@ -286,6 +352,10 @@ def _check(engine, prompt: list[int], params: SamplingParams, k: int | None) -> 
 async def _respond(state: ServerState, request: Request, req, subs: list[_Sub], prompts: list[list[int]],
                    arrival: float, chat: bool):
     """Submit the choices and answer: an SSE stream, or one JSON body once every choice finished."""
+    capacity = state.require_engine().capacity
+    if len(subs) > capacity:  # never fits: a 429 would have the client retry forever
+        raise APIError(400, f"this request asks for {len(subs)} sequences; the server holds at most {capacity} "
+                       "at once", "n", code="request_too_large")
     try:
         job = _Job(state, subs, req.num_speculative_tokens, arrival)
     except QueueFull as exc:

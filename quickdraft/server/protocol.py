@@ -8,15 +8,58 @@ a client that asks for them would otherwise get a different answer than it think
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, \
+    StrictInt, StrictStr, ValidationError
 
 MAX_N = 64  # choices per request
 MAX_STOP = 16  # stop strings per request
 
-Number = Annotated[float, Field(allow_inf_nan=False)]
+
+def _utf8(text: str) -> str:
+    """Strings must be encodable text: JSON's "\\ud800" escapes decode to lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone surrogate ({text[exc.start]!r} at index {exc.start}): "
+                         "not valid Unicode text") from None
+    return text
+
+
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # strict: "0" and true are not numbers
+Text = Annotated[StrictStr, AfterValidator(_utf8)]
 TokenIds = list[StrictInt]
+
+
+def _texts(value: Any) -> Any:
+    """A string or a list of them: each checked by _utf8 before a union of types can hide why
+    it failed; anything else is left to the field's type."""
+    for x in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(x, str):
+            _utf8(x)
+    return value
+
+
+def _prompt_shape(value: Any) -> Any:
+    """One clear message for a prompt of the wrong shape (a union's error would name its first
+    member: "should be a valid string" for a list of floats)."""
+    if isinstance(value, str):
+        return _texts(value)
+    if isinstance(value, list):
+        if all(isinstance(x, str) for x in value):
+            return _texts(value)
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return value
+        if all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+               for x in value):
+            return value
+        if any(isinstance(x, (float, bool)) for x in value) or any(
+                isinstance(x, list) and any(isinstance(t, (float, bool)) for t in x) for x in value):
+            raise ValueError("token ids must be integers")
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) "
+                     "or a list of such lists")
 
 
 class APIError(Exception):
@@ -29,8 +72,9 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error",
-                              429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "server_error")
+        self.type = type_ or {401: "authentication_error", 429: "rate_limit_exceeded",
+                              503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
@@ -54,7 +98,7 @@ class _Sampling(BaseModel):
     top_k: StrictInt | None = Field(None, ge=-1)  # extra field (vLLM): 0 or -1 = off
     min_p: Number | None = Field(None, ge=0, le=1)  # extra field (vLLM)
     seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Annotated[Text | list[Text] | None, BeforeValidator(_texts)] = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # extra field (vLLM)
@@ -85,7 +129,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    prompt: Annotated[Text | list[Text] | TokenIds | list[TokenIds], BeforeValidator(_prompt_shape)]
     echo: StrictBool = False
     suffix: StrictStr | None = None
     logprobs: StrictInt | None = None
@@ -118,14 +162,14 @@ class CompletionRequest(_Sampling):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[ContentPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -158,6 +202,58 @@ class ChatCompletionRequest(_Sampling):
         return bad
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What no request can exceed and still be served, known without tokenizing."""
+    max_sequences: int  # engine requests held at once (--max-num-seqs + --max-queue)
+    context: int  # tokens per request (the model's context length)
+    max_chars: int | None  # characters of one prompt (context x the most characters one token spells)
+    max_messages: int  # messages of one chat (each takes at least one token of any real template)
+
+
+def precheck(data: Any, limits: Limits) -> None:
+    """Cheap checks on a decoded body before it is validated and tokenized: a request that can
+    never fit is a 400 naming the limit at once, not after seconds of work on its size. Only
+    fields of the expected types are looked at; validation reports the others."""
+    if not isinstance(data, dict):
+        return
+    n = data.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+    prompt = data.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+    if prompts and not isinstance(prompts[0], (str, list)):
+        prompts = [prompts]  # one prompt of token ids
+    if len(prompts) * n > limits.max_sequences:
+        raise APIError(400, f"this request asks for {len(prompts) * n} sequences ({len(prompts)} prompts x n={n}); "
+                       f"the server holds at most {limits.max_sequences} at once", "prompt" if len(prompts) > 1
+                       else "n", code="request_too_large")
+    for p in prompts:
+        if isinstance(p, str) and limits.max_chars is not None and len(p) > limits.max_chars:
+            raise APIError(400, f"the prompt has {len(p)} characters: more than the model's context length "
+                           f"({limits.context} tokens) can hold ({limits.max_chars} characters at most)",
+                           "prompt", code="context_length_exceeded")
+        if isinstance(p, list) and len(p) >= limits.context:
+            raise APIError(400, f"the prompt takes {len(p)} tokens, the model's context length is "
+                           f"{limits.context}: no room to answer", "prompt", code="context_length_exceeded")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > limits.max_messages:
+            raise APIError(400, f"{len(messages)} messages: more than the model's context length "
+                           f"({limits.context} tokens) can hold ({limits.max_messages} messages at most)",
+                           "messages", code="context_length_exceeded")
+        if limits.max_chars is not None:
+            chars = 0
+            for m in messages:
+                content = m.get("content") if isinstance(m, dict) else None
+                parts = content if isinstance(content, list) else [content]
+                chars += sum(len(x) if isinstance(x, str) else len(x.get("text", "")) if isinstance(x, dict)
+                             and isinstance(x.get("text"), str) else 0 for x in parts)
+            if chars > limits.max_chars:
+                raise APIError(400, f"the messages have {chars} characters: more than the model's context length "
+                               f"({limits.context} tokens) can hold ({limits.max_chars} characters at most)",
+                               "messages", code="context_length_exceeded")
+
+
 _TYPE_TAGS = {"str", "int", "bool", "float", "dict", "list", "none"}
 _TYPE_TAG_PREFIXES = ("list[", "dict[", "function-", "constrained-", "nullable[", "lax-", "strict-")
 
@@ -174,7 +270,7 @@ def parse_body(model: type[BaseModel], data: Any) -> Union[CompletionRequest, Ch
         # pydantic adds the union member's type name to the location; keep the field path
         path = [x for x in loc if x not in _TYPE_TAGS and not x.startswith(_TYPE_TAG_PREFIXES)]
         param = ".".join(path) or None
-        msg = first.get("msg", "invalid value")
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
         if first.get("type") == "missing":
             message = f"missing required field {param!r}"
         else:

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import QuickdraftError
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
-from .protocol import APIError
+from .protocol import APIError, Limits
 
 log = logging.getLogger("quickdraft.server")
 
@@ -22,11 +22,12 @@ class ServerState:
     """What the routes share: the model once loaded, the engine thread, the metrics."""
 
     def __init__(self, load: Callable[[], Any], model_name: str, max_queue: int = 256,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, request_timeout: float = 30.0):
         self._load = load  # () -> quickdraft.LLM, run on a thread at start-up
         self.model_name = model_name
         self.max_queue = max_queue
         self.chat_template = chat_template
+        self.request_timeout = request_timeout  # seconds a request's body may take to arrive (then 408)
         self.llm = None
         self.engine: AsyncEngine | None = None
         self.load_error: str | None = None
@@ -46,6 +47,9 @@ class ServerState:
                     raise QuickdraftError("--chat-template needs a tokenizer; the model folder has none")
                 llm.tokenizer.chat_template = self.chat_template
                 llm.tokenizer._compiled = None
+            if llm.tokenizer is not None:
+                llm.tokenizer.release_gil = True  # prompts are tokenized on worker threads
+                llm.tokenizer.max_token_chars  # computed once, now
             engine = AsyncEngine(llm.engine, self.max_queue)
             engine.start(loop)
         except Exception as exc:  # noqa: BLE001 - reported and turned into an exit by the CLI
@@ -61,6 +65,13 @@ class ServerState:
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+
+    def limits(self) -> Limits:
+        """The bounds precheck applies (the model is loaded)."""
+        ctx = self.llm.engine.max_model_len
+        tok = self.llm.tokenizer
+        return Limits(max_sequences=self.engine.capacity, context=ctx,
+                      max_chars=None if tok is None else ctx * tok.max_token_chars, max_messages=ctx)
 
     @property
     def ready(self) -> bool:

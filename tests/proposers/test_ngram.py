@@ -12,13 +12,13 @@ from quickdraft.config import SpecConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import PROPOSERS, ProposeBatch
 from quickdraft.proposers.ngram import NgramProposer, tail_matches
-from quickdraft.sampling import BatchSampling, SamplingParams
+from quickdraft.sampling import BatchSampling, SamplingParams, StepRandom
 
 
 def batch(rows: list[list[int]], k: int) -> ProposeBatch:
     return ProposeBatch(tokens=[list(r) for r in rows], k=k,
                         sampling=BatchSampling.build([SamplingParams(temperature=0)] * len(rows), "cpu"),
-                        generators=[torch.Generator() for _ in rows])
+                        random=StepRandom([0] * len(rows), [len(r) for r in rows], "cpu"))
 
 
 def chains(p: NgramProposer, rows: list[list[int]], k: int) -> list[list[int]]:

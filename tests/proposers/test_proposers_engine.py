@@ -130,7 +130,7 @@ def test_method_needing_a_draft_and_unknown_method(target_dir):
 
 def test_pruned_draft_tree_keeps_the_best_nodes_as_a_tree(target_dir, noisy_draft):
     from quickdraft.proposers.base import ProposeBatch
-    from quickdraft.sampling import BatchSampling, make_generator
+    from quickdraft.sampling import BatchSampling, StepRandom
 
     llm = make(target_dir, noisy_draft, "draft", {"tree_width": 3, "tree_nodes": 5})
     proposer = llm.engine.proposer
@@ -139,7 +139,7 @@ def test_pruned_draft_tree_keeps_the_best_nodes_as_a_tree(target_dir, noisy_draf
         proposer.start(row, prompt)
     sampling = BatchSampling.build([SamplingParams(temperature=0)] * 2, "cpu")
     draft = proposer.propose(ProposeBatch([list(p) for p in PROMPTS[:2]], 4, sampling,
-                                          [make_generator(0, "cpu")] * 2))
+                                          StepRandom([0, 0], [len(p) for p in PROMPTS[:2]], "cpu")))
     assert draft.tokens.shape == (2, 5) and (draft.tokens >= 0).all()
     for b in range(2):
         pars = draft.parents[b].tolist()
@@ -161,3 +161,51 @@ def test_sampled_tree_mixed_batch_is_seeded_and_greedy_rows_exact(target_dir, no
     again = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     assert llm.stats.num_accepted_tokens > 0
+
+
+# Sampled outputs of the tiny random model rarely repeat: n-gram matches of one token; the
+# confidence stop low enough that rows draft (and stop at different depths). Suffix without its
+# global trie: that one holds earlier requests' outputs by design, so its drafts (and then a
+# seeded request's tokens) depend on what was generated before.
+SEEDED_CASES = [
+    ("draft", {}),
+    ("draft", {"tree_width": 3, "tree_sampled": True}),
+    ("draft", {"tree_width": 3}),
+    ("draft", {"confidence_threshold": 0.004}),
+    ("ngram", {"min_ngram": 1}),
+    ("ngram", {"num_candidates": 3, "min_ngram": 1}),
+    ("suffix", {"tree": False, "global_max_tokens": 0}),
+    ("suffix", {"global_max_tokens": 0}),
+    ("lookahead", {}),
+    ("lookahead", {"window": 3, "ngram": 3, "guesses": 2}),
+]
+SEEDED_IDS = ["draft-chain", "draft-sampled-tree", "draft-top-w-tree", "draft-confidence", "ngram-chain", "ngram-tree",
+              "suffix-chain", "suffix-tree", "lookahead", "lookahead-small"]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "acceptance"])
+@pytest.mark.parametrize("method,options", SEEDED_CASES, ids=SEEDED_IDS)
+def test_seeded_output_is_the_same_alone_and_beside_other_requests(target_dir, noisy_draft, method, options, policy):
+    """Issue 16: with speculation a seeded request (T > 0) changed when another request shared
+    its batch (from token 18 with a draft, token 2 with ngram): how many random numbers a row
+    drew depended on the other rows (their k, their remaining tokens, the batch's width)."""
+    llm = LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method,
+              num_speculative_tokens=4, spec_options=options, policy=policy)
+    mine = [SamplingParams(temperature=t, max_tokens=40, seed=s, ignore_eos=True) for t, s in ((0.5, 11), (1.0, 2**40 + 3))]
+    others = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),  # greedy, longer
+              SamplingParams(temperature=0.7, max_tokens=3, seed=5, ignore_eos=True),  # finishes early
+              SamplingParams(temperature=1.3, top_k=20, max_tokens=25, ignore_eos=True)]  # unseeded
+    alone = [llm.generate([PROMPTS[i]], p)[0].token_ids for i, p in enumerate(mine)]
+    beside = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[0]],
+                          [others[0], mine[0], others[1], mine[1], others[2]])
+    assert [beside[1].token_ids, beside[3].token_ids] == alone
+    assert beside[1].stats.num_draft_tokens + beside[3].stats.num_draft_tokens > 0  # they did speculate
+    again = llm.generate([PROMPTS[1], PROMPTS[0]], [others[2], mine[0]])  # another neighbour, another row
+    assert again[1].token_ids == alone[0]
+
+
+def test_seeds_differing_above_32_bits_give_different_outputs(target_dir, noisy_draft):
+    llm = make(target_dir, noisy_draft, "draft", {})
+    outs = [llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=24, seed=s, ignore_eos=True))[0]
+            for s in (5, 5 + 2**32, 5)]
+    assert outs[0].token_ids == outs[2].token_ids != outs[1].token_ids

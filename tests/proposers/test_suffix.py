@@ -15,13 +15,13 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import PROPOSERS, ProposeBatch
 from quickdraft.proposers.ngram import tail_matches
 from quickdraft.proposers.suffix import CountTrie, SuffixProposer, grow, local_children
-from quickdraft.sampling import BatchSampling, SamplingParams
+from quickdraft.sampling import BatchSampling, SamplingParams, StepRandom
 
 
 def batch(rows: list[list[int]], k: int) -> ProposeBatch:
     return ProposeBatch(tokens=[list(r) for r in rows], k=k,
                         sampling=BatchSampling.build([SamplingParams(temperature=0)] * len(rows), "cpu"),
-                        generators=[torch.Generator() for _ in rows])
+                        random=StepRandom([0] * len(rows), [len(r) for r in rows], "cpu"))
 
 
 def check_tree(tokens: list[int], parents: list[int], k: int) -> None:

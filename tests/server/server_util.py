@@ -37,10 +37,10 @@ def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None
 class ServerProcess:
     """`python -m quickdraft.cli serve ARGS --port P` on 127.0.0.1; `.url` once healthy."""
 
-    def __init__(self, *args: str, log: Path | None = None):
+    def __init__(self, *args: str, log: Path | None = None, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.log = open(log, "w") if log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(self.port),
                                       "--log-level", "warning", *args],
@@ -50,6 +50,12 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
+
+    def rss_mb(self) -> tuple[float, float]:
+        """(resident, peak resident) memory of the server process in MB (Linux /proc)."""
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+                      if ":" in line)
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -224,6 +224,18 @@ BAD = [
     ({"model": MODEL, "prompt": [0, 5, 100000]}, 400, "prompt"),
     ({"model": MODEL, "prompt": [0, -1]}, 400, "prompt"),
     ({"model": "gpt-4o", "prompt": "x"}, 404, "model"),
+    # wrong types are 400 (strict: no string or boolean as a number)
+    ({"model": MODEL, "prompt": "x", "temperature": "0"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "temperature": True}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": True}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "min_p": True}, 400, "min_p"),
+    ({"model": MODEL, "prompt": "x", "top_k": 2.0}, 400, "top_k"),
+    ({"model": MODEL, "prompt": [0, 1.5, 2]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[0, 1], [2, 3.0]]}, 400, "prompt"),
+    # lone surrogates (JSON "\ud800" escapes) are not text
+    (b'{"model": "tiny", "prompt": "ab\\ud800"}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": ["ok", "\\udc00"]}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": "x", "stop": "\\ud800"}', 400, "stop"),
 ]
 
 
@@ -235,6 +247,47 @@ def test_bad_completion_requests(server, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param, err
     assert "Traceback" not in err["message"]
+
+
+def test_messages_of_probes_name_the_problem(server):
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [0, 1.5, 2]})
+    assert "integers" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", b'{"model": "tiny", "prompt": "ab\\ud800"}')
+    assert "surrogate" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions",
+             b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    assert "surrogate" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_k_past_int64_is_served_as_off(server, stream):
+    """top_k >= 2**63 passed validation and failed inside the engine (500, or an error event)."""
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    ref = post(server, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    for top_k in (2**63, 2**64 + 5):
+        r = post(server, "/v1/completions", {**body, "top_k": top_k, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = sse_events(r.text)
+            assert not any("error" in e for e in events)
+            assert sum((c["token_ids"] for e in events for c in e["choices"]), []) == ref
+        else:
+            assert r.json()["choices"][0]["token_ids"] == ref
+    r = post(server, "/v1/completions", {**body, "temperature": 0.8, "top_k": 2**63, "seed": 3, "stream": stream})
+    assert r.status_code == 200 and "error" not in r.text
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-300])
+def test_tiny_temperatures_are_greedy(server, temperature):
+    """From ~1e-45 to 1e-38 the output was token 0 repeated; 1e-300 was sampled at temperature 1."""
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
+    ref = post(server, "/v1/completions", {**body, "temperature": 0}).json()["choices"][0]["token_ids"]
+    assert set(ref) != {0}
+    for seed in (1, 2):
+        r = post(server, "/v1/completions", {**body, "temperature": temperature, "seed": seed})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref
 
 
 def test_nan_and_infinity_are_rejected(server):
@@ -266,6 +319,15 @@ def test_context_length_errors_give_both_numbers(server):
     r = post(server, "/v1/chat/completions",
              {"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}]})
     assert r.status_code == 400 and "512" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"
+    # a message that alone overflows names the messages, not max_tokens
+    r = post(server, "/v1/chat/completions",
+             {"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}], "max_tokens": 5})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages" and "512" in err["message"], err
+    assert err["code"] == "context_length_exceeded"
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [0] * 512, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
 def test_unknown_route_and_method(server):
@@ -501,16 +563,20 @@ def _fuzz_strategies():
     def mostly(valid):
         return st.one_of(valid, valid, junk)
 
-    token = st.integers(min_value=-2, max_value=400)
-    prompt = st.one_of(st.text(max_size=30), st.lists(token, min_size=0, max_size=20),
+    token = st.one_of(st.integers(min_value=-2, max_value=400), st.floats(0, 400))
+    odd_text = st.sampled_from(["\ud800", "a\udc00b", "\x00", "\u202e", "<|im_start|>", "{{ 7*7 }}"])
+    prompt = st.one_of(st.text(max_size=30), odd_text, st.lists(odd_text, min_size=1, max_size=3),
+                       st.lists(token, min_size=0, max_size=20),
                        st.lists(st.lists(st.integers(0, 383), min_size=1, max_size=5), max_size=3))
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bot"]),
-                                     "content": mostly(st.text(max_size=20))})
+                                     "content": mostly(st.one_of(st.text(max_size=20), odd_text))})
     optional = {
         "max_tokens": mostly(st.integers(-2, 40)), "max_completion_tokens": mostly(st.integers(-2, 40)),
-        "n": mostly(st.integers(-1, 4)), "temperature": mostly(st.floats(-1, 3)),
-        "top_p": mostly(st.floats(-0.5, 1.5)), "top_k": mostly(st.integers(-3, 50)),
-        "min_p": mostly(st.floats(-0.5, 1.5)), "seed": mostly(st.integers()),
+        "n": mostly(st.one_of(st.integers(-1, 4), st.integers(60, 300))),
+        "temperature": mostly(st.one_of(st.floats(-1, 3), st.sampled_from([1e-45, 1e-38, 1e-300, 5e-324, "0", True]))),
+        "top_p": mostly(st.one_of(st.floats(-0.5, 1.5), st.booleans())),
+        "top_k": mostly(st.one_of(st.integers(-3, 50), st.integers(2**62, 2**70))),
+        "min_p": mostly(st.one_of(st.floats(-0.5, 1.5), st.booleans())), "seed": mostly(st.integers()),
         "stop": mostly(st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=20))),
         "stream": mostly(st.booleans()), "ignore_eos": mostly(st.booleans()),
         "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
@@ -522,8 +588,10 @@ def _fuzz_strategies():
     chats = st.fixed_dictionaries({"model": model, "messages": mostly(st.lists(message, max_size=3))},
                                   optional=optional)
     valid = {  # every field in range: these reach generation with random parameters
-        "max_tokens": st.integers(1, 40), "n": st.integers(1, 3), "temperature": st.floats(0, 2),
-        "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1),
+        "max_tokens": st.integers(1, 40), "n": st.integers(1, 3),
+        "temperature": st.one_of(st.floats(0, 2), st.floats(0, 1e-4), st.just(5e-324)),
+        "top_p": st.floats(0.05, 1), "top_k": st.one_of(st.integers(-1, 50), st.integers(2**62, 2**64)),
+        "min_p": st.floats(0, 1),
         "seed": st.integers(-(2**63), 2**64 - 1), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
         "stream": st.booleans(), "ignore_eos": st.booleans(), "num_speculative_tokens": st.integers(0, 4),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),

@@ -440,3 +440,72 @@ def test_noise_shapes_and_ranges():
     assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
     assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
     assert not torch.equal(e[0], e[1])  # rows come from their own generators
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-38, 1e-300, 5e-324, 1e-7, 9.9e-6])
+def test_tiny_temperatures_are_greedy_never_nan(temperature):
+    """Below GREEDY_BELOW a temperature is greedy: float32 logits divided by it overflow
+    (NaN, token 0 repeated), and 1e-300 rounds to 0.0 in float32."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(9)) * 3
+    logits[:, 0] = -5.0  # token 0 is never the argmax here: "token 0 repeated" would fail
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    s = BatchSampling.build([params, SamplingParams(temperature=1.0)] * 2, CPU)
+    probs = process_logits(logits, s)
+    assert not torch.isnan(probs).any()
+    assert torch.equal(probs[0::2], torch.nn.functional.one_hot(logits[0::2].argmax(-1), 50).float())
+    tokens = sample(probs, [make_generator(i, CPU) for i in range(4)])
+    assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
+
+
+def test_temperature_just_above_the_greedy_threshold_is_sampled_without_nan():
+    params = SamplingParams(temperature=2e-5)
+    assert not params.greedy
+    probs = process_logits(torch.randn(3, 40, generator=torch.Generator().manual_seed(10)) * 50,
+                           BatchSampling.build([params] * 3, CPU))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3))
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 2**70])
+def test_huge_top_k_is_off(top_k):
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(11))
+    s = BatchSampling.build([SamplingParams(top_k=top_k)] * 2, CPU)
+    assert torch.allclose(process_logits(logits, s), logits.softmax(-1))
+
+
+def test_seeds_use_all_64_bits():
+    """PyTorch's CPU generator keeps the low 32 bits of a seed: s and s + 2**32 were one stream."""
+    from quickdraft.sampling import StepRandom, seed_key
+
+    for s in (0, 7, 2**31 + 5):
+        a, b = make_generator(s, CPU), make_generator(s + 2**32, CPU)
+        assert not torch.equal(torch.rand(16, generator=a), torch.rand(16, generator=b))
+        ra, rb = StepRandom([seed_key(s)], [5], CPU), StepRandom([seed_key(s + 2**32)], [5], CPU)
+        assert not torch.equal(ra.exponential(1, 32), rb.exponential(1, 32))
+        assert not torch.equal(ra.uniform(3, 8), rb.uniform(3, 8))
+    assert len({seed_key(None) for _ in range(100)}) == 100
+
+
+def test_step_random_rows_depend_on_their_own_key_and_position_only():
+    from quickdraft.sampling import StepRandom, Stream, seed_key
+
+    keys = [seed_key(s) for s in (1, 2, 3)]
+    alone = StepRandom(keys[:1], [10], CPU)
+    batch = StepRandom([keys[2], keys[0], keys[1]], [4, 10, 99], CPU)
+    assert torch.equal(alone.exponential(Stream.FINAL, 50)[0], batch.exponential(Stream.FINAL, 50)[1])
+    assert torch.equal(alone.uniform(Stream.ACCEPT, 3)[0], batch.uniform(Stream.ACCEPT, 7)[1, :3])  # any width
+    assert torch.equal(alone.draft_noise(2, 20)[0], batch.draft_noise(5, 20)[1, :2])  # any depth
+    # another position, another stream, another index: other numbers
+    assert not torch.equal(alone.exponential(Stream.FINAL, 50), StepRandom(keys[:1], [11], CPU).exponential(4, 50))
+    assert not torch.equal(alone.exponential(Stream.FINAL, 50), alone.exponential(Stream.SAMPLE, 50))
+    assert not torch.equal(alone.draft_noise(2, 20)[0, 0], alone.draft_noise(2, 20)[0, 1])
+
+
+def test_step_random_distributions():
+    from quickdraft.sampling import StepRandom, seed_key
+
+    rnd = StepRandom([seed_key(s) for s in range(8)], list(range(8)), CPU)
+    e, u = rnd.exponential(4, 2000), rnd.uniform(3, 500)
+    assert ((u >= 0) & (u < 1)).all() and (e >= 0).all()
+    assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
+    assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
