@@ -178,19 +178,31 @@ SEEDED_CASES = [
     ("suffix", {"global_max_tokens": 0}),
     ("lookahead", {}),
     ("lookahead", {"window": 3, "ngram": 3, "guesses": 2}),
+    ("eagle3", {}),
 ]
 SEEDED_IDS = ["draft-chain", "draft-sampled-tree", "draft-top-w-tree", "draft-confidence", "ngram-chain", "ngram-tree",
-              "suffix-chain", "suffix-tree", "lookahead", "lookahead-small"]
+              "suffix-chain", "suffix-tree", "lookahead", "lookahead-small", "eagle3-chain"]
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(target_dir, tmp_path_factory):
+    """A random EAGLE-3 head for the target (batch independence does not need acceptance)."""
+    from quickdraft.model.eagle3 import new_head, save_eagle3
+    from quickdraft.model.loader import load_model
+
+    torch.manual_seed(0)
+    return save_eagle3(new_head(load_model(target_dir, dtype="float32")), tmp_path_factory.mktemp("head") / "h")
 
 
 @pytest.mark.parametrize("policy", ["fixed", "acceptance"])
 @pytest.mark.parametrize("method,options", SEEDED_CASES, ids=SEEDED_IDS)
-def test_seeded_output_is_the_same_alone_and_beside_other_requests(target_dir, noisy_draft, method, options, policy):
+def test_seeded_output_is_the_same_alone_and_beside_other_requests(target_dir, noisy_draft, eagle3_head, method, options,
+                                                                  policy):
     """Issue 16: with speculation a seeded request (T > 0) changed when another request shared
     its batch (from token 18 with a draft, token 2 with ngram): how many random numbers a row
     drew depended on the other rows (their k, their remaining tokens, the batch's width)."""
-    llm = LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method,
-              num_speculative_tokens=4, spec_options=options, policy=policy)
+    draft = {"draft": noisy_draft, "eagle3": eagle3_head}.get(method)
+    llm = LLM(target_dir, draft=draft, method=method, num_speculative_tokens=4, spec_options=options, policy=policy)
     mine = [SamplingParams(temperature=t, max_tokens=40, seed=s, ignore_eos=True) for t, s in ((0.5, 11), (1.0, 2**40 + 3))]
     others = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),  # greedy, longer
               SamplingParams(temperature=0.7, max_tokens=3, seed=5, ignore_eos=True),  # finishes early
