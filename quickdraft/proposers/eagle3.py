@@ -16,7 +16,13 @@ q: the head's logits over its draft vocabulary, mapped into the target vocabular
 elsewhere), then the rows' temperature / top-k / top-p / min-p (process_logits): each draft
 token is drawn from exactly the q handed to the verifier.
 
-Chains only so far (EAGLE-2's dynamic trees are not built yet).
+Dynamic token trees (tree_width w > 1; EAGLE-2, arXiv 2406.16858): depth 1 holds the root's
+w likeliest tokens; each further depth feeds the w nodes of the previous one (one head
+forward per depth, tree attention over each node's ancestors in scratch slots of the
+head's cache) and keeps the w children of highest cumulative draft log-probability among
+their w x w candidates. The `tree_nodes` best nodes of the whole tree (all when None) go to
+the verifier, as deterministic candidates (like the draft model's top-w trees: lossless at
+any temperature by the tree verifier's rule for candidates without q).
 """
 
 from __future__ import annotations
@@ -27,19 +33,23 @@ from ..cache import KVCache, to_device
 from ..errors import QuickdraftError
 from ..model.eagle3 import Eagle3Head
 from ..sampling import process_logits, race
-from .base import Draft, ProposeBatch, Proposer, check_options, register
+from .base import Draft, ProposeBatch, Proposer, check_int, check_options, register
 
 
 @register("eagle3")
 class Eagle3Proposer(Proposer):
-    OPTIONS = ()
+    OPTIONS = ("tree_width", "tree_nodes")
     needs_draft_model = True
     draft_is_head = True  # LLM loads `draft` with quickdraft.model.eagle3.load_eagle3
 
-    def __init__(self, head: Eagle3Head, vocab_size: int):
+    def __init__(self, head: Eagle3Head, vocab_size: int, tree_width: int = 1, tree_nodes: int | None = None):
         self.head = head
         self.vocab_size = vocab_size
         self.hidden_layers = head.aux_layers  # the engine returns these target layers' states
+        self.tree_width = check_int("tree_width", tree_width, 1, 16)
+        if tree_nodes is not None and tree_width == 1:
+            raise QuickdraftError("tree_nodes needs tree_width > 1 (a chain has k nodes)")
+        self.tree_nodes = None if tree_nodes is None else check_int("tree_nodes", tree_nodes, 1, 1024)
         self.cache: KVCache | None = None
         self.cached: list[int] = []  # per row: positions of the head's cache built from target states
         self.pending: list[list[torch.Tensor]] = []  # per row: target states not yet fed to the head
@@ -50,6 +60,13 @@ class Eagle3Proposer(Proposer):
             raise QuickdraftError("method 'eagle3' needs an EAGLE-3 head folder (draft=...)")
         check_options("eagle3", options, cls.OPTIONS)
         return cls(draft, target.config.vocab_size, **options)
+
+    def max_draft_tokens(self, k: int) -> int:
+        w = self.tree_width
+        return k if w == 1 else min(k * w, self.tree_nodes or k * w)
+
+    def may_draft_trees(self, k: int) -> bool:
+        return self.tree_width > 1
 
     # --- the engine's batch layout ------------------------------------------------------
 
@@ -121,6 +138,8 @@ class Eagle3Proposer(Proposer):
         logits, state = self._catch_up(batch.tokens)
         lengths = to_device([len(t) for t in batch.tokens], self.head.device)[:, None]
         kv_len = max(len(t) for t in batch.tokens) - 1
+        if self.tree_width > 1:
+            return self._tree(logits, state, lengths, kv_len, k)
         sampling = batch.sampling
         noise = None
         if not sampling.all_greedy:  # every draw of the chain up front, keyed by row, position and depth
@@ -136,3 +155,56 @@ class Eagle3Proposer(Proposer):
                                           kv_len=kv_len + 1 + i, project=False)
                 logits, state = logits[:, 0], state[:, 0]
         return Draft(tokens=torch.stack(tokens, 1), probs=None if noise is None else torch.stack(probs, 1))
+
+    def _tree(self, logits: torch.Tensor, state: torch.Tensor, lengths: torch.Tensor, kv_len: int, k: int) -> Draft:
+        """EAGLE-2's dynamic tree (module doc). Nodes are numbered depth by depth, w per depth;
+        node i of row b, once fed, has its key in the head's scratch slot L_b - 1 + i."""
+        head, w, V = self.head, self.tree_width, self.vocab_size
+        B, device = logits.shape[0], logits.device
+        n_max = w * k
+        need = kv_len + n_max
+        if self.cache.capacity < need:
+            self.cache.grow(need)
+        base = lengths - 1  # (B, 1): the first scratch slot; the context's pairs sit below it
+        score, tok = head.to_target(logits, V).float().log_softmax(-1).topk(w, dim=-1)  # depth 1
+        tokens, parents, scores = [tok], [torch.full((B, w), -1, dtype=torch.long, device=device)], [score]
+        anc = torch.zeros(B, n_max, n_max, dtype=torch.bool, device=device)  # anc[b, i, j]: j is i or above it
+        anc[:, torch.arange(w), torch.arange(w)] = True
+        states = state[:, None].expand(B, w, state.shape[-1])  # what each frontier node is fed with
+        keys = torch.arange(need, device=device)
+        rel = keys[None, :] - base  # (B, need): the scratch node a slot holds, if any
+        scratch = (rel >= 0) & (rel < n_max)
+        for d in range(1, k):
+            idx = torch.arange((d - 1) * w, d * w, device=device)  # the frontier: depth d's nodes
+            mask = (rel < 0)[:, None, :] | (anc[:, idx].gather(2, rel.clamp(0, n_max - 1)[:, None, :].expand(B, w, need))
+                                            & scratch[:, None, :])
+            lg, st = head(tokens[-1], states, (base - 1 + d).expand(B, w), self.cache.rows(0, B), kv_len=need,
+                          slots=base + idx, attn_mask=mask, project=False)
+            child_lp, child_tok = head.to_target(lg, V).float().log_softmax(-1).topk(w, dim=-1)  # (B, w, w)
+            best, order = (scores[-1][..., None] + child_lp).flatten(1).topk(w, dim=-1)
+            local = order // w  # which frontier node each kept child hangs under
+            new = torch.arange(d * w, (d + 1) * w, device=device)
+            anc[:, new] = anc.gather(1, (idx[local])[..., None].expand(B, w, n_max))
+            anc[:, new, new] = True
+            tokens.append(child_tok.flatten(1).gather(1, order))
+            parents.append(idx[local])
+            scores.append(best)
+            states = st.gather(1, local[..., None].expand(B, w, st.shape[-1]))
+        depth = torch.arange(k, device=device).repeat_interleave(w)
+        # a child never scores above its parent; the depth tie-break keeps equal scores parent-first
+        ranked = torch.cat(scores, 1) - 1e-6 * depth
+        return _rerank(torch.cat(tokens, 1), torch.cat(parents, 1), ranked, self.max_draft_tokens(k))
+
+
+def _rerank(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, budget: int) -> Draft:
+    """Each row's `budget` nodes of highest score (a tree: no node outscores its parent),
+    renumbered in their original order (parents before children)."""
+    B, N = tokens.shape
+    if budget >= N:
+        return Draft(tokens=tokens, probs=None, parents=parents)
+    keep = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+    renumber = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
+    renumber.scatter_(1, keep, torch.arange(budget, device=tokens.device).expand(B, budget))
+    kept_parents = parents.gather(1, keep)
+    mapped = torch.where(kept_parents >= 0, renumber.gather(1, kept_parents.clamp(min=0)), -1)
+    return Draft(tokens=tokens.gather(1, keep), probs=None, parents=mapped)

@@ -166,24 +166,30 @@ def trained_head(tmp_path_factory, target_dir):
     return save_eagle3(head, tmp_path_factory.mktemp("trained") / "h")
 
 
-def test_greedy_output_equals_plain_decoding(target_dir, trained_head):
+@pytest.mark.parametrize("options", [{}, {"tree_width": 3}, {"tree_width": 4, "tree_nodes": 6}],
+                         ids=["chain", "tree", "tree-pruned"])
+def test_greedy_output_equals_plain_decoding(target_dir, trained_head, options):
     """Greedy with the head == plain decoding, token for token, for ragged prompts in one batch,
-    k=1 and 4, and the head is accepted at times (so states of accepted drafts are used)."""
+    k=1 and 4, chains and dynamic trees, and the head is accepted at times (so states of
+    accepted drafts, and accepted tree paths, are used)."""
     plain = LLM(target_dir, method="none", dtype="float32", compile=False)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[3, 7, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [4, 4, 4, 4]]
     want = [o.token_ids for o in plain.generate(prompts, params)]
     for k in (1, 4):
         spec = LLM(target_dir, method="eagle3", draft=trained_head, dtype="float32", num_speculative_tokens=k,
-                   compile=False, max_num_seqs=3)  # 4 prompts in 3 rows: one joins mid-batch
+                   compile=False, max_num_seqs=3, spec_options=options)  # 4 prompts in 3 rows: one joins mid-batch
         got = [o.token_ids for o in spec.generate(prompts, params)]
         assert got == want, k
         assert spec.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
-                                    SamplingParams(temperature=1.5, top_p=0.9, top_k=6, max_tokens=3, ignore_eos=True)])
-def test_sampled_output_keeps_the_target_distribution(tmp_path, params):
+@pytest.mark.parametrize("params,options", [
+    (SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True), {}),
+    (SamplingParams(temperature=1.5, top_p=0.9, top_k=6, max_tokens=3, ignore_eos=True), {}),
+    (SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True), {"tree_width": 3, "tree_nodes": 4}),
+], ids=["chain", "chain-truncated", "tree"])
+def test_sampled_output_keeps_the_target_distribution(tmp_path, params, options):
     """Chi-square of (x2, x3) after a fixed prompt (the lossless suite's check, its 12-token
     vocabulary): the eagle3 engine's samples against the exact joint of the target alone, with
     a head whose draft vocabulary covers 8 of the 12 tokens (q is 0 on the other 4)."""
@@ -200,7 +206,7 @@ def test_sampled_output_keeps_the_target_distribution(tmp_path, params):
         head.lm_head.weight.mul_(20)
     save_eagle3(head, tmp_path / "h")
     spec = LLM(target_dir, method="eagle3", draft=tmp_path / "h", dtype="float32", num_speculative_tokens=2,
-               compile=False)
+               compile=False, spec_options=options)
     n = 6000
     outs = spec.generate([PROMPT] * n, [dataclasses.replace(params, seed=i) for i in range(n)])
     counts = np.zeros((V12, V12))
