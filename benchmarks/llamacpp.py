@@ -37,7 +37,12 @@ Configurations (ours vs llama.cpp):
   (global_max_tokens=0), as llama-lookup keeps none (no lookup cache files);
 - draft-k3, draft-k5: the model's draft (bundled pair), float32, fixed k, vs
   llama-speculative-simple with the F32 draft, --spec-type draft-simple --spec-draft-n-max k
-  --spec-draft-n-min 0 --spec-draft-p-min 0 (always draft k, as ours does with the fixed policy).
+  --spec-draft-n-min 0 --spec-draft-p-min 0 (always draft k, as ours does with the fixed policy);
+- eagle3-k3, eagle3-k3-vs-lookup, eagle3-tree3x8: ours with the EAGLE-3 head quickdraft ships
+  for the model (default_models/smollm2-eagle3, target-eagle3; chain k=3, or a dynamic tree of
+  width 3, depth 4, 8 nodes), float32, vs llama.cpp's plain decoding and vs llama-lookup (k 8):
+  llama.cpp runs no EAGLE-3 heads on CPU and has no draft model for SmolLM2, so these are its
+  best methods here. Chat and code workloads.
 
 Timing. Batch 1, greedy, N new tokens, eos ignored (llama.cpp's --ignore-eos bans end-of-generation
 tokens; ours keeps sampling past eos, so outputs are compared up to ours' first special token).
@@ -88,6 +93,7 @@ from quickdraft.bench.workloads import (chat_requests, code_completion, code_req
                                         editing_requests)
 from quickdraft.errors import QuickdraftError
 from quickdraft.llm import default_model_dirs
+from quickdraft.model.eagle3 import is_eagle3_head
 from quickdraft.model.quant import QUANTIZATIONS
 from quickdraft.model.sources import cache_dir, default_draft, resolve_model
 from quickdraft.model.tokenizer import Tokenizer
@@ -259,6 +265,7 @@ class ModelSet:
     chat: bool  # prompts rendered with the chat template
     pre_tokenizer: str | None  # declared to llama.cpp's converter where it cannot tell
     draft_status: str
+    head: Path | None = None  # the EAGLE-3 head quickdraft ships for the model (eagle3 rows)
 
     def gguf(self, llama: LlamaCpp, kind: str, draft: bool = False) -> Path:
         """The GGUF of the target (or draft) in `kind` (F32, Q8_0, Q4_0, Q4_K_M), made once."""
@@ -326,13 +333,17 @@ def model_set(name: str) -> ModelSet:
             draft = default_draft("smollm2")
         except QuickdraftError:
             draft = None
-        status = f"shipped ({draft})" if draft else "no smollm2 draft shipped: draft rows skipped"
+        head = draft if draft is not None and is_eagle3_head(draft) else None
+        draft = None if head is not None else draft
+        status = (f"shipped ({draft})" if draft else "no smollm2 draft model shipped (llama.cpp has none either): "
+                  "draft rows skipped")
         hf_draft = None if draft is None else draft if draft.is_dir() else hf_folder(draft)
-        return ModelSet(name, folder, folder, draft, hf_draft, True, None, status)
+        return ModelSet(name, folder, folder, draft, hf_draft, True, None, status, head)
     target, draft = default_model_dirs()
     models = peers_dir() / "models"
     return ModelSet(name, target, converter_copy(target, models / "bundled-target-hf"), draft,
-                    converter_copy(draft, models / "bundled-draft-hf"), False, "gpt-2", f"bundled ({draft})")
+                    converter_copy(draft, models / "bundled-draft-hf"), False, "gpt-2", f"bundled ({draft})",
+                    resolve_model("target-eagle3"))
 
 
 # --- prompts ------------------------------------------------------------------------------------
@@ -491,6 +502,7 @@ class Config:
     gguf: str  # GGUF kind of the target
     flags: tuple[str, ...] = ()
     draft: bool = False  # uses the model's draft (F32 GGUF for llama.cpp)
+    head: bool = False  # ours uses the model's EAGLE-3 head (llama.cpp has no EAGLE-3 on CPU builds)
     workloads: tuple[str, ...] | None = None  # None: all of the model's
     needs: str | None = None  # a quantization quickdraft must offer
 
@@ -515,6 +527,16 @@ CONFIGS = {c.name: c for c in [
              ("--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
               "--spec-draft-p-min", "0"), draft=True)
       for k in (3, 5)],
+    # EAGLE-3 (ours only): against llama.cpp's plain decoding and its prompt lookup, its best
+    # methods for a model with no draft model (SmolLM2) and those the chat bar compares with
+    *[Config(f"eagle3-k{k}{suffix}", {"dtype": "float32", "method": "eagle3", "num_speculative_tokens": k},
+             peer, "F32", flags, head=True, workloads=("chat", "code"))
+      for k in (3,) for suffix, peer, flags in (("", "llama-completion", PLAIN_FLAGS),
+                                                ("-vs-lookup", "llama-lookup", ("--spec-draft-n-max", "8")))],
+    *[Config(f"eagle3-tree{w}x{n}", {"dtype": "float32", "method": "eagle3", "num_speculative_tokens": 4,
+                                      "spec_options": {"tree_width": w, "tree_nodes": n}},
+             "llama-completion", "F32", PLAIN_FLAGS, head=True, workloads=("chat", "code"))
+      for w, n in ((3, 8),)],
 ]}
 
 
@@ -523,6 +545,8 @@ def skip_reason(config: Config, models: ModelSet) -> str | None:
         return f"quickdraft has no quantization={config.needs!r} yet (offers {', '.join(QUANTIZATIONS)})"
     if config.draft and models.draft is None:
         return models.draft_status
+    if config.head and models.head is None:
+        return "no EAGLE-3 head shipped for this model"
     return None
 
 
@@ -636,7 +660,8 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
         kwargs = {"device": "cpu", "method": "none", "compile": COMPILE_MODES[args.compile], **config.ours}
         try:
             started = time.perf_counter()
-            llm = LLM(models.target, draft=models.draft if config.draft else None, **kwargs)
+            draft = models.draft if config.draft else models.head if config.head else None
+            llm = LLM(models.target, draft=draft, **kwargs)
             log(f"{name} {cname}: loaded in {time.perf_counter() - started:.1f} s, steps: "
                 f"{type(llm.engine._forward).__name__}")
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks

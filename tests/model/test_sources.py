@@ -163,13 +163,13 @@ def test_local_paths_are_returned_as_they_are(tmp_path):
 
 def test_default_draft_is_bundled_package_data(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "BUNDLED_DIR", tmp_path)
-    assert CATALOGUE["smollm2"].default_draft == "smollm2-draft"
-    with pytest.raises(QuickdraftError, match="smollm2-draft is not bundled with this quickdraft yet"):
+    assert CATALOGUE["smollm2"].default_draft == "smollm2-eagle3"
+    with pytest.raises(QuickdraftError, match="smollm2-eagle3 is not bundled with this quickdraft yet"):
         default_draft("smollm2")
     with pytest.raises(QuickdraftError, match="not bundled"):
-        resolve_model("smollm2-draft")
-    (tmp_path / "smollm2-draft").mkdir()
-    assert default_draft("smollm2") == resolve_model("smollm2-draft") == tmp_path / "smollm2-draft"
+        resolve_model("smollm2-eagle3")
+    (tmp_path / "smollm2-eagle3").mkdir()
+    assert default_draft("smollm2") == resolve_model("smollm2-eagle3") == tmp_path / "smollm2-eagle3"
 
 
 # --- Hugging Face Hub ----------------------------------------------------------------------------

@@ -111,6 +111,13 @@ def test_eagle_layout_round_trip_and_renamed_weights(tmp_path, target):
     assert loaded.head_config.layout == "eagle3" and loaded.aux_layers == head.aux_layers == (2, 2, 1)
     for name, p in head.state_dict().items():
         assert torch.equal(p, loaded.state_dict()[name]), name
+    # EAGLE's published heads are pytorch_model.bin files
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(tmp_path / "h" / "model.safetensors")), tmp_path / "h" / "pytorch_model.bin")
+    (tmp_path / "h" / "model.safetensors").unlink()
+    from_bin = load_eagle3(tmp_path / "h", target)
+    assert all(torch.equal(p, from_bin.state_dict()[n]) for n, p in head.state_dict().items())
 
 
 @pytest.mark.parametrize("change,message", [
@@ -230,3 +237,24 @@ def test_head_config_reads_both_layouts(tmp_path):
     assert (a.layout, a.draft_vocab_size, a.aux_layers, a.norm_before_residual) == ("eagle3", 20, (1, 3, 5), False)
     assert (b.layout, b.draft_vocab_size, b.aux_layers, b.norm_before_residual, b.target_hidden_size) == \
         ("speculators", 30, None, True, 128)
+
+
+def test_shipped_head_for_the_bundled_target():
+    """The head quickdraft ships for its bundled target: a bfloat16 EAGLE-3 folder found by name,
+    greedy output identical to plain decoding and accepted often on code."""
+    from quickdraft.llm import default_model_dirs
+    from quickdraft.model.eagle3 import is_eagle3_head
+    from quickdraft.model.sources import resolve_model
+
+    folder = resolve_model("target-eagle3")
+    assert is_eagle3_head(folder) and json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (folder / "model.safetensors").stat().st_size <= 16e6 and "Reproduce" in (folder / "README.md").read_text()
+    target, _ = default_model_dirs()
+    spec = LLM(target, draft="target-eagle3", num_speculative_tokens=4, compile=False)  # a head: method eagle3
+    assert spec.engine.config.spec.method == "eagle3"
+    prompts = [spec.tokenizer.encode("def read_config(path):\n    with open(path) as f:\n"),
+               spec.tokenizer.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain = LLM(target, method="none", compile=False)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert spec.stats.acceptance_rate > 0.15
