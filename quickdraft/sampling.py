@@ -227,6 +227,10 @@ class StepRandom:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def rows(self, n: int) -> StepRandom:
+        """The first n rows' randomness."""
+        return StepRandom(self.keys[:n], self.positions[:n], self.device)
+
     def _generator(self, b: int, stream: int, index: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
         g.manual_seed(_hash(self.keys[b], self.positions[b], stream, index))

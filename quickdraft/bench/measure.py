@@ -19,7 +19,7 @@ from ..metrics import SpecStats
 from ..model.transformer import forward_chunks
 from ..policy.costs import solve_alpha
 from ..proposers.base import ProposeBatch, Proposer
-from ..sampling import BatchSampling, SamplingParams, make_generator
+from ..sampling import BatchSampling, SamplingParams, StepRandom
 
 Progress = Callable[[float], None] | None  # called with the share of one measurement just done
 
@@ -141,17 +141,23 @@ def measure_propose(source, batch_sizes: Sequence[int], ks: Sequence[int], conte
 
     proposer.reserve(max_b, context + calls + proposer.max_draft_tokens(max(ks)) + 2)
     samplings = {B: BatchSampling.build([SamplingParams(temperature=temperature)] * B, dev) for B in batch_sizes}
-    gens = [make_generator(seed + b, dev) for b in range(max_b)]
+    gens = StepRandom([seed + b for b in range(max_b)], [context] * max_b, dev)
+    width = proposer.hidden_width if proposer.hidden_layers is not None else 0
     if isinstance(getattr(proposer, "cached", None), list):
         rows = [text(b, context + 1) for b in range(max_b)]
         for b in range(max_b):
             proposer.start(b, rows[b])
+        if width:  # a head reading target states: random ones cost what real ones do
+            proposer.add_hidden(0, torch.randn(max_b, context, width, device=dev), [list(range(context))] * max_b)
         proposer.propose(ProposeBatch(rows, ks[0], samplings[max_b], gens))  # prefill the draft's cache
+        pending = 2 if width else 1  # a head's cache holds every token's pair but the last two
 
         def step(B: int, k: int) -> None:
             for b in range(B):
-                proposer.cached[b] = len(rows[b]) - 1  # as after a step: one token pending
-            proposer.propose(ProposeBatch(rows[:B], k, samplings[B], gens[:B]))
+                proposer.cached[b] = len(rows[b]) - pending  # as after a step: one token pending
+            if width:
+                proposer.add_hidden(0, torch.randn(B, 1, width, device=dev), [[0]] * B)
+            proposer.propose(ProposeBatch(rows[:B], k, samplings[B], gens.rows(B)))
         fns = [lambda B=B, k=k: step(B, k) for B in batch_sizes for k in ks]
         return _grid(_interleaved_medians(fns, iters, warmup, dev, progress), len(ks))
     out = []
@@ -166,7 +172,7 @@ def measure_propose(source, batch_sizes: Sequence[int], ks: Sequence[int], conte
             def grow_and_propose(B=B, k=k, grown=grown, full=full) -> None:
                 for b in range(B):
                     grown[b].append(full[b][len(grown[b])])
-                proposer.propose(ProposeBatch(grown, k, samplings[B], gens[:B]))
+                proposer.propose(ProposeBatch(grown, k, samplings[B], gens.rows(B)))
             row.append(_blocked_median(grow_and_propose, iters, warmup, dev, progress))
             for b in range(B):
                 proposer.finish(b, grown[b], context)

@@ -104,6 +104,7 @@ class Proposer:
     # Target layers whose hidden states this proposer reads (EAGLE-3); the engine then passes
     # them from its prefill and verify forwards to add_hidden. None: no hidden states.
     hidden_layers: tuple[int, ...] | None = None
+    hidden_width: int = 0  # the width of those states together (what add_hidden receives per position)
 
     @classmethod
     def build(cls, *, target, draft=None, **options) -> Proposer:

@@ -46,6 +46,7 @@ class Eagle3Proposer(Proposer):
         self.head = head
         self.vocab_size = vocab_size
         self.hidden_layers = head.aux_layers  # the engine returns these target layers' states
+        self.hidden_width = len(head.aux_layers) * head.head_config.target_hidden_size
         self.tree_width = check_int("tree_width", tree_width, 1, 16)
         if tree_nodes is not None and tree_width == 1:
             raise QuickdraftError("tree_nodes needs tree_width > 1 (a chain has k nodes)")

@@ -258,3 +258,15 @@ def test_shipped_head_for_the_bundled_target():
     plain = LLM(target, method="none", compile=False)
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
     assert spec.stats.acceptance_rate > 0.15
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tune_measures_the_heads_propose_time(target_dir, trained_head, temperature):
+    """`quickdraft tune`'s propose timing runs an eagle3 proposer (the head's catch-up on one
+    pending pair, then k drafts), greedy and sampled; its times feed the goodput policy."""
+    from quickdraft.bench.measure import measure_propose
+
+    llm = LLM(target_dir, method="eagle3", draft=trained_head, dtype="float32", num_speculative_tokens=3,
+              compile=False)
+    times = measure_propose(llm, [1, 2], [1, 3], context=16, iters=2, temperature=temperature)
+    assert len(times) == 2 and all(len(row) == 2 and all(t > 0 for t in row) for row in times)
