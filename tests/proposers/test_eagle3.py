@@ -270,3 +270,28 @@ def test_tune_measures_the_heads_propose_time(target_dir, trained_head, temperat
               compile=False)
     times = measure_propose(llm, [1, 2], [1, 3], context=16, iters=2, temperature=temperature)
     assert len(times) == 2 and all(len(row) == 2 and all(t > 0 for t in row) for row in times)
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_shipped_head_for_smollm2():
+    """SmolLM2's shipped head: bfloat16, at most 1/4 of the target's parameters, picked up by
+    LLM(target="smollm2") as method eagle3, greedy chat output identical to plain decoding."""
+    from quickdraft.model.sources import default_draft, resolve_model
+
+    folder = default_draft("smollm2")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and "Reproduce" in (folder / "README.md").read_text()
+    try:
+        resolve_model("smollm2", progress=False)
+    except QuickdraftError as exc:
+        pytest.skip(f"smollm2 is not reachable: {exc}")
+    llm = LLM(target="smollm2", compile=False)
+    assert llm.engine.config.spec.method == "eagle3"
+    head_params = sum(p.numel() for p in llm.draft.parameters())
+    assert head_params * 4 <= sum(p.numel() for p in llm.target.parameters())
+    params = SamplingParams(temperature=0, max_tokens=48)
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    plain = LLM(target="smollm2", method="none", compile=False)
+    assert llm.chat(messages, params)[0].token_ids == plain.chat(messages, params)[0].token_ids
+    assert llm.stats.acceptance_rate > 0.2
