@@ -75,11 +75,14 @@ class LLM:
             target, default_draft = default_model_dirs()
             if not target.exists():
                 raise QuickdraftError("no target given and no bundled default model is installed; pass target=PATH")
-            draft = draft if draft is not None else default_draft
+            if draft is None:  # the bundled pair; with method="eagle3" the bundled target's head
+                draft = resolve_model("target-eagle3") if method == "eagle3" else default_draft
         else:  # a folder, a .gguf, a named model (fetched on first use) or a Hub id
             if draft is None and method in (None, "draft", "eagle3"):
-                named = _named_default_draft(target)  # a draft model or an EAGLE-3 head
-                if named is not None and (method is None or (method == "eagle3") == is_eagle3_head(named)):
+                # the named model's own draft model (used by default), or its EAGLE-3 head (used when
+                # method="eagle3" asks for it: a head that does not pay is not made the default)
+                named = _named_default_draft(target)
+                if named is not None and (method == "eagle3") == is_eagle3_head(named):
                     draft = named
             target = resolve_model(target)
         if draft is not None:

@@ -26,7 +26,7 @@ from .verify import verify_command
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="quickdraft: lossless speculative decoding for Llama-family models.")
 
-for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command), ("train-eagle3", train_eagle3_command),
+for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command), ("train-eagle3", train_eagle3_command), ("train-eagle", train_eagle3_command),
                         ("verify", verify_command), ("tune", tune_command), ("bench", bench_command),
                         ("serve", serve_command), ("bench-serve", bench_serve_command), ("models", models_command),
                         ("pull", pull_command), ("convert", convert_command)):

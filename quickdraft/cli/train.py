@@ -103,6 +103,9 @@ def train_eagle3_command(
                                                    "(default: the whole vocabulary)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat",
                                         help="Train on chat answers (default: when the target has a chat template)."),
+    corpus_windows: int = typer.Option(64, "--corpus-windows",
+                                       help="Windows of corpus text added to the target's own text."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint.pt and OUT/sequences.json."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: PyTorch's)."),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
@@ -116,7 +119,8 @@ def train_eagle3_command(
         torch.set_num_threads(threads)
     train_eagle3(target or _bundled_target(), out, prompts=prompts, new_tokens=new_tokens, epochs=epochs,
                  batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
-                 chat=chat, seed=seed, log=lambda entry: opts.err.print(entry))
+                 chat=chat, seed=seed, corpus_windows=corpus_windows, resume=resume,
+                 log=lambda entry: opts.err.print(entry))
 
 
 def _bundled_target():

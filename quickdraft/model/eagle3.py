@@ -255,6 +255,9 @@ def load_eagle3(path: str | Path, target, dtype: torch.dtype | None = None) -> E
                                   f"config implies {tuple(expected[name].shape)}")
     device = target.device
     dtype = dtype or target.dtype
+    if "d2t" not in state and hc.draft_vocab_size != hc.layer.vocab_size:
+        raise QuickdraftError(f"{path}: missing tensors: d2t (a draft vocabulary of {hc.draft_vocab_size} tokens "
+                              f"needs its map to the target's {hc.layer.vocab_size})")
     d2t = state.pop("d2t", torch.zeros(hc.draft_vocab_size, dtype=torch.long)).to(device=device, dtype=torch.long)
     ids = torch.arange(hc.draft_vocab_size, device=device) + d2t
     if ids.min() < 0 or ids.max() >= hc.layer.vocab_size or ids.unique().numel() != ids.numel():

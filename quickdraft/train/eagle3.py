@@ -90,8 +90,10 @@ def ttt_loss(head: Eagle3Head, target, ids: torch.Tensor, steps: int = 3, decay:
 
 def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epochs: int = 1, batch_size: int = 8,
                seq_len: int = 128, lr: float = 3e-3, steps: int = 3, decay: float = 0.8, seed: int = 0,
-               log=None) -> list[dict]:
-    """Train `head` (in place, float32) on windows of `sequences`; returns the log per epoch."""
+               log=None, checkpoint: Path | None = None) -> list[dict]:
+    """Train `head` (in place, float32) on windows of `sequences`; returns the log per epoch.
+    With `checkpoint`, the head, optimiser and schedule are saved there after every epoch and,
+    when the file exists, training resumes after its last epoch."""
     g = torch.Generator().manual_seed(seed)
     windows = [s[i:i + seq_len] for s in sequences for i in range(0, max(len(s) - 1, 1), seq_len)
                if len(s[i:i + seq_len]) >= steps + 2]
@@ -102,10 +104,20 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
     total_steps = epochs * math.ceil(len(windows) / batch_size)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * i / total_steps)))
-    history = []
+    history: list[dict] = []
+    first = 0
+    if checkpoint is not None and checkpoint.exists():
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        head.load_state_dict(saved["head"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        g.set_state(saved["generator"])
+        history, first = list(saved["history"]), int(saved["epoch"]) + 1
+        if log is not None:
+            log({"resumed_after_epoch": first - 1})
     head.train()
     device = head.device
-    for epoch in range(epochs):
+    for epoch in range(first, epochs):
         order = torch.randperm(len(windows), generator=g).tolist()
         start, losses, agrees = time.perf_counter(), [], []
         for b in range(0, len(order), batch_size):
@@ -120,11 +132,18 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
             sched.step()
             losses.append(loss.item())
             agrees.append(agree)
+        seconds = time.perf_counter() - start
         entry = {"epoch": epoch, "loss": sum(losses) / len(losses),
                  "agreement_per_step": [round(sum(a[j] for a in agrees if len(a) > j) / len(agrees), 4)
                                         for j in range(steps)],
-                 "seconds": round(time.perf_counter() - start, 1), "windows": len(windows)}
+                 "seconds": round(seconds, 1), "windows": len(windows),
+                 "tokens_per_s": round(sum(len(w) for w in windows) / seconds, 1)}
         history.append(entry)
+        if checkpoint is not None:
+            tmp = checkpoint.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "generator": g.get_state(), "history": history, "epoch": epoch}, tmp)
+            tmp.replace(checkpoint)
         if log is not None:
             log(entry)
     head.eval()
@@ -148,19 +167,25 @@ def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens:
                 for i, p in enumerate(prompts)]
     for out in engine.generate(requests):
         stats.merge(out.stats)
+    n = stats.num_drafts
     return {"acceptance_rate": round(stats.acceptance_rate, 4),
-            "mean_acceptance_length": round(stats.mean_acceptance_length, 3), "k": k, "temperature": temperature}
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 3), "k": k, "temperature": temperature,
+            "accepted_by_position": [round(a / n, 4) if n else 0.0 for a in stats.accepted_per_pos[:k]]}
 
 
 def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 128, epochs: int = 4,
                  batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, ttt_steps: int = 3,
                  draft_vocab: int | None = None, chat: bool | None = None, eval_prompts: int = 16, seed: int = 0,
-                 save_bf16: bool = True, log=print) -> dict:
+                 corpus_windows: int = 64, resume: bool = False, save_bf16: bool = True, log=print) -> dict:
     """Train and save an EAGLE-3 head for `target_path` on its own text: its answers to the
     instructions in `instructions.py` for a chat target (one with a chat template; `chat`
     overrides), else its continuations of corpus openings; greedy and sampled at T = 1 in
-    turn. Acceptance on held-out instructions / openings is measured before and after. The head
-is saved in bfloat16 (`save_bf16`), float32 otherwise; it loads in the target's dtype."""
+    turn; plus `corpus_windows` windows of the corpus' train split as they are (the target's
+    distributions on them are the labels). Acceptance on held-out instructions / openings
+    (rate, mean acceptance length, by position) is measured before and after. The generated
+    text (`sequences.json`) and a checkpoint after every epoch (`checkpoint.pt`) are kept in
+    `out_dir`; `resume` continues from them. The head is saved in bfloat16 (`save_bf16`),
+    float32 otherwise; it loads in the target's dtype."""
     import json
 
     from ..errors import QuickdraftError
@@ -189,20 +214,36 @@ is saved in bfloat16 (`save_bf16`), float32 otherwise; it loads in the target's 
         corpus = load_corpus()
         seeds = [tok.encode(p) for p in opening_prompts(corpus.train, prompts)]
         held = [tok.encode(p) for p in opening_prompts(corpus.heldout, eval_prompts)]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cached = out / "sequences.json"
     start = time.perf_counter()
-    greedy = [i < len(INSTRUCTIONS) if chat else i % 2 == 0 for i in range(len(seeds))]
-    sequences = generate_pool(target, seeds, new_tokens, seed, eos=eos, greedy=greedy)
+    if resume and cached.exists():
+        sequences = json.loads(cached.read_text())
+        log({"reused_sequences": len(sequences), "from": str(cached)})
+    else:
+        greedy = [i < len(INSTRUCTIONS) if chat else i % 2 == 0 for i in range(len(seeds))]
+        sequences = generate_pool(target, seeds, new_tokens, seed, eos=eos, greedy=greedy)
+        if corpus_windows:
+            corpus = load_corpus()
+            text = [t for doc in corpus.train[: corpus_windows * 4] for t in tok.encode(doc[1])]
+            sequences += [text[i:i + seq_len] for i in range(0, len(text) - seq_len, seq_len)][:corpus_windows]
+        cached.write_text(json.dumps(sequences))
+        log({"sequences": len(sequences), "tokens": sum(map(len, sequences)),
+             "seconds": round(time.perf_counter() - start, 1)})
     gen_s = time.perf_counter() - start
-    log({"generated_sequences": len(sequences), "tokens": sum(map(len, sequences)), "seconds": round(gen_s, 1)})
     vocab = None
     if draft_vocab is not None and draft_vocab < target.config.vocab_size:  # the most frequent target tokens
         counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=target.config.vocab_size)
         vocab = counts.topk(draft_vocab).indices
     head = new_head(target, vocab)
     measure = dict(max_tokens=128 if chat else 64, eos=eos)
-    before = measure_head(target, head, held, **measure)
+    checkpoint = out / "checkpoint.pt"
+    if not resume and checkpoint.exists():
+        checkpoint.unlink()
+    before = None if checkpoint.exists() else measure_head(target, head, held, **measure)
     history = train_head(head, target, sequences, epochs=epochs, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                         steps=ttt_steps, seed=seed, log=log)
+                         steps=ttt_steps, seed=seed, log=log, checkpoint=checkpoint)
     after = measure_head(target, head, held, **measure)
     report = {"target": str(target_path), "kind": "chat answers" if chat else "code continuations",
               "sequences": len(sequences), "new_tokens": new_tokens, "generate_seconds": round(gen_s, 1),
@@ -210,7 +251,7 @@ is saved in bfloat16 (`save_bf16`), float32 otherwise; it loads in the target's 
               "eval": f"{len(held)} held-out {'instructions' if chat else 'openings'}",
               "draft_vocab_size": head.head_config.draft_vocab_size, "ttt_steps": ttt_steps, "lr": lr,
               "batch_size": batch_size, "seq_len": seq_len, "torch_threads": torch.get_num_threads()}
-    save_eagle3(head, out_dir, dtype=torch.bfloat16 if save_bf16 else None)
-    (Path(out_dir) / "train_log.json").write_text(json.dumps(report, indent=2))
+    save_eagle3(head, out, dtype=torch.bfloat16 if save_bf16 else None)
+    (out / "train_log.json").write_text(json.dumps(report, indent=2))
     log({"acceptance_before": before, "acceptance_after": after})
     return report

@@ -1,0 +1,76 @@
+"""The parts of an eagle3 step on this CPU (issue 14's cost bar): one thread, float32, AOT steps,
+at a 400-token context, medians of 15 calls (ms): the target's plain step at 1 and 2 query
+tokens, its step at 2 tokens that also returns the head's hidden states (what an eagle3 verify
+with k = 1 runs), the head's catch-up over 2 pairs and one draft step.
+
+    python benchmarks/eagle3_parts.py --model smollm2 --out benchmarks/results/eagle3_parts_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from quickdraft import LLM, aot
+from quickdraft.cache import KVCache
+from quickdraft.llm import default_model_dirs
+from quickdraft.model.quant import weight_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["bundled", "smollm2"], default="smollm2")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = "smollm2" if args.model == "smollm2" else default_model_dirs()[0]
+    head_name = "smollm2-eagle3" if args.model == "smollm2" else "target-eagle3"
+    llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1, compile="aot", dtype="float32")
+    tgt, step_h, head = llm.target, llm.engine._forward, llm.draft
+    step_p = aot.load(tgt)
+    cache = KVCache.for_model(tgt, 1, 600)
+    ids = torch.randint(0, 1000, (1, 400), generator=torch.Generator().manual_seed(0))
+    out = {}
+    with torch.inference_mode():
+        tgt(ids, torch.arange(400)[None], cache.rows(0, 1), kv_len=400)
+        view = cache.rows(0, 1)
+
+        def med(fn, n=15):
+            fn()
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            return round(statistics.median(ts) * 1e3, 2)
+
+        out["target_T1_ms"] = med(lambda: step_p(ids[:, :1], torch.tensor([[400]]), view, kv_len=401))
+        out["target_T2_ms"] = med(lambda: step_p(ids[:, :2], torch.tensor([[400, 401]]), view, kv_len=402))
+        out["target_T2_with_hidden_ms"] = med(lambda: step_h(ids[:, :2], torch.tensor([[400, 401]]), view, kv_len=402,
+                                                             hidden_at=step_h.hidden_at))
+        hc = KVCache(1, 1, head.config.num_key_value_heads, 600, head.config.head_dim, torch.float32, "cpu")
+        width = 3 * tgt.config.hidden_size
+        feats = torch.randn(1, 2, width)
+        out["head_catch_up_2_pairs_ms"] = med(lambda: head(ids[:, :2], feats, torch.tensor([[398, 399]]), hc.rows(0, 1),
+                                                           kv_len=400))
+        own = torch.randn(1, 1, tgt.config.hidden_size)
+        out["head_draft_step_ms"] = med(lambda: head(ids[:, :1], own, torch.tensor([[400]]), hc.rows(0, 1), kv_len=401,
+                                                     project=False))
+    out["head_draft_step_over_target_step"] = round(out["head_draft_step_ms"] / out["target_T1_ms"], 3)
+    out.update(model=args.model, threads=args.threads, loadavg_1m=os.getloadavg()[0],
+               head_weight_bytes=weight_bytes(head), target_weight_bytes=weight_bytes(tgt), torch=torch.__version__,
+               command=f"python benchmarks/eagle3_parts.py --model {args.model} --threads {args.threads} --out {args.out}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
