@@ -235,7 +235,7 @@ def verify_lossless(target, draft=None, method: str = "draft", k: int = 4, spec_
         reqs = [ids for ids in encoded for _ in range(samples)]
         spec_out = [o.token_ids for o in llm.generate(reqs, sampled)]
         plain_out = [o.token_ids for o in plain.generate(list(zip(reqs, sampled)))]
-        if llm.draft is not None:
+        if llm.draft is not None and llm.engine.proposer.hidden_layers is None:  # a head is no model of its own
             wrong_model, wrong_params = llm.draft, params
             control["kind"] = "the draft model's own distribution"
         else:

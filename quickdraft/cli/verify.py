@@ -16,7 +16,7 @@ from .common import out, parse_ids, parse_spec_options, user_errors
 def verify_command(
     target: Optional[str] = opts.TARGET,
     draft: Optional[str] = opts.DRAFT,
-    method: str = typer.Option("draft", "--method", help="draft | ngram | suffix | lookahead."),
+    method: str = typer.Option("draft", "--method", help="draft | eagle3 | ngram | suffix | lookahead."),
     k: int = typer.Option(4, "-k", "--num-speculative-tokens", help="Draft tokens per step."),
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature to check (0 = greedy only)."),

@@ -169,3 +169,17 @@ def test_chi_square_without_scipy(monkeypatch):
     without = goodness_of_fit(counts, probs, top=5)
     assert without["bins"] == with_scipy["bins"] == 6  # 5 tokens + "other"
     assert without["pvalue"] == pytest.approx(with_scipy["pvalue"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_passes_with_the_shipped_eagle3_head():
+    """`quickdraft verify --method eagle3 --draft target-eagle3`: the bundled target with its head
+    passes; a head has no distribution of its own, so the control is the target at another
+    temperature."""
+    from quickdraft.llm import default_model_dirs
+
+    r = verify_lossless(default_model_dirs()[0], "target-eagle3", method="eagle3", k=3,
+                        params=SamplingParams(temperature=1.0), samples=300)
+    assert r["passed"], r
+    assert "temperature 2" in r["control"]["kind"] and r["control"]["rejected"]
+    assert r["stats"]["acceptance_rate"] > 0.3
