@@ -59,6 +59,7 @@ from quickdraft.bench.peers import load_hf, transformers_missing
 from quickdraft.bench.workloads import chat_requests, code_requests, copied_lines, editing_requests
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.gguf import convert_gguf, is_gguf_file
+from quickdraft.model.eagle3 import is_eagle3_head
 from quickdraft.model.sources import cache_dir, default_draft, resolve_model
 from quickdraft.proposers import PROPOSERS
 from quickdraft.train.corpus import load_corpus
@@ -87,10 +88,13 @@ def hf_folder(gguf: Path) -> Path:
 
 
 def shipped_draft() -> Path | None:
+    """The draft model shipped for the model (None when none is, or when what ships is an
+    EAGLE-3 head: benchmarks/eagle3.py measures that)."""
     try:
-        return default_draft(MODEL)
+        draft = default_draft(MODEL)
     except QuickdraftError:
         return None
+    return None if is_eagle3_head(draft) else draft
 
 
 def draft_hf_folder(draft: Path) -> Path:
