@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from cpu_kernels import timed  # benchmarks/cpu_kernels.py: median seconds of repeated calls
 
 from quickdraft import LLM, aot
 from quickdraft.cache import KVCache
@@ -42,14 +41,8 @@ def main() -> None:
         tgt(ids, torch.arange(400)[None], cache.rows(0, 1), kv_len=400)
         view = cache.rows(0, 1)
 
-        def med(fn, n=15):
-            fn()
-            ts = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            return round(statistics.median(ts) * 1e3, 2)
+        def med(fn):
+            return round(timed(fn, 15) * 1e3, 2)
 
         out["target_T1_ms"] = med(lambda: step_p(ids[:, :1], torch.tensor([[400]]), view, kv_len=401))
         out["target_T2_ms"] = med(lambda: step_p(ids[:, :2], torch.tensor([[400, 401]]), view, kv_len=402))

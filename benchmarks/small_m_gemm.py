@@ -10,23 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from cpu_kernels import timed  # benchmarks/cpu_kernels.py: median seconds of repeated calls
 
 SHAPES = {"lm_head": (576, 49152), "gate_up": (576, 3072), "down": (1536, 576), "qkv": (576, 960)}
-
-
-def bench(fn, n=20) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return round(statistics.median(ts) * 1e3, 3)
 
 
 def main() -> None:
@@ -43,8 +32,9 @@ def main() -> None:
         rows = {}
         for m in (1, 2, 4, 8):
             x = torch.randn(m, k)
-            rows[m] = {"mkl_ms": bench(lambda: x @ wt),
-                       "onednn_packed_ms": bench(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))}
+            rows[m] = {"mkl_ms": round(timed(lambda: x @ wt, 20) * 1e3, 3),
+                       "onednn_packed_ms": round(timed(lambda: torch.ops.mkldnn._linear_pointwise(
+                           x, packed, None, "none", [], ""), 20) * 1e3, 3)}
         out["shapes"][name] = {"in": k, "out": n, "rows": rows}
         print(name, rows, flush=True)
     out["loadavg_1m_after"] = os.getloadavg()[0]
