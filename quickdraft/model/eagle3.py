@@ -195,7 +195,7 @@ class Eagle3Head(nn.Module):
         return full.index_copy_(-1, self.draft_to_target, logits)
 
 
-_RENAMES = (("midlayer.", "midlayer."), ("layers.0.", "midlayer."), ("model.layers.0.", "midlayer."),
+_RENAMES = (("layers.0.", "midlayer."), ("model.layers.0.", "midlayer."),
             ("model.fc.", "fc."), ("model.norm.", "norm."))
 
 
