@@ -28,7 +28,8 @@ from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks
 from .proposers import get as get_proposer
 from .proposers.base import Draft, ProposeBatch, Proposer, VerifyResult
-from .sampling import BatchSampling, SamplingParams, StepRandom, Stream, process_logits, race, seed_key
+from .sampling import (BatchSampling, PenaltyState, SamplingParams, StepRandom, Stream, chain_ancestors,
+                       draft_counts, process_logits, race, seed_key, token_logprobs)
 from .tree import tree_mask, tree_structure
 from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
@@ -43,6 +44,7 @@ class StepOutcome:
     accepted_nodes: list[list[int]] | None  # trees: the accepted path's node indices (root's child first)
     target_tokens: list[list[int]] | None  # for proposers that want them: the target's argmax at every position
     hidden: torch.Tensor | None = None  # for proposers with hidden_layers: the verify forward's states (B, 1+N, ...)
+    logprobs: list[list[list[float]] | None] | None = None  # per row asking: token_logprobs' packed rows, per token
 
 
 def _read_back(**fields: torch.Tensor | None) -> dict[str, list[list[int]]]:
@@ -59,6 +61,25 @@ def _read_back(**fields: torch.Tensor | None) -> dict[str, list[list[int]]]:
     return out
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's raw log-probability under the target (log_softmax of its logits, before
+    logit_bias, penalties, temperature and truncation: see SamplingParams.logprobs), taken from
+    the forward that produced the token (prefill or verify; no extra forward)."""
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the target's most likely token there
+    top: tuple[tuple[int, float], ...] = ()  # the n most likely tokens (n = SamplingParams.logprobs), best first
+
+
+def _token_logprob(packed: list[float], token: int, n: int) -> TokenLogprob:
+    """A TokenLogprob from one position of sampling.token_logprobs' packed output (whose top
+    has width (len - 2) / 2 >= n)."""
+    width = (len(packed) - 2) // 2
+    return TokenLogprob(token, packed[0], int(packed[1]),
+                        tuple((int(i), v) for v, i in zip(packed[2:2 + n], packed[2 + width:2 + width + n])))
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -70,6 +91,9 @@ class RequestOutput:
     stats: SpecStats
     new_token_ids: list[int] = field(default_factory=list)  # since this request's previous output
     new_text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # per generated token (SamplingParams.logprobs)
+    new_logprobs: list[TokenLogprob] | None = None  # since the previous output (new_token_ids')
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
 
 
 class _Request:
@@ -90,6 +114,8 @@ class _Request:
         """Nothing generated yet (a new request, or one whose prefill is retried)."""
         self.tokens = list(self.prompt)  # prompt + generated, committed
         self.output: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.detok = Detokenizer(tokenizer, self.prompt) if tokenizer is not None else None
         self.text = ""
         self.sent_ids = 0  # how much of output/text earlier outputs carried
@@ -107,8 +133,11 @@ class _Request:
         # Hold back text that could be the start of a stop string until we know it is not.
         hold = 0 if self.finished else max((len(s) - 1 for s in self.params.stop), default=0)
         visible = max(self.sent_text, len(self.text) - hold)
+        lps = self.logprobs
         out = RequestOutput(self.id, self.prompt, list(self.output), self.text, self.finished, self.finish_reason,
-                            self.stats, self.output[self.sent_ids:], self.text[self.sent_text:visible])
+                            self.stats, self.output[self.sent_ids:], self.text[self.sent_text:visible],
+                            None if lps is None else list(lps), None if lps is None else lps[self.sent_ids:],
+                            self.prompt_logprobs)
         self.sent_ids, self.sent_text = len(self.output), visible
         return out
 
@@ -160,6 +189,7 @@ class Engine:
         self.running: list[_Request] = []
         self.cache: KVCache | None = None
         self._batch_sampling: BatchSampling | None = None  # rebuilt when the batch changes
+        self._batch_penalties: PenaltyState | None = None  # with it: None when no row has penalties
         self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
         self._admit_singly = 0  # admissions still to make one request per step (after a failed prefill)
         self._stepping: list[_Request] = []  # the requests the current step is prefilling
@@ -191,6 +221,8 @@ class Engine:
             raise QuickdraftError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{len(prompt) + params.max_tokens} exceeds the model's context length ({self.max_model_len})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise QuickdraftError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         if params.stop and self.tokenizer is None:
             raise QuickdraftError("stop strings need a tokenizer; this model folder has none")
         if num_speculative_tokens is not None and (
@@ -321,28 +353,73 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.start(start + i, r.prompt)
         view = self.cache.rows(start, start + len(requests))
-        if self._hidden_layers is not None:
+        # prompt logprobs read the final hidden states of every prompt position (the layer count's index)
+        want_prompt = [i for i, r in enumerate(requests) if r.params.prompt_logprobs is not None]
+        hidden_at = self._hidden_layers
+        if want_prompt:
+            hidden_at = (hidden_at or ()) + (self.target.config.num_hidden_layers,)
+        if hidden_at is not None:
             logits, hidden = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view,
-                                            hidden_at=self._hidden_layers)
-            self.proposer.add_hidden(start, hidden, [list(range(len(r.prompt))) for r in requests])
+                                            hidden_at=hidden_at)
+            H = self.target.config.hidden_size
+            if self._hidden_layers is not None:
+                self.proposer.add_hidden(start, hidden[..., :len(self._hidden_layers) * H],
+                                         [list(range(len(r.prompt))) for r in requests])
+            for i in want_prompt:
+                self._prompt_logprobs(requests[i], hidden[i, :, -H:])
         else:
             logits = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view)
-        sampling = BatchSampling.build([r.params for r in requests], self.device)
+        raw = logits
+        params = [r.params for r in requests]
+        sampling = BatchSampling.build(params, self.device)
+        penalties = PenaltyState.build(params, [r.prompt for r in requests], self.target.config.vocab_size, self.device)
+        if penalties is not None:
+            logits = penalties.apply(logits, [r.output for r in requests])
         probs = process_logits(logits, sampling)
         if sampling.all_greedy:
-            tokens = probs.argmax(-1).tolist()
+            tokens = probs.argmax(-1)
         else:
             rnd = StepRandom([r.key for r in requests], [len(r.tokens) for r in requests], self.device)
-            tokens = race(probs, rnd.exponential(Stream.SAMPLE, probs.shape[-1])).tolist()
-        for r, t in zip(requests, tokens):
-            self._append(r, [t])
+            tokens = race(probs, rnd.exponential(Stream.SAMPLE, probs.shape[-1]))
+        lps = self._logprobs(requests, raw[:, None], tokens[:, None])
+        for i, (r, t) in enumerate(zip(requests, tokens.tolist())):
+            self._append(r, [t], None if lps is None else lps[i])
         return requests
+
+    def _logprobs(self, rows: list[_Request], logits: torch.Tensor, tokens: torch.Tensor) -> list | None:
+        """For the rows asking for logprobs: token_logprobs of `tokens` (B, T) under the raw
+        logits (B, T, V), read back (a second host sync, only when some row asks); else None."""
+        want = [b for b, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return None
+        top = max(rows[b].params.logprobs for b in want)
+        if len(want) < len(rows):
+            idx = to_device(want, logits.device)
+            logits, tokens = logits.index_select(0, idx), tokens.index_select(0, idx)
+        out: list = [None] * len(rows)
+        for b, packed in zip(want, token_logprobs(logits, tokens, top).tolist()):
+            out[b] = packed
+        return out
+
+    def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, chunk: int = 256) -> None:
+        """r.prompt_logprobs from the prefill's final hidden states (T, H) (before the final
+        norm): the lm_head runs over `chunk` positions at a time, so a long prompt never holds
+        its whole (T, V) logits."""
+        n, top = len(r.prompt), r.params.prompt_logprobs
+        ids = to_device(r.prompt[1:], hidden.device)
+        packed: list[list[float]] = []
+        for s in range(0, n - 1, chunk):
+            logits = self.target.lm_head(self.target.model.norm(hidden[s:min(s + chunk, n - 1)]))
+            packed += token_logprobs(logits[None], ids[None, s:s + chunk], top)[0].tolist()
+        r.prompt_logprobs = [None] + [_token_logprob(p, t, top) for p, t in zip(packed, r.prompt[1:])]
 
     def _decode(self) -> list[_Request]:
         started = time.perf_counter()
         rows = self.running
         if self._batch_sampling is None:
             self._batch_sampling = BatchSampling.build([r.params for r in rows], self.device)
+            self._batch_penalties = PenaltyState.build([r.params for r in rows], [r.prompt for r in rows],
+                                                       self.target.config.vocab_size, self.device)
         sampling = self._batch_sampling
         lengths = [len(r.tokens) for r in rows]
         # each row's draws keyed by its own request and position: the batch cannot change them
@@ -372,13 +449,13 @@ class Engine:
         if draft is not None:
             self.proposer.observe(VerifyResult(result.num_accepted, lengths, k, result.accepted_nodes,
                                                result.target_tokens, draft=draft))
-        for r, toks, n, d in zip(rows, result.tokens, result.num_accepted, result.num_drafted):
+        for b, (r, toks, n, d) in enumerate(zip(rows, result.tokens, result.num_accepted, result.num_drafted)):
             per_pos = None if result.accepted_nodes is None else [1] * n + [0] * (k - n)
             r.stats.observe(d, n, per_pos)
             self.stats.observe(d, n, per_pos)
             if self.policy is not None:
                 self.policy.observe(r.spec_state, d, n)
-            self._append(r, toks[: n + 1])
+            self._append(r, toks[: n + 1], None if result.logprobs is None else result.logprobs[b])
         if self.policy is not None:
             self.policy.observe_step(len(rows), k, time.perf_counter() - started)
         return list(rows)
@@ -400,6 +477,10 @@ class Engine:
         positions = to_device(lengths, self.device)[:, None] - 1 + torch.arange(k + 1, device=self.device)
         logits, hidden = self._verify_forward(torch.cat([last, draft_tokens.clamp(min=0)], 1), positions,
                                               self.cache.rows(0, B), kv_len=max(lengths) + k)  # (B, k+1, V)
+        raw = logits
+        if self._batch_penalties is not None:  # position i also follows d_1..d_i
+            counts = draft_counts(draft_tokens, chain_ancestors(draft_tokens), logits.shape[-1]) if k else None
+            logits = self._batch_penalties.apply(logits, [r.output for r in self.running], counts)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted = greedy_verify(draft_tokens, argmax)
@@ -409,10 +490,11 @@ class Engine:
                                                  rnd.uniform(Stream.ACCEPT, k),
                                                  rnd.exponential(Stream.FINAL, p.shape[-1]))
         drafted = (draft_tokens >= 0).sum(1)
+        lps = self._logprobs(self.running, raw, out)  # emitted token j came from position j
         host = _read_back(tokens=out, num_accepted=num_accepted[:, None], num_drafted=drafted[:, None],
                           target_tokens=argmax if self._wants_target_tokens else None)
         return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
-                           None, host["target_tokens"], hidden)
+                           None, host["target_tokens"], hidden, lps)
 
     def _verify_tree(self, draft, last, lengths, sampling, rnd: StepRandom) -> StepOutcome:
         """Target forward over [last, nodes...] with tree attention, verify, then move the
@@ -431,6 +513,10 @@ class Engine:
         logits, hidden = self._verify_forward(torch.cat([last, draft.tokens.clamp(min=0)], 1), positions,
                                               self.cache.rows(0, B), kv_len=kv_len, slots=slots,
                                               attn_mask=mask)  # (B, 1+N, V)
+        raw = logits
+        if self._batch_penalties is not None:  # node n's position also follows its ancestors and itself
+            logits = self._batch_penalties.apply(logits, [r.output for r in self.running],
+                                                 draft_counts(draft.tokens, anc, logits.shape[-1]))
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax, (anc, depth))
@@ -442,17 +528,24 @@ class Engine:
         D = path.shape[1]
         steps = torch.arange(D, device=device)
         self.cache.compact(torch.where(path >= 0, L[:, None] + path, -1), L[:, None] + steps)
+        lps = None
+        if any(r.params.logprobs is not None for r in self.running):  # emitted token j came from the root or path[j-1]
+            at = torch.cat([path.new_zeros(B, 1), (path + 1).clamp(min=0)], 1)  # (B, D + 1)
+            lps = self._logprobs(self.running, raw.gather(1, at[..., None].expand(-1, -1, raw.shape[-1])), out)
         host = _read_back(tokens=out, path=path, num_accepted=num_accepted[:, None], num_drafted=valid.sum(1)[:, None],
                           target_tokens=argmax if self._wants_target_tokens else None)
         return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
-                           [[i for i in row if i >= 0] for row in host["path"]], host["target_tokens"], hidden)
+                           [[i for i in row if i >= 0] for row in host["path"]], host["target_tokens"], hidden, lps)
 
-    def _append(self, r: _Request, tokens: list[int]) -> None:
-        """Commit emitted tokens, cutting at eos, a stop string or max_tokens."""
+    def _append(self, r: _Request, tokens: list[int], logprobs: list[list[float]] | None = None) -> None:
+        """Commit emitted tokens (with their packed logprobs when asked), cutting at eos, a stop
+        string or max_tokens."""
         stops = r.params.stop
-        for t in tokens:
+        for i, t in enumerate(tokens):
             r.tokens.append(t)
             r.output.append(t)
+            if r.logprobs is not None and logprobs is not None:
+                r.logprobs.append(_token_logprob(logprobs[i], t, r.params.logprobs))
             if r.detok is not None:
                 before = len(r.text)
                 r.text += r.detok.add(t)

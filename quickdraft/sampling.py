@@ -9,6 +9,15 @@ below GREEDY_BELOW are greedy too: dividing float32 logits by them overflows (Na
 token 0 repeated) or rounds the temperature to 0.0, and the distribution they ask for
 is the argmax's up to ties anyway.
 
+Penalties and logit bias (PenaltyState) change the target's raw logits before all of that, in
+vLLM's order: logit_bias is added, then the repetition penalty (HF / CTRL semantics: over every
+token of the prompt and the output so far, a positive logit is divided by it and a negative one
+multiplied), then frequency and presence penalties (OpenAI semantics: over output tokens only,
+logit -= frequency_penalty * count + presence_penalty * [count > 0]). Under speculation the
+output so far at verify position i includes the draft tokens before it (its context if they
+are accepted). The draft's q ignores penalties: q is exactly the distribution it sampled from,
+so rejection sampling stays exact (penalties cost acceptance only).
+
 Randomness is counter-based (StepRandom): every draw of a request is keyed by its seed
 (all 64 bits, hashed: seed_key), the position it is generating at (its committed tokens)
 and what the draw is for (a stream: the draft's tokens, the accept tests, the final token)
@@ -22,7 +31,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +41,8 @@ from .errors import QuickdraftError
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
 MAX_TOP_K = 2**31 - 1  # a larger top_k keeps every token of any vocabulary: the same as off
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs bound)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-100, 100] (OpenAI's range)
 
 
 def _finite(value: int | float) -> bool:
@@ -51,6 +62,15 @@ class SamplingParams:
     seed: int | None = None  # per-request seed; None = fresh randomness
     stop: tuple[str, ...] = ()  # stop strings (excluded from the text)
     ignore_eos: bool = False  # keep generating past eos (benchmarks)
+    # log-probabilities (see engine.TokenLogprob): None = off; n = each token's own and the n most
+    # likely alternatives (0: its own only). Raw model log-probabilities: log_softmax of the
+    # target's logits, before logit_bias, penalties, temperature and truncation (vLLM's default).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 0; 1 = off: prompt and generated tokens' logits / or * it
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> QuickdraftError:
@@ -87,10 +107,163 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", f"must be in (0, 100] (1 = off), got {self.repetition_penalty}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                raise bad("logit_bias", f"must be a mapping of token id to bias, got {type(bias).__name__}")
+            clean = {}
+            for t, b in bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not _finite(b):
+                    raise bad("logit_bias", f"values must be finite numbers, got {b!r} for token {t}")
+                clean[t] = min(max(float(b), -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS)
+            # a read-only copy: the params stay immutable and hashable by identity of content
+            object.__setattr__(self, "logit_bias", _FrozenDict(clean) if clean else None)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the target's logits are changed before sampling (penalties or logit_bias)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.logit_bias is not None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+class _FrozenDict(dict):
+    """A dict that refuses changes (logit_bias inside frozen SamplingParams) and hashes by content."""
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError("SamplingParams.logit_bias is read-only")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self):  # pickles (torch.distributed, Ray) without calling __setitem__
+        return (_FrozenDict, (dict(self),))
+
+
+class PenaltyState:
+    """The penalties and logit bias of a batch's rows as tensors, built once per batch
+    composition (None when no row has any: the step then does nothing extra).
+
+    apply(logits, outputs, drafts) penalises raw logits (B, T, V) at T positions: position 0
+    follows each row's committed output, position t also follows the draft tokens before it
+    (`drafts`: per position, the draft tokens in its context; see draft_counts)."""
+
+    def __init__(self, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab: int,
+                 device: torch.device):
+        B = len(params)
+        self.vocab = vocab
+        self.device = device
+        self.repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+        self.frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
+        self.presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
+        self.any_repetition = any(p.repetition_penalty != 1 for p in params)
+        self.any_counts = any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params)
+        self.bias = None
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros(B, vocab, dtype=torch.float32)
+            for b, p in enumerate(params):
+                for t, v in (p.logit_bias or {}).items():
+                    bias[b, t] = v
+            self.bias = bias.to(device)
+        self.prompt_mask = None  # (B, V) tokens of each row's prompt (the repetition penalty's)
+        if self.any_repetition:
+            self.prompt_mask = _occurrences([list(pr) if p.repetition_penalty != 1 else [] for p, pr in zip(params, prompts)],
+                                            vocab, device) > 0
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab: int,
+              device: torch.device) -> PenaltyState | None:
+        return cls(params, prompts, vocab, device) if any(p.penalized for p in params) else None
+
+    def apply(self, logits: torch.Tensor, outputs: Sequence[Sequence[int]],
+              drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """Penalised float32 logits, the shape of `logits` ((B, V) or (B, T, V)). outputs: each
+        row's generated tokens so far; drafts (B, T, V) or None: counts of the draft tokens in
+        each position's context (draft_counts)."""
+        squeeze = logits.dim() == 2
+        x = logits.float()[:, None] if squeeze else logits.float()
+        if self.bias is not None:
+            x = x + self.bias[:, None]
+        if self.any_repetition or self.any_counts:
+            counts = _occurrences(outputs, self.vocab, self.device)[:, None]  # (B, 1, V)
+            if drafts is not None:
+                counts = counts + drafts
+            if self.any_repetition:
+                seen = (counts > 0) | self.prompt_mask[:, None]
+                rp = self.repetition.view(-1, 1, 1)
+                x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+            if self.any_counts:
+                x = x - self.frequency.view(-1, 1, 1) * counts - self.presence.view(-1, 1, 1) * (counts > 0)
+        return x[:, 0] if squeeze else x
+
+
+def _occurrences(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """(B, V) float32 counts of each token in each row's sequence: one scatter_add."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32)
+    if width:
+        ids = torch.full((len(seqs), width), vocab, dtype=torch.long)  # padding counts in column V
+        for b, s in enumerate(seqs):
+            if s:
+                ids[b, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+        out.scatter_add_(1, ids, torch.ones(ids.shape))
+    return out[:, :vocab].to(device)
+
+
+def draft_counts(tokens: torch.Tensor, anc: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, 1 + N, V) counts of the draft tokens in each verify position's context: position 0
+    (after the committed tokens) has none; position 1 + n (after node n) has node n and its
+    ancestors. tokens (B, N) (-1 = absent), anc (B, N, N) (tree.tree_structure's; a chain's is
+    lower-triangular). One index_put over the (node, ancestor) pairs."""
+    B, N = tokens.shape
+    out = torch.zeros(B, 1 + N, vocab, dtype=torch.float32, device=tokens.device)
+    b, n, a = (anc & (tokens >= 0)[:, None, :]).nonzero(as_tuple=True)
+    out.index_put_((b, n + 1, tokens[b, a]), torch.ones(b.shape, device=tokens.device), accumulate=True)
+    return out
+
+
+def chain_ancestors(tokens: torch.Tensor) -> torch.Tensor:
+    """(B, k, k) anc of a chain: token j is in the context after token i when j <= i."""
+    B, k = tokens.shape
+    tril = torch.ones(k, k, dtype=torch.bool, device=tokens.device).tril()
+    present = tokens >= 0
+    return tril[None] & present[:, :, None] & present[:, None, :]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """Raw log-probabilities of `tokens` (B, T) under logits (B, T, V), their ranks (1 = the
+    most likely) and the `top` most likely alternatives, packed as float64 (B, T, 2 + 2 * top):
+    [logprob, rank, top logprobs..., top ids...] (float64 holds every id exactly), so that
+    the caller reads everything back in one transfer."""
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(-1, tokens.clamp(min=0)[..., None])  # (B, T, 1)
+    rank = (lp > chosen).sum(-1, keepdim=True) + 1
+    parts = [chosen.double(), rank.double()]
+    if top:
+        vals, ids = lp.topk(top, dim=-1)
+        parts += [vals.double(), ids.double()]
+    return torch.cat(parts, -1)
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,71 @@ def test_other_proposers_match_target_distribution(pair, method, options, kw):
     assert llm.stats.num_accepted_tokens > 100 and llm.stats.acceptance_rate < 0.95
     assert chi2_pvalue(counts, probs) > 1e-3
     assert chi2_pvalue(counts, exact_joint(draft, SamplingParams(**kw))) < 1e-6
+
+
+# ---- penalties and logit_bias (issue 18): the exact penalised distribution ----------------------
+
+def ref_penalize(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
+    """The documented semantics, one token at a time (independent of PenaltyState): logit_bias
+    added; repetition penalty over prompt + output tokens (positive logits divided, negative
+    multiplied); frequency and presence penalties over output tokens."""
+    x = logits.double().clone()
+    for t, b in (params.logit_bias or {}).items():
+        x[t] += b
+    if params.repetition_penalty != 1:
+        for t in set(prompt) | set(output):
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t in set(output):
+        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    return x
+
+
+def exact_joint_penalized(model_dir, params: SamplingParams) -> np.ndarray:
+    """exact_joint, with each next-token distribution penalised for its own context."""
+    model = LLM(model_dir, method="none").target
+    s = BatchSampling.build([params], torch.device("cpu"))
+
+    def probs(seq: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            raw = model(torch.tensor([seq]))[0, -1]
+        pen = ref_penalize(raw, PROMPT, seq[len(PROMPT):], params).float()
+        return process_logits(pen[None], s)[0].double()
+
+    p1 = probs(PROMPT)
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    for a in range(V):
+        p2 = probs(PROMPT + [a])
+        for b in range(V):
+            joint[b] += p1[a] * p2[b] * probs(PROMPT + [a, b])
+    return joint.numpy()
+
+
+PENALIZED = dict(repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=-0.5, logit_bias={2: 1.5, 4: -2.0})
+# lookups propose repeats, which penalties make unlikely: milder ones keep both verify paths busy
+MILD = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=-0.2, logit_bias={2: 1.5, 4: -2.0})
+
+
+@pytest.mark.parametrize("method,options,kw", [
+    ("draft", dict(), dict(temperature=1.0)),
+    ("draft", dict(tree_width=2, tree_sampled=True), dict(temperature=0.8, top_k=6)),
+    ("draft", dict(tree_width=3), dict(temperature=1.0)),
+    ("ngram", dict(min_ngram=1, max_ngram=2, num_candidates=3), dict(temperature=1.0, **MILD)),
+    ("suffix", dict(), dict(temperature=1.0, top_p=0.9, **MILD)),
+    ("none", dict(), dict(temperature=1.0)),
+], ids=["draft-chain", "draft-sampled-tree-topk", "draft-tree", "ngram-tree", "suffix-topp", "plain"])
+def test_penalized_sampling_matches_the_penalized_target(pair, method, options, kw):
+    """Penalties at verify position i count the draft tokens before it (chains) or a node's
+    ancestors (trees): the output follows the exact penalised distribution, and not the
+    unpenalised one."""
+    target, draft = pair
+    k = 0 if method == "none" else 2
+    llm = LLM(target, draft=draft if method == "draft" else None, method=method, num_speculative_tokens=k,
+              max_num_seqs=N // 4, spec_options=options)
+    params = {**PENALIZED, **kw}
+    counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **params))
+    probs = exact_joint_penalized(target, SamplingParams(**params))
+    if k:
+        assert llm.stats.num_accepted_tokens > 100 and llm.stats.acceptance_rate < 0.95
+    assert chi2_pvalue(counts, probs) > 1e-3
+    unpenalized = {n: v for n, v in params.items() if n in ("temperature", "top_k", "top_p")}
+    assert chi2_pvalue(counts, exact_joint(target, SamplingParams(**unpenalized))) < 1e-6
