@@ -110,6 +110,52 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def _token_bytes_scheme(self) -> tuple[str, dict[str, int] | None, set[int]]:
+        """How a vocabulary string spells bytes: "byte-level" (GPT-2's printable alphabet for all
+        256 bytes: Llama 3, Qwen, SmolLM2) or "sentencepiece" ("\u2581" for a space, "<0xNN>"
+        byte fallback: Llama 2, Mistral); plus the added (special) tokens, spelled as they are."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+        added = set(self._tok.get_added_tokens_decoder()) if hasattr(self._tok, "get_added_tokens_decoder") else set()
+        if "ByteLevel" in kinds:
+            # bytes that are printable stand for themselves; the others are moved up past 255
+            printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+            chars, extra = {}, 0
+            for b in range(256):
+                if b in printable:
+                    chars[chr(b)] = b
+                else:
+                    chars[chr(256 + extra)] = b
+                    extra += 1
+            return "byte-level", chars, added
+        return "sentencepiece", None, added
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a multi-byte character is a few of its
+        bytes): what OpenAI's logprobs call a token's `bytes`."""
+        cache = self.__dict__.setdefault("_bytes_cache", {})
+        if token_id in cache:
+            return cache[token_id]
+        scheme, chars, added = self._token_bytes_scheme
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            out = b""
+        elif token_id in added:
+            out = piece.encode()
+        elif scheme == "byte-level":
+            out = bytes(chars.get(c, 0) for c in piece) if all(c in chars for c in piece) else piece.encode()
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out = bytes([int(piece[3:5], 16)])
+        else:
+            out = piece.replace("\u2581", " ").encode()
+        cache[token_id] = out
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        """token_bytes as text (a partial character becomes U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise QuickdraftError("this model has no chat template (tokenizer_config.json has no chat_template)")

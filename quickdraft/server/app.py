@@ -42,6 +42,7 @@ from starlette.requests import ClientDisconnect
 from ..engine import RequestOutput
 from ..errors import QuickdraftError
 from ..sampling import SamplingParams
+from . import logprobs as lpfmt
 from .access import add_access_control
 from .async_engine import EngineDead, EngineError, QueueFull, now
 from .metrics import RequestTimer
@@ -192,7 +193,7 @@ async def _generate(request: Request, prepare, chat: bool):
     arrival = now()
     body = await _read_body(request)
     job = await asyncio.to_thread(prepare, state, body)
-    return await _respond(state, request, job.req, job.subs, job.prompts, arrival, chat=chat)
+    return await _respond(state, request, job, arrival, chat=chat)
 
 
 # ---- request -> engine inputs (on a worker thread) ----------------------------------------
@@ -202,22 +203,32 @@ class _Prepared:
     req: Any  # CompletionRequest | ChatCompletionRequest
     subs: list[_Sub]
     prompts: list[list[int]]
+    echo: list[str] | None = None  # completions with echo: each prompt's text, answered before its completion
 
 
 def _prepare_completion(state: ServerState, body: bytes) -> _Prepared:
     req, engine, tok = _begin(state, body, CompletionRequest)
     prompts: list[list[int]] = []
+    echo: list[str | None] = []
     for p in req.prompts():
         if isinstance(p, str):
             if p == "":
                 raise APIError(400, "prompt is empty", "prompt")
             if tok is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+            echo.append(p)
             p = tok.encode(p)
+        else:
+            echo.append(None)
         prompts.append(p)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts), "prompt")
-    return _Prepared(req, subs, prompts)
+    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts), "prompt")  # checks the token ids
+    if not req.echo:
+        return _Prepared(req, subs, prompts)
+    # a prompt sent as token ids is echoed as their text (special tokens included)
+    echo = [e if e is not None else "" if tok is None else tok.decode(p, skip_special_tokens=False)
+            for e, p in zip(echo, prompts)]
+    return _Prepared(req, subs, prompts, echo)
 
 
 def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
@@ -320,9 +331,20 @@ def _sampling(req, max_tokens: int, seed_offset: int) -> SamplingParams:
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            max_tokens=max_tokens, seed=seed, stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos)
+            max_tokens=max_tokens, seed=seed, stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias_ids(), logprobs=req.wanted_logprobs(), prompt_logprobs=_prompt_logprobs(req))
     except QuickdraftError as exc:
         raise _param_error(exc) from None
+
+
+def _prompt_logprobs(req) -> int | None:
+    """Prompt logprobs the engine computes: vLLM's prompt_logprobs field, and the echoed prompt's
+    (completions with echo and logprobs)."""
+    wanted = [n for n in (req.prompt_logprobs, req.wanted_logprobs() if getattr(req, "echo", False) else None)
+              if n is not None]
+    return max(wanted) if wanted else None
 
 
 def _param_error(exc: QuickdraftError) -> APIError:
@@ -342,16 +364,17 @@ def _check(engine, prompt: list[int], params: SamplingParams, k: int | None, pro
         text = str(exc)
         param = ("max_tokens" if "context length" in text else
                  "num_speculative_tokens" if "num_speculative_tokens" in text else
-                 "stop" if "stop" in text else prompt_param)
+                 "stop" if "stop" in text else "logit_bias" if "logit_bias" in text else prompt_param)
         raise APIError(400, text, param, code="context_length_exceeded" if "context length" in text else None) \
             from None
 
 
 # ---- engine outputs -> responses ---------------------------------------------------------
 
-async def _respond(state: ServerState, request: Request, req, subs: list[_Sub], prompts: list[list[int]],
-                   arrival: float, chat: bool):
+async def _respond(state: ServerState, request: Request, prepared: _Prepared, arrival: float, chat: bool):
     """Submit the choices and answer: an SSE stream, or one JSON body once every choice finished."""
+    req, subs, prompts = prepared.req, prepared.subs, prepared.prompts
+    shape = _Shape(state.llm.tokenizer, req, prepared, chat)
     capacity = state.require_engine().capacity
     if len(subs) > capacity:  # never fits: a 429 would have the client retry forever
         raise APIError(400, f"this request asks for {len(subs)} sequences; the server holds at most {capacity} "
@@ -366,7 +389,8 @@ async def _respond(state: ServerState, request: Request, req, subs: list[_Sub], 
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = _stream(state, job, rid, created, len(subs), prompts, chat, include_usage, req.return_token_ids)
+        stream = _stream(state, job, rid, created, len(subs), prompts, chat, include_usage, req.return_token_ids,
+                         shape)
         return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(job.close),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
@@ -382,7 +406,8 @@ async def _respond(state: ServerState, request: Request, req, subs: list[_Sub], 
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
-            choice["text"] = out.text
+            choice["text"] = shape.echo_text(index) + out.text
+        shape.add(choice, index, out, out.logprobs, first=True)
         if req.return_token_ids:
             choice["token_ids"] = list(out.token_ids)
         choices.append(choice)
@@ -399,8 +424,40 @@ async def _collect(job: _Job) -> dict[int, RequestOutput]:
     return finals
 
 
+class _Shape:
+    """Logprobs, prompt logprobs and echo of each choice in the response's shape (server/logprobs.py)."""
+
+    def __init__(self, tok, req, prepared: _Prepared, chat: bool):
+        self.tok, self.chat, self.req = tok, chat, req
+        self.n = req.wanted_logprobs()
+        self.echo = prepared.echo
+        self.subs = prepared.subs
+        self.offsets: dict[int, int] = {}  # completions: text offset reached per choice (streaming)
+
+    def echo_text(self, index: int) -> str:
+        return "" if self.echo is None else self.echo[index // self.req.n]
+
+    def add(self, choice: dict[str, Any], index: int, out: RequestOutput, lps, first: bool) -> None:
+        """Fill choice["logprobs"] (for `lps`, the new tokens' logprobs) and, with the first chunk
+        of a choice, the echoed prompt's logprobs and vLLM's prompt_logprobs."""
+        tok, n = self.tok, self.n
+        if first and self.req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = lpfmt.prompt_logprobs(tok, out.prompt_logprobs, self.req.prompt_logprobs)
+        if n is None or lps is None:
+            return
+        if self.chat:
+            choice["logprobs"] = lpfmt.chat_logprobs(tok, lps, n)
+            return
+        body, offset = None, self.offsets.get(index, 0)
+        if first and self.echo is not None:
+            body, _ = lpfmt.echo_logprobs(tok, self.subs[index].prompt, out.prompt_logprobs, n)
+            offset = len(self.echo_text(index))
+        generated, self.offsets[index] = lpfmt.completion_logprobs(tok, lps, n, offset)
+        choice["logprobs"] = generated if body is None else lpfmt.merge(body, generated)
+
+
 async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int, prompts: list[list[int]],
-                  chat: bool, include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
+                  chat: bool, include_usage: bool, return_token_ids: bool, shape: _Shape) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices: list[dict], **extra) -> str:
@@ -413,15 +470,21 @@ async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int,
             for i in range(n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
+        started: set[int] = set()
         async for index, out in job.events():
-            if not out.new_text and not out.finished and not (return_token_ids and out.new_token_ids):
+            first = index not in started
+            echo = first and shape.echo is not None
+            if (not out.new_text and not out.finished and not echo
+                    and not ((return_token_ids or shape.n is not None) and out.new_token_ids)):
                 continue
+            started.add(index)
             choice: dict[str, Any] = {"index": index, "logprobs": None,
                                       "finish_reason": out.finish_reason if out.finished else None}
             if chat:
                 choice["delta"] = {"content": out.new_text} if out.new_text else {}
             else:
-                choice["text"] = out.new_text
+                choice["text"] = (shape.echo_text(index) if echo else "") + out.new_text
+            shape.add(choice, index, out, out.new_logprobs, first)
             if return_token_ids:
                 choice["token_ids"] = list(out.new_token_ids)
             if out.finished:

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (the parts quickdraft serves) and OpenAI's error body.
 
 Unknown fields are ignored, as OpenAI's own server does. Fields that OpenAI defines but
-quickdraft cannot honour (logprobs, penalties, logit_bias, echo, suffix, best_of) are a
+quickdraft cannot honour (suffix, best_of > n, tools, a structured response_format) are a
 400 when set to anything but their neutral value, rather than being silently dropped:
 a client that asks for them would otherwise get a different answer than it thinks.
 """
@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 MAX_N = 64  # choices per request
 MAX_STOP = 16  # stop strings per request
+MAX_LOGPROBS = 20  # alternatives per token (sampling.MAX_LOGPROBS; OpenAI's chat bound)
 
 
 def _utf8(text: str) -> str:
@@ -105,19 +106,30 @@ class _Sampling(BaseModel):
     num_speculative_tokens: StrictInt | None = Field(None, ge=0)  # extra field: this request's own k cap
     return_token_ids: StrictBool = False  # extra field (vLLM): token ids beside the text, per chunk when streaming
     user: StrictStr | None = None
-    # Defined by OpenAI, not supported: accepted only at their neutral value.
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(None, gt=0, le=100)  # extra field (vLLM): 1 = off
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a JSON key) -> bias, clamped to [-100, 100]
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # extra field (vLLM)
 
     def unsupported(self) -> list[str]:
-        bad = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                bad.append(name)
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return []
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids; a key that is not one is a 400."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise APIError(400, f"invalid logit_bias: keys must be token ids (integers >= 0 as strings), "
+                               f"got {key!r}", "logit_bias")
+            out[int(key)] = value
+        return out
+
+    def wanted_logprobs(self) -> int | None:
+        """Alternatives per generated token the response carries (None: no logprobs)."""
+        return None
 
     def stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -132,20 +144,19 @@ class CompletionRequest(_Sampling):
     prompt: Annotated[Text | list[Text] | TokenIds | list[TokenIds], BeforeValidator(_prompt_shape)]
     echo: StrictBool = False
     suffix: StrictStr | None = None
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # OpenAI allows 5; vLLM 20, as here
     best_of: StrictInt | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.suffix:
             bad.append("suffix")
-        if self.logprobs is not None:
-            bad.append("logprobs")
         if self.best_of not in (None, 1, self.n):
             bad.append("best_of")
         return bad
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string or a list of token ids each)."""
@@ -185,16 +196,17 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs:
-            bad.append("logprobs")
-        if self.top_logprobs:
-            bad.append("top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             bad.append("tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):

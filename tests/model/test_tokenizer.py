@@ -72,3 +72,30 @@ def test_detokenizer_is_incremental_and_handles_split_characters(tok_dir):
     pieces = [detok.add(i) for i in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_token_bytes_spell_the_text_byte_level(tmp_path):
+    """OpenAI's logprobs `bytes`: a byte-level vocabulary's tokens are its bytes, so the tokens
+    of a text (multi-byte characters split across tokens included) join to the text's UTF-8."""
+    from quickdraft.llm import default_model_dirs
+
+    tok = Tokenizer(default_model_dirs()[0])
+    for text in ["h\u00e9llo w\u00f6rld \u2713 \u65e5\u672c\n\tx", "def f(x):\n    return x"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.token_bytes(tok.eos_token_id) == tok.eos_token.encode()  # special tokens as written
+
+
+def test_token_bytes_sentencepiece_style(tmp_path):
+    """A SentencePiece vocabulary ("\u2581" for a space, <0xNN> byte fallback: Llama 2, Mistral)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x0A>": 3, "<0xC3>": 4, "<0xA9>": 5, "\u2581hi": 6, "x": 7}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.add_special_tokens(["<s>", "</s>"])
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    assert [tok.token_bytes(i) for i in (6, 3, 4, 5, 7, 1)] == [b" hi", b"\n", b"\xc3", b"\xa9", b"x", b"<s>"]
+    assert tok.token_text(4) == "\ufffd" and tok.token_text(6) == " hi"

@@ -216,8 +216,18 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "stop": [1, 2]}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": "up"}}, 400, "logit_bias.5"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "suffix"),
+    ({"model": MODEL, "prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "x", "num_speculative_tokens": 99}, 400, "num_speculative_tokens"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
@@ -302,7 +312,11 @@ def test_bad_chat_requests(server):
              ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
              ({"model": MODEL, "messages": "hello"}, "messages"),
              ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
-              "max_completion_tokens")]
+              "max_completion_tokens"),
+             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+              "top_logprobs"),
+             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs")]
     for body, param in cases:
         r = post(server, "/v1/chat/completions", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -581,6 +595,11 @@ def _fuzz_strategies():
         "stream": mostly(st.booleans()), "ignore_eos": mostly(st.booleans()),
         "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
         "num_speculative_tokens": mostly(st.integers(-2, 6)), "logprobs": junk, "echo": junk,
+        "top_logprobs": mostly(st.integers(-2, 25)), "presence_penalty": mostly(st.floats(-3, 3)),
+        "frequency_penalty": mostly(st.floats(-3, 3)), "repetition_penalty": mostly(st.floats(-1, 3)),
+        "logit_bias": mostly(st.dictionaries(st.one_of(st.integers(-5, 500).map(str), st.text(max_size=3)),
+                                             st.one_of(st.floats(-200, 200), st.integers(-10**9, 10**9)), max_size=3)),
+        "prompt_logprobs": mostly(st.integers(-2, 25)),
         "surprise": junk,
     }
     model = st.one_of(st.just(MODEL), st.just(MODEL), st.just(MODEL), junk)
@@ -595,12 +614,17 @@ def _fuzz_strategies():
         "seed": st.integers(-(2**63), 2**64 - 1), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
         "stream": st.booleans(), "ignore_eos": st.booleans(), "num_speculative_tokens": st.integers(0, 4),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0.01, 3), "prompt_logprobs": st.integers(0, 20),
+        "logit_bias": st.dictionaries(st.integers(0, 383).map(str), st.floats(-1e6, 1e6), max_size=3),
     }
     good_prompt = st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 383), min_size=1, max_size=20))
     good_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                                     "content": st.text(max_size=20)}), min_size=1, max_size=3)
-    valid_completions = st.fixed_dictionaries({"model": st.just(MODEL), "prompt": good_prompt}, optional=valid)
-    valid_chats = st.fixed_dictionaries({"model": st.just(MODEL), "messages": good_messages}, optional=valid)
+    valid_completions = st.fixed_dictionaries({"model": st.just(MODEL), "prompt": good_prompt},
+                                              optional=dict(valid, logprobs=st.integers(0, 20), echo=st.booleans()))
+    valid_chats = st.fixed_dictionaries({"model": st.just(MODEL), "messages": good_messages},
+                                        optional=dict(valid, logprobs=st.just(True), top_logprobs=st.integers(0, 20)))
     return st.one_of(completions, chats, valid_completions, valid_chats, junk, st.binary(max_size=40))
 
 
@@ -633,3 +657,123 @@ def test_random_requests_never_get_a_5xx(server):
 
     check()
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ---- logprobs, echo, penalties, logit_bias (issue 18) -----------------------------------------
+
+LP_PROMPT = PROMPTS[5]
+
+
+def _close(a, b, tol=1e-5):
+    return all(abs(x - y) < tol for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def test_completion_logprobs_equal_the_library_and_plain_decoding(client, plain):
+    """The speculative server's logprobs (openai client, legacy shape) equal plain decoding's
+    in the library, token for token."""
+    ref = plain.generate([LP_PROMPT], greedy(12, logprobs=3))[0]
+    r = client.completions.create(model=MODEL, prompt=LP_PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.token_ids == ref.token_ids
+    lp = choice.logprobs
+    assert _close(lp.token_logprobs, [x.logprob for x in ref.logprobs])
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    tok = plain.tokenizer
+    for top, x in zip(lp.top_logprobs, ref.logprobs):
+        want = {tok.token_text(i): v for i, v in x.top}
+        want.setdefault(tok.token_text(x.token_id), x.logprob)
+        assert top.keys() == want.keys() and _close([top[k] for k in want], list(want.values()))
+    assert lp.tokens == [tok.token_text(t) for t in ref.token_ids]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(12)]
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, plain):
+    """echo + logprobs (what evaluation harnesses send): the prompt comes back first, with the
+    target's logprob of each of its tokens (null for the first), then the completion."""
+    text = "the cat sat on the mat"
+    ids = plain.tokenizer.encode(text)
+    ref = plain.generate([ids], greedy(3, logprobs=1, prompt_logprobs=1))[0]
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, logprobs=1, echo=True,
+                                  extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.text == text + ref.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert _close(lp.token_logprobs[1:len(ids)], [x.logprob for x in ref.prompt_logprobs[1:]])
+    assert _close(lp.token_logprobs[len(ids):], [x.logprob for x in ref.logprobs])
+    # echo without logprobs: text only
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text + ref.text and r.choices[0].logprobs is None
+
+
+def test_chat_logprobs_and_top_logprobs(client, plain):
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = plain.encode_chat(messages)
+    ref = plain.generate([ids], greedy(8, logprobs=2))[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [plain.tokenizer.token_text(t) for t in ref.token_ids]
+    assert _close([c.logprob for c in content], [x.logprob for x in ref.logprobs])
+    for c, x in zip(content, ref.logprobs):
+        assert bytes(c.bytes) == plain.tokenizer.token_bytes(x.token_id)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in x.top], abs=1e-5)
+    no = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert no.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streamed_logprobs_add_up_to_the_whole(server, chat):
+    body = {"model": MODEL, "max_tokens": 14, "temperature": 0, "ignore_eos": True}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "count"}], logprobs=True, top_logprobs=1)
+        path = "/v1/chat/completions"
+    else:
+        body.update(prompt="one two three", logprobs=1, echo=True)
+        path = "/v1/completions"
+    whole = post(server, path, body).json()["choices"][0]
+    events = sse_events(post(server, path, dict(body, stream=True)).text)
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+    if chat:
+        streamed = [c for p in parts for c in p["content"]]
+        assert [c["token"] for c in streamed] == [c["token"] for c in whole["logprobs"]["content"]]
+        assert _close([c["logprob"] for c in streamed], [c["logprob"] for c in whole["logprobs"]["content"]])
+    else:
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert text == whole["text"]
+        for key in ("tokens", "text_offset"):
+            assert [x for p in parts for x in p[key]] == whole["logprobs"][key]
+        streamed = [x for p in parts for x in p["token_logprobs"]]
+        assert streamed[0] is None and _close(streamed[1:], whole["logprobs"]["token_logprobs"][1:])
+
+
+def test_penalties_and_logit_bias_equal_plain_decoding(client, plain):
+    fields = dict(presence_penalty=0.6, frequency_penalty=0.9)
+    extra = {"ignore_eos": True, "return_token_ids": True, "repetition_penalty": 1.2}
+    base = plain.generate([LP_PROMPT], greedy(20))[0].token_ids
+    bias = {str(base[0]): -100, "7": 5.5}
+    ref = plain.generate([LP_PROMPT], greedy(20, repetition_penalty=1.2, logit_bias={base[0]: -100, 7: 5.5},
+                                             **fields))[0]
+    assert ref.token_ids != base and base[0] not in ref.token_ids[:1]
+    r = client.completions.create(model=MODEL, prompt=LP_PROMPT, max_tokens=20, temperature=0, logit_bias=bias,
+                                  extra_body=extra, **fields)
+    assert r.choices[0].token_ids == ref.token_ids
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+                                       temperature=0, logit_bias=bias, extra_body=extra, **fields)
+    ids = plain.encode_chat([{"role": "user", "content": "hi"}])
+    want = plain.generate([ids], greedy(10, repetition_penalty=1.2, logit_bias={base[0]: -100, 7: 5.5}, **fields))[0]
+    assert r.choices[0].message.content == want.text
+
+
+def test_vllm_prompt_logprobs_field(server, plain):
+    ref = plain.generate([LP_PROMPT], greedy(2, prompt_logprobs=2))[0]
+    body = {"model": MODEL, "prompt": LP_PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2,
+            "ignore_eos": True}
+    got = post(server, "/v1/completions", body).json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(LP_PROMPT)
+    for entry, x, t in zip(got[1:], ref.prompt_logprobs[1:], LP_PROMPT[1:]):
+        assert abs(entry[str(t)]["logprob"] - x.logprob) < 1e-5 and entry[str(t)]["rank"] == x.rank
+        assert len(entry) in (2, 3)
