@@ -243,3 +243,27 @@ def test_logprobs_follow_stops_and_streaming(target_dir, noisy_draft):
     for o in llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)):
         deltas += o.new_logprobs
     assert [d.token_id for d in deltas] == full.token_ids
+
+
+def test_eagle3_head_with_prompt_logprobs_and_penalties():
+    """A head reads the prefill's hidden states too: asking for prompt logprobs adds the final
+    layer to the same forward without changing what the head gets (the bundled target and head)."""
+    from quickdraft.llm import default_model_dirs
+
+    target = default_model_dirs()[0]
+    llm = LLM(target, draft="target-eagle3", num_speculative_tokens=3, compile=False)
+    plain = LLM(target, method="none", compile=False)
+    prompts = [llm.tokenizer.encode("def read_config(path):\n    with open(path) as f:\n"),
+               llm.tokenizer.encode("class Stack:\n    def __init__(self):\n")]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                             frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    spec, ref = llm.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in ref]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(spec[0].logprobs, ref[0].logprobs))
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(spec[0].prompt_logprobs[1:], ref[0].prompt_logprobs[1:]))
+    # the head saw the same states as without prompt logprobs: the same drafts, the same acceptance
+    again = LLM(target, draft="target-eagle3", num_speculative_tokens=3, compile=False)
+    again.generate(prompts, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2,
+                                            frequency_penalty=0.5), params[1]])
+    assert again.stats.num_accepted_tokens == llm.stats.num_accepted_tokens > 0
