@@ -14,8 +14,11 @@ compile="aot", batch 1, greedy, eos ignored.
 Each (model, row) block: a warm-up, then --repeats repeats; in a repeat every variant runs every
 prompt, in an order rotated per repeat. Reported: decode tok/s (first token to last) as the
 median over repeats; each variant's ratio to its reference as the median (min - max) of the
-per-repeat ratios; overhead per target step (ms) = (time with - time without) / steps. The
-machine's load (load average, other processes' CPU share) is recorded.
+per-repeat ratios; target steps per run and the time per step, and the overhead per step (ms):
+time per step with the field minus without, per repeat, median. Penalties and logit_bias change
+the greedy text, and so how many drafts are accepted: their speed ratio includes that; the
+per-step overhead does not. The machine's load (load average, other processes' CPU share) is
+recorded.
 
     python benchmarks/openai_fields.py --baseline c136b05 --threads 1 --out-dir benchmarks/results
 """
@@ -176,12 +179,13 @@ def main() -> None:
                 for v in variants:
                     ref = ("new", "none") if v != ("new", "none") else ("old", "none") if "old" in workers else v
                     ratios = [b / a for a, b in zip(secs[v], secs[ref])]  # speed relative to the reference
-                    overhead = [(a - b) / steps[v] * 1e3 for a, b in zip(secs[v], secs[ref])]
+                    overhead = [(a / steps[v] - b / steps[ref]) * 1e3 for a, b in zip(secs[v], secs[ref])]
                     result[f"{v[0]}:{v[1]}"] = {
                         "tokens_per_s": tokens / statistics.median(secs[v]), "reference": f"{ref[0]}:{ref[1]}",
                         "speed_vs_reference_median": statistics.median(ratios), "speed_vs_reference_min": min(ratios),
                         "speed_vs_reference_max": max(ratios), "overhead_ms_per_step_median": statistics.median(overhead),
                         "steps_per_run": steps[v] / len(prompts),
+                        "ms_per_step": statistics.median(secs[v]) / steps[v] * 1e3,
                         "greedy_tokens_equal_reference": ids[v] == ids[ref] if FIELDS[v[1]].keys() <= {"logprobs"} else None}
                 block = {"model": model, "row": row, "threads": args.threads, "rows": result, "seconds": wall,
                          "machine": {"loadavg_1m_before": load0, "loadavg_1m_after": os.getloadavg()[0],
@@ -206,14 +210,16 @@ def main() -> None:
     (args.out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "blocks": blocks}, indent=1))
     lines = [f"# {args.name}", "", f"`{meta['command']}`; {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}, "
              f"{args.threads} thread(s), {args.new_tokens} new tokens, {args.prompts} prompts, {args.repeats} repeats.", "",
-             "| model | row | variant | tok/s | speed vs reference (min-max) | reference | overhead ms/step | load |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | row | variant | tok/s | speed vs reference (min-max) | reference | steps/run | ms/step | "
+             "overhead ms/step | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for b in blocks:
         for name, r in b["rows"].items():
             share = b["machine"]["other_cpu_share"]
             lines.append(f"| {b['model']} | {b['row']} | {name} | {r['tokens_per_s']:.1f} | "
                          f"{r['speed_vs_reference_median']:.3f} ({r['speed_vs_reference_min']:.3f}-"
-                         f"{r['speed_vs_reference_max']:.3f}) | {r['reference']} | {r['overhead_ms_per_step_median']:+.2f} | "
+                         f"{r['speed_vs_reference_max']:.3f}) | {r['reference']} | {r['steps_per_run']:.1f} | "
+                         f"{r['ms_per_step']:.2f} | {r['overhead_ms_per_step_median']:+.2f} | "
                          f"other CPU {share if share is None else f'{share:.0%}'} |")
     (args.out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 

@@ -158,6 +158,17 @@ def exact_joint_penalized(model_dir, params: SamplingParams) -> np.ndarray:
     return joint.numpy()
 
 
+@pytest.fixture(scope="module")
+def head(pair, tmp_path_factory):
+    """An EAGLE-3 head for the lossless pair's target (random: over 12 tokens it still agrees
+    with the target often enough to take both verify paths)."""
+    from quickdraft.model.eagle3 import new_head, save_eagle3
+    from quickdraft.model.loader import load_model
+
+    torch.manual_seed(0)
+    return save_eagle3(new_head(load_model(pair[0], dtype="float32")), tmp_path_factory.mktemp("head") / "h")
+
+
 PENALIZED = dict(repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=-0.5, logit_bias={2: 1.5, 4: -2.0})
 # lookups propose repeats, which penalties make unlikely: milder ones keep both verify paths busy
 MILD = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=-0.2, logit_bias={2: 1.5, 4: -2.0})
@@ -169,15 +180,19 @@ MILD = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=-0.2
     ("draft", dict(tree_width=3), dict(temperature=1.0)),
     ("ngram", dict(min_ngram=1, max_ngram=2, num_candidates=3), dict(temperature=1.0, **MILD)),
     ("suffix", dict(), dict(temperature=1.0, top_p=0.9, **MILD)),
+    ("lookahead", dict(), dict(temperature=1.0, **MILD)),
+    ("eagle3", dict(), dict(temperature=1.0)),
+    ("eagle3", dict(tree_width=2, tree_nodes=4), dict(temperature=0.9, min_p=0.05)),
     ("none", dict(), dict(temperature=1.0)),
-], ids=["draft-chain", "draft-sampled-tree-topk", "draft-tree", "ngram-tree", "suffix-topp", "plain"])
-def test_penalized_sampling_matches_the_penalized_target(pair, method, options, kw):
+], ids=["draft-chain", "draft-sampled-tree-topk", "draft-tree", "ngram-tree", "suffix-topp", "lookahead", "eagle3-chain",
+        "eagle3-tree-minp", "plain"])
+def test_penalized_sampling_matches_the_penalized_target(pair, head, method, options, kw):
     """Penalties at verify position i count the draft tokens before it (chains) or a node's
     ancestors (trees): the output follows the exact penalised distribution, and not the
     unpenalised one."""
     target, draft = pair
     k = 0 if method == "none" else 2
-    llm = LLM(target, draft=draft if method == "draft" else None, method=method, num_speculative_tokens=k,
+    llm = LLM(target, draft={"draft": draft, "eagle3": head}.get(method), method=method, num_speculative_tokens=k,
               max_num_seqs=N // 4, spec_options=options)
     params = {**PENALIZED, **kw}
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **params))
