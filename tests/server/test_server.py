@@ -777,3 +777,24 @@ def test_vllm_prompt_logprobs_field(server, plain):
     for entry, x, t in zip(got[1:], ref.prompt_logprobs[1:], LP_PROMPT[1:]):
         assert abs(entry[str(t)]["logprob"] - x.logprob) < 1e-5 and entry[str(t)]["rank"] == x.rank
         assert len(entry) in (2, 3)
+
+
+def test_openai_client_parses_streamed_logprobs(client):
+    messages = [{"role": "user", "content": "abc"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                           logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    streamed = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                logprobs=True, top_logprobs=3, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(c.token, len(c.top_logprobs)) for c in streamed] == [(c.token, 3) for c in whole.choices[0].logprobs.content]
+    text = ""
+    tokens = []
+    for chunk in client.completions.create(model=MODEL, prompt="x y", max_tokens=6, temperature=0, logprobs=2,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+    assert len(tokens) == 6
