@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -150,14 +151,19 @@ def _default_prompts(llm, vocab: int) -> list:
     return [[3 % vocab, 7 % vocab, 5 % vocab], [2 % vocab], [11 % vocab, 4 % vocab, 9 % vocab, 6 % vocab]]
 
 
-def _next_token_probs(model, seq: list[int], params) -> list[float]:
-    """Exact processed p(. | seq) from one full forward, as float64 values."""
+def _next_token_probs(model, seq: list[int], params, prompt_len: int) -> list[float]:
+    """Exact processed p(. | seq) from one full forward, as float64 values: penalised (logit
+    bias, repetition / frequency / presence penalties) with seq[prompt_len:] as the output so
+    far, then temperature and truncation."""
     import torch
 
-    from ..sampling import BatchSampling, process_logits
+    from ..sampling import BatchSampling, PenaltyState, process_logits
 
     with torch.inference_mode():
         logits = model(torch.tensor([seq], device=model.device))[:, -1].float()
+        penalties = PenaltyState.build([params], [seq[:prompt_len]], logits.shape[-1], model.device)
+        if penalties is not None:
+            logits = penalties.apply(logits, [seq[prompt_len:]])
         probs = process_logits(logits, BatchSampling.build([params], model.device))
     return probs[0].double().cpu().tolist()
 
@@ -216,7 +222,10 @@ def verify_lossless(target, draft=None, method: str = "draft", k: int = 4, spec_
     result: dict[str, Any] = {
         "config": {"target": str(target), "draft": None if draft is None else str(draft), "method": method, "k": k,
                    "spec_options": dict(spec_options or {}), "temperature": params.temperature,
-                   "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p, "samples": samples,
+                   "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
+                   "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                   "repetition_penalty": params.repetition_penalty,
+                   "logit_bias": None if params.logit_bias is None else dict(params.logit_bias), "samples": samples,
                    "seed": seed, "batch": batch, "top": top, "alpha": alpha, "dtype": str(llm.target.dtype),
                    "device": str(llm.target.device), "max_tokens": MAX_TOKENS},
         "prompts": [{"prompt": p if isinstance(p, str) else list(p), "token_ids": ids}
@@ -229,8 +238,7 @@ def verify_lossless(target, draft=None, method: str = "draft", k: int = 4, spec_
     if params.greedy:
         dist["skipped"] = "temperature 0: the output is deterministic, see the greedy check"
     else:
-        sampled = [SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                  min_p=params.min_p, max_tokens=MAX_TOKENS, seed=seed * 2**32 + i, ignore_eos=True)
+        sampled = [replace(params, max_tokens=MAX_TOKENS, seed=seed * 2**32 + i, ignore_eos=True, stop=())
                    for _ in encoded for i in range(samples)]
         reqs = [ids for ids in encoded for _ in range(samples)]
         spec_out = [o.token_ids for o in llm.generate(reqs, sampled)]
@@ -241,8 +249,7 @@ def verify_lossless(target, draft=None, method: str = "draft", k: int = 4, spec_
         else:
             wrong_t = params.temperature * 1.5 + 0.5
             wrong_model = llm.target
-            wrong_params = SamplingParams(temperature=wrong_t, top_p=params.top_p, top_k=params.top_k,
-                                          min_p=params.min_p)
+            wrong_params = replace(params, temperature=wrong_t)
             control["kind"] = f"the target's distribution at temperature {wrong_t:g}"
         for pi, ids in enumerate(encoded):
             spec_rows = spec_out[pi * samples:(pi + 1) * samples]
@@ -255,8 +262,8 @@ def verify_lossless(target, draft=None, method: str = "draft", k: int = 4, spec_
                     test.update(n_speculative=n, skipped=f"only {n} rows (< {MIN_ROWS})")
                     dist["tests"].append(test)
                     continue
-                exact = _next_token_probs(llm.target, ids + list(ctx), params)
-                wrong = _next_token_probs(wrong_model, ids + list(ctx), wrong_params)
+                exact = _next_token_probs(llm.target, ids + list(ctx), params, len(ids))
+                wrong = _next_token_probs(wrong_model, ids + list(ctx), wrong_params, len(ids))
                 spec = goodness_of_fit(spec_counts, exact, top)
                 ref = goodness_of_fit(_rows_after(plain_rows, ctx), exact, top)
                 ctl = goodness_of_fit(spec_counts, wrong, top)
@@ -286,7 +293,7 @@ def verify_lossless(target, draft=None, method: str = "draft", k: int = 4, spec_
     result["stats"] = llm.stats.to_dict()  # of the sampled run
 
     # -- greedy equality (exact only in float32, DESIGN.md)
-    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    greedy = replace(params, temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, seed=None, stop=())
     spec_g_out = llm.generate(encoded, greedy)
     spec_g = [o.token_ids for o in spec_g_out]
     plain_g = [o.token_ids for o in plain.generate([(ids, greedy) for ids in encoded])]

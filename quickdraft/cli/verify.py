@@ -23,6 +23,9 @@ def verify_command(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     min_p: float = typer.Option(0.0, "--min-p"),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="[-2, 2], over output tokens."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="[-2, 2], per output occurrence."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="> 0 (1 = off), prompt and output."),
     samples: int = typer.Option(4000, "--samples", help="Continuations per prompt, with and without speculation."),
     prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt (repeatable; default: code prompts)."),
     ids: bool = typer.Option(False, "--ids", help="Each --prompt is token ids separated by spaces or commas."),
@@ -51,7 +54,9 @@ def verify_command(
             prompts = [parse_ids(p, "--ids (each --prompt)") for p in prompt]
         else:
             prompts = list(prompt)
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            repetition_penalty=repetition_penalty)
     r = verify_lossless(target, draft=draft, method=method, k=k, spec_options=options, params=params,
                         prompts=prompts, samples=samples, seed=seed, batch=batch, top=top, alpha=alpha, dtype=dtype,
                         device=device)

@@ -83,6 +83,28 @@ def test_fails_on_a_wrong_verifier(pair, monkeypatch, wrong, kw):
     assert r["distribution"]["plain_passed"]  # plain decoding never drafts: still right
 
 
+def test_penalties_pass(pair, monkeypatch):
+    """`quickdraft verify --repetition-penalty ... --frequency-penalty ...`: the exact penalised
+    distribution is the reference (the engine-level chi-square tests in tests/engine/test_lossless.py
+    are the ones that catch a verifier ignoring the draft tokens' penalties: this check looks at
+    one position at a time, where that bug shifts only a fraction of the rows)."""
+    kw = dict(temperature=1.0, repetition_penalty=1.6, frequency_penalty=0.8, presence_penalty=-0.5)
+    r = check(pair, **kw)
+    assert r["passed"], r
+    assert r["config"]["repetition_penalty"] == 1.6 and r["greedy"]["num_draft_tokens"] > 0
+    # the reference is the penalised distribution: against the unpenalised one the same output fails
+    import dataclasses
+
+    import quickdraft.bench.lossless as lossless
+
+    exact = lossless._next_token_probs
+    plain = dict(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+    monkeypatch.setattr(lossless, "_next_token_probs",
+                        lambda model, seq, params, n: exact(model, seq, dataclasses.replace(params, **plain), n))
+    r = check(pair, **kw)
+    assert not r["passed"] and r["distribution"]["speculative_passed"] is False
+
+
 def test_greedy_equality(pair, monkeypatch):
     r = check(pair, temperature=0.0)
     assert r["passed"] and r["distribution"]["skipped"]
