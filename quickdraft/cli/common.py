@@ -143,6 +143,10 @@ DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, w
 SAVE_DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the file's float type, "
                           "bfloat16 for quantised weights).")
 TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy.")
+PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="[-2, 2]: subtracted once from each generated token.")
+FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="[-2, 2]: subtracted per occurrence in the output.")
+REPETITION_PENALTY = typer.Option(1.0, "--repetition-penalty",
+                                  help="> 0, 1 = off: prompt and output tokens' logits divided (or multiplied) by it.")
 PROMPTS_FILE = typer.Option(None, "--prompts", help="JSONL of {\"prompt\": text or token ids} (default: a "
                             "built-in workload).")
 WORKLOAD = typer.Option("code", "--workload", help="Built-in workload: code | editing (held-out files).")

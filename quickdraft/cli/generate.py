@@ -28,6 +28,9 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     min_p: float = typer.Option(0.0, "--min-p"),
+    presence_penalty: float = opts.PRESENCE_PENALTY,
+    frequency_penalty: float = opts.FREQUENCY_PENALTY,
+    repetition_penalty: float = opts.REPETITION_PENALTY,
     seed: Optional[int] = typer.Option(None, "--seed"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
@@ -50,7 +53,9 @@ def generate(
     from ..sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                            max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos)
+                            max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            repetition_penalty=repetition_penalty)
     options = parse_spec_options(spec_option, tree_width)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
               spec_options=options, policy=policy, profile=profile, compile="aot" if aot else compile, quantization=quantization,

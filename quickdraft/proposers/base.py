@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuickdraftError
-from ..sampling import BatchSampling, StepRandom
+from ..sampling import BatchSampling, PenaltyState, StepRandom
 
 
 @dataclass
@@ -42,6 +42,10 @@ class ProposeBatch:
     k: int  # most tokens any path may propose this step (>= 1): a tree's depth bound
     sampling: BatchSampling  # the rows' sampling parameters; q must use the same processing
     random: StepRandom  # per-row randomness, keyed by each row's request and position
+    # the rows' penalties / logit_bias (None: no row has any) and generated tokens: a proposer
+    # may draft from penalised distributions (q is then what it sampled from) or ignore them
+    penalties: PenaltyState | None = None
+    outputs: list[list[int]] | None = None
 
 
 @dataclass

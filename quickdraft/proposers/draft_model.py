@@ -6,7 +6,11 @@ it has not seen (the whole prompt at first, then the step's accepted tokens and 
 token after them).
 
 Chain (tree_width 1): k tokens sampled one at a time with the rows' sampling parameters,
-keeping q exactly as sampled from (draft_chain). Where compiled, the whole chain is one
+keeping q exactly as sampled from (draft_chain). Rows with penalties or logit_bias draft from
+the draft's logits penalised by the same rule as the target's (their output and the chain so
+far count; `penalize=False` drafts from the raw ones): measured on the bundled pair
+(benchmarks/results/penalty_acceptance_cpu.json), it accepts more on average, most with a
+strong repetition penalty. That chain runs one forward at a time, not as the compiled graph. Where compiled, the whole chain is one
 graph for the variants warm-up registered (quickdraft.compile.CompiledVariants), else one
 compiled forward at a time; the same tokens either way. With confidence_threshold, a row
 stops drafting once the draft is unsure (one forward at a time: it needs a host sync).
@@ -36,11 +40,11 @@ from .draft_tree import chain_prefix, sampled_tree_parents, top_w_tree
 
 @register("draft")
 class DraftModelProposer(Proposer):
-    OPTIONS = ("tree_width", "tree_nodes", "tree_sampled", "confidence_threshold")
+    OPTIONS = ("tree_width", "tree_nodes", "tree_sampled", "confidence_threshold", "penalize")
     needs_draft_model = True
 
     def __init__(self, model: Transformer, tree_width: int = 1, tree_nodes: int | None = None,
-                 tree_sampled: bool = False, confidence_threshold: float = 0.0):
+                 tree_sampled: bool = False, confidence_threshold: float = 0.0, penalize: bool = True):
         self.model = model
         self.tree_width = check_int("tree_width", tree_width, 1, 16)
         # the most nodes sent to the target (the best by cumulative draft log-probability);
@@ -51,6 +55,9 @@ class DraftModelProposer(Proposer):
         if tree_sampled and tree_nodes is not None:
             raise QuickdraftError("tree_nodes prunes top-w trees; it cannot be combined with tree_sampled")
         self.tree_sampled = tree_sampled
+        if not isinstance(penalize, bool):
+            raise QuickdraftError(f"penalize must be true or false, got {penalize!r}")
+        self.penalize = penalize  # chains and sampled trees: q follows the rows' penalties too
         if isinstance(confidence_threshold, bool) or not isinstance(confidence_threshold, (int, float)) \
                 or not 0.0 <= confidence_threshold < 1.0:
             raise QuickdraftError(f"confidence_threshold must be a number in [0, 1), got {confidence_threshold!r}")
@@ -168,14 +175,16 @@ class DraftModelProposer(Proposer):
             logits = self._catch_up(batch)
             tokens, probs, fed = self._confident_chain(batch, logits, lengths, self.cache.rows(0, B))
         else:
-            tokens, probs = self._draft_chain(batch.tokens, k, batch.sampling, w, batch.random)
+            penalties = batch.penalties if self.penalize else None
+            tokens, probs = self._draft_chain(batch.tokens, k, batch.sampling, w, batch.random,
+                                              None if penalties is None else (penalties, batch.outputs))
             fed = k - 1
         for b in range(B):
             self.cached[b] = lengths[b] + fed
         parents = sampled_tree_parents(B, k, w, tokens.device) if w > 1 else None
         return Draft(tokens=tokens, probs=probs, parents=parents)
 
-    def _draft_chain(self, rows: list[list[int]], k, sampling, w, rnd: StepRandom):
+    def _draft_chain(self, rows: list[list[int]], k, sampling, w, rnd: StepRandom, penalize=None):
         """Catch up and draft (draft_chain): as one compiled graph where one is registered
         for this batch shape and sampling mix, else one (compiled) forward at a time; the same
         tokens either way. Each row's last <= 2 uncached tokens go into the chain (right-padded
@@ -204,8 +213,8 @@ class DraftModelProposer(Proposer):
         args = (to_device(ids, device), to_device(pos, device), view)
         kwargs = dict(last=to_device(last, device), kv_len=max(len(t) for t in rows), k=k, sampling=sampling,
                       noise=noise, width=w)
-        if self._chains is None:
-            return draft_chain(self._step, *args, **kwargs)
+        if self._chains is None or penalize is not None:
+            return draft_chain(self._step, *args, **kwargs, penalize=penalize)
         return self._chains(chain_key(B, k, w, sampling), *args, **kwargs)
 
     def _confident_chain(self, batch: ProposeBatch, logits, lengths, view):
@@ -250,7 +259,8 @@ class DraftModelProposer(Proposer):
 
 
 def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, last: torch.Tensor, kv_len: int,
-                k: int, sampling: BatchSampling, noise: torch.Tensor | None, width: int = 1, grow: bool = True):
+                k: int, sampling: BatchSampling, noise: torch.Tensor | None, width: int = 1, grow: bool = True,
+                penalize: tuple | None = None):
     """Catch up on the last committed tokens, then draft k tokens: sample from the draft's
     distribution, feed the token, repeat.
 
@@ -263,16 +273,25 @@ def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, las
     Returns tokens (B, k * width) and q (B, k * width, V), the exact distribution each token
     was drawn from. One function of tensors, so that a compiler makes the whole draft one
     graph (StepFunction(fn=draft_chain)); `model` is the draft's forward, compiled or not.
+    penalize: (PenaltyState, each row's output so far) to draft from penalised logits, the
+    chain's tokens before each depth counting as output (eager only).
     """
     logits = model(ids, positions, cache, kv_len=kv_len, logits_at=last)[:, 0]
     start = positions.gather(1, last)  # (B, 1) the last committed token's position
     start = torch.where(start >= 0, start + 1, -1)  # where the first draft token goes
     tokens, probs = [], []
+    seen = None
+    if penalize is not None:
+        seen = torch.zeros(logits.shape[0], 1, logits.shape[-1], dtype=torch.float32, device=logits.device)
     for i in range(k):
+        if penalize is not None:
+            logits = penalize[0].apply(logits, penalize[1], seen)  # a sibling's context is the chain before it
         q = process_logits(logits, sampling)  # (B, V) float32
         xs = [q.argmax(-1)] if noise is None else [race(q, noise[:, i, j]) for j in range(width)]
         tokens += xs
         probs += [q] * len(xs)
+        if seen is not None:
+            seen = seen.scatter_add(2, xs[0][:, None, None], torch.ones_like(seen[..., :1]))
         if i < k - 1:  # the last draft token is never fed: the target will judge it
             pos = torch.where(start >= 0, start + i, -1)
             logits = model(xs[0][:, None], pos, cache, kv_len=kv_len + 1 + i if grow else kv_len)[:, 0]

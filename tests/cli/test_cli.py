@@ -23,6 +23,20 @@ def test_generate_json(target_dir, draft_dir):
     assert set(data["stats"]) >= {"acceptance_rate", "mean_acceptance_length", "tokens_per_second", "num_drafts"}
 
 
+def test_generate_with_penalties_equals_the_library(target_dir, draft_dir):
+    from quickdraft import LLM, SamplingParams
+
+    r = run("generate", "--target", target_dir, "--draft", draft_dir, "-k", 3, "--max-tokens", 16, "--ignore-eos",
+            "--repetition-penalty", 1.4, "--frequency-penalty", 0.5, "--presence-penalty", 0.25, "--json",
+            "def add(a, b):")
+    assert r.returncode == 0, r.stderr
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.4,
+                            frequency_penalty=0.5, presence_penalty=0.25)
+    assert json.loads(r.stdout)["token_ids"] == LLM(target_dir, method="none").generate(["def add(a, b):"], params)[0].token_ids
+    bad = run("generate", "--target", target_dir, "--presence-penalty", 3, "x")
+    assert bad.returncode == 2 and "presence_penalty" in bad.stderr and "Traceback" not in bad.stderr
+
+
 @pytest.mark.slow
 def test_generate_streams_text_and_summary(target_dir, draft_dir):
     r = run("generate", "--target", target_dir, "--draft", draft_dir, "--max-tokens", 8, "--ignore-eos",

@@ -267,3 +267,21 @@ def test_eagle3_head_with_prompt_logprobs_and_penalties():
     again.generate(prompts, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2,
                                             frequency_penalty=0.5), params[1]])
     assert again.stats.num_accepted_tokens == llm.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_model_drafts_from_penalised_distributions(target_dir, plain, temperature):
+    """The target as its own draft: with q penalised by the same rule as p (the default), every
+    draft token is accepted, penalties and all; drafting from raw logits (penalize=False)
+    loses acceptance but not the output."""
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=40, ignore_eos=True, repetition_penalty=1.5,
+                            frequency_penalty=0.5, logit_bias={5: 2.0})
+    want = plain.generate(PROMPTS, params)
+    rates = {}
+    for penalize in (True, False):
+        llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=4, spec_options={"penalize": penalize})
+        got = llm.generate(PROMPTS, params)
+        if temperature == 0:
+            assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        rates[penalize] = llm.stats.acceptance_rate
+    assert rates[True] > 0.99 and rates[False] < 0.95
