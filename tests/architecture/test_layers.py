@@ -17,7 +17,7 @@ LAYERS = [
     {"__init__"},  # the package's public re-exports (LLM, Engine, SamplingParams, ...)
     {"llm"},
     {"engine"},
-    {"policy", "proposers", "compile", "aot"},
+    {"policy", "proposers", "compile", "aot", "parallel"},
     {"model", "verify", "sampling", "tree", "cache", "metrics"},
     {"config"},
     {"errors"},
