@@ -150,10 +150,12 @@ class LLM:
         print(f"quickdraft: compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """Release what outlives this object: a tensor-parallel target's other ranks."""
-        close = getattr(self.target, "close", None)
-        if close is not None:
-            close()
+        """Release what outlives this object: a tensor-parallel target's other ranks (once no
+        other LLM of this process shares them)."""
+        release = getattr(self.target, "release", None)
+        if release is not None and not getattr(self, "_closed", False):
+            self._closed = True
+            release()
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         if isinstance(prompt, str):

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import QuickdraftError
+from ..errors import EngineFailure, QuickdraftError
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective (or start-up rendezvous) waiting longer than this fails
 _IDLE = datetime.timedelta(days=365)  # workers wait for rank 0's next command this long
 
 
-class RankFailure(QuickdraftError):
+class RankFailure(EngineFailure):
     """A tensor-parallel rank died or a collective timed out: the group cannot go on."""
 
 

@@ -15,6 +15,7 @@ raises RankFailure for that step and for every later call, never waiting forever
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -104,6 +105,7 @@ class TensorParallelTarget(nn.Module):
         self._next_cache = 0
         self._freed: list[int] = []  # caches rank 0 dropped; the workers drop theirs with the next command
         self.closed = False
+        self.users = 1  # LLMs sharing this target (one group per process: they share it)
 
     def __getattr__(self, name: str):
         try:
@@ -148,10 +150,17 @@ class TensorParallelTarget(nn.Module):
         return self._call("new_cache", dict(cache=cid, slots=max_slots, capacity=capacity),
                           local=lambda: ShardedKVCache(self, cid, max_slots, capacity))
 
+    def release(self) -> None:
+        """One user is done with the target; the last one closes the group."""
+        self.users -= 1
+        if self.users <= 0:
+            self.close()
+
     def close(self) -> None:
         """Stop the other ranks and leave the group (rank 0; also at exit)."""
         if self.closed:
             return
+        _OPEN.pop(self.key, None)
         if self.broken is None:
             try:
                 self.channel.send("stop", {})
@@ -277,12 +286,17 @@ def spawned_worker_main(rank: int, world: int, port: int, spec: LoadSpec) -> Non
     os._exit(0)
 
 
+_OPEN: dict[LoadSpec, TensorParallelTarget] = {}  # the open group of this process, by what it loaded
+
+
 def load_tensor_parallel(path: Path, world: int, dtype=None, device: torch.device = torch.device("cpu"),
                          quantization: str | None = None, lm_head: str = "rank0",
                          timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelTarget:
     """The target split over `world` ranks. Started here (spawned workers) or, under torchrun,
     joining its processes: there ranks > 0 follow rank 0 until it closes the group and then end
-    the process (`SystemExit(0)`), so a script's code after LLM(...) runs on rank 0 only."""
+    the process (`SystemExit(0)`), so a script's code after LLM(...) runs on rank 0 only.
+    A process holds one group: a second LLM over the same target and settings shares it (each
+    with its own KV caches); release() when done."""
     if (path / "gguf.json").exists() or not any(path.glob("*.safetensors*")):
         raise QuickdraftError("tensor parallelism loads safetensors checkpoint folders (each rank reads its slice); "
                               f"{path} has none (GGUF targets are not supported with tensor_parallel_size > 1)")
@@ -290,12 +304,17 @@ def load_tensor_parallel(path: Path, world: int, dtype=None, device: torch.devic
     ShardPlan(ModelConfig.from_file(path / "config.json"), 0, world, lm_head)  # validates lm_head early
     if not timeout_s > 0:
         raise QuickdraftError(f"the tensor-parallel timeout must be > 0 s, got {timeout_s}")
-    if dist.is_initialized() and not under_torchrun():
-        raise QuickdraftError("a tensor-parallel group is already running in this process: close() the other LLM")
     threads = max(1, torch.get_num_threads() // world)
+    spec = LoadSpec(str(path), world, dtype, device.type, quantization, lm_head, timeout_s, threads)
+    key = dataclasses.replace(spec, threads=0)
+    if key in _OPEN:
+        _OPEN[key].users += 1
+        return _OPEN[key]
+    if _OPEN or (dist.is_initialized() and not under_torchrun()):
+        raise QuickdraftError("another tensor-parallel target is open in this process (one group per process): "
+                              "close() the LLM holding it first")
     if device.type == "cpu" and not under_torchrun():
         torch.set_num_threads(threads)  # rank 0 too: the spawned ranks share this machine's cores
-    spec = LoadSpec(str(path), world, dtype, device.type, quantization, lm_head, timeout_s, threads)
     if under_torchrun():
         group = init_torchrun(world, device, timeout_s)
         if group.rank != 0:
@@ -312,5 +331,7 @@ def load_tensor_parallel(path: Path, world: int, dtype=None, device: torch.devic
             dist.destroy_process_group()
         raise
     target = TensorParallelTarget(shard, group)
+    target.key = key
+    _OPEN[key] = target
     atexit.register(target.close)
     return target
