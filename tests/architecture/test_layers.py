@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "quickdraft"
 # The layers, top first; a module may import its own layer and everything below.
 LAYERS = [
     {"cli"},
-    {"server", "bench", "train"},
+    {"server", "bench", "train", "deploy"},
     {"__init__"},  # the package's public re-exports (LLM, Engine, SamplingParams, ...)
     {"llm"},
     {"engine"},
