@@ -103,12 +103,15 @@ class LLM:
         if tensor_parallel_size != 1:
             from .parallel import load_tensor_parallel
 
-            if compile not in (None, False, "auto"):
-                raise QuickdraftError("compiled steps with tensor_parallel_size > 1 are not supported yet: "
-                                      "use compile=False")
+            if compile == "aot":
+                raise QuickdraftError("ahead-of-time compiled steps (aot) are not supported with "
+                                      "tensor_parallel_size > 1: use compile=True (torch.compile on each rank)")
+            # compiled: each rank compiles its own shard's step (CUDA graphs on CUDA), the engine drives it as is
+            per_rank = compile is True or (compile is None and dev.type == "cuda")
             compile = False
             self.target = load_tensor_parallel(target_dir, tensor_parallel_size, dtype=dtype, device=dev,
-                                               quantization=quantization, **dict(tensor_parallel_options or {}))
+                                               quantization=quantization, compile=per_rank,
+                                               **dict(tensor_parallel_options or {}))
         else:
             self.target = prepare(load_model(target_dir, dtype=dtype, device=dev, quantization=quantization),
                                   quantization)

@@ -50,6 +50,7 @@ class LoadSpec:
     lm_head: str
     timeout_s: float
     threads: int  # CPU: intra-op threads per rank (the ranks share the cores)
+    compile: bool = False  # each rank runs its shard's forward as a compiled step (quickdraft.compile)
 
 
 class Channel:
@@ -262,10 +263,19 @@ def _load_all(spec: LoadSpec, group: TPGroup) -> nn.Module:
     return shard
 
 
+def _step(shard: nn.Module, spec: LoadSpec):
+    """The forward each rank runs: the shard's own, or its compiled step (CUDA graphs on CUDA)."""
+    if not spec.compile:
+        return None
+    from ..compile import StepFunction
+
+    return StepFunction(shard, name="target shard")
+
+
 def _worker(spec: LoadSpec, group: TPGroup) -> None:
     try:
         shard = _load_all(spec, group)
-        follow(shard, group)
+        follow(shard, group, _step(shard, spec))
     except BaseException:  # noqa: BLE001 - a worker's failure ends its process; rank 0 sees the group fail
         print(f"quickdraft: tensor-parallel rank {group.rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
               flush=True)
@@ -291,7 +301,7 @@ _OPEN: dict[LoadSpec, TensorParallelTarget] = {}  # the open group of this proce
 
 def load_tensor_parallel(path: Path, world: int, dtype=None, device: torch.device = torch.device("cpu"),
                          quantization: str | None = None, lm_head: str = "rank0",
-                         timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelTarget:
+                         timeout_s: float = DEFAULT_TIMEOUT_S, compile: bool = False) -> TensorParallelTarget:
     """The target split over `world` ranks. Started here (spawned workers) or, under torchrun,
     joining its processes: there ranks > 0 follow rank 0 until it closes the group and then end
     the process (`SystemExit(0)`), so a script's code after LLM(...) runs on rank 0 only.
@@ -305,7 +315,7 @@ def load_tensor_parallel(path: Path, world: int, dtype=None, device: torch.devic
     if not timeout_s > 0:
         raise QuickdraftError(f"the tensor-parallel timeout must be > 0 s, got {timeout_s}")
     threads = max(1, torch.get_num_threads() // world)
-    spec = LoadSpec(str(path), world, dtype, device.type, quantization, lm_head, timeout_s, threads)
+    spec = LoadSpec(str(path), world, dtype, device.type, quantization, lm_head, timeout_s, threads, bool(compile))
     key = dataclasses.replace(spec, threads=0)
     if key in _OPEN:
         _OPEN[key].users += 1
@@ -330,7 +340,7 @@ def load_tensor_parallel(path: Path, world: int, dtype=None, device: torch.devic
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    target = TensorParallelTarget(shard, group)
+    target = TensorParallelTarget(shard, group, _step(shard, spec))
     target.key = key
     _OPEN[key] = target
     atexit.register(target.close)
