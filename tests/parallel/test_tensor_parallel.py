@@ -1,6 +1,6 @@
 """The bundled pair with its target split over 2 gloo ranks (real processes): greedy
 speculative output (draft chains, draft trees, n-gram, suffix) equals plain decoding and the
-single process's output token for token; a batch whose rows finish at different times (row
+single process's output token for token (EAGLE-3 too); a batch whose rows finish at different times (row
 moves) and seeded sampling too."""
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def test_logits_equal_the_single_process(tp_llms):
     ("draft", {"spec_options": (("tree_width", 2),)}),
     ("ngram", {}),
     ("suffix", {}),
+    ("eagle3", {}),  # the bundled target's EAGLE-3 head, fed the hidden states every rank's forward produces
 ])
 def test_greedy_output_equals_plain_single_process_decoding(tp_llms, reference, method, kwargs):
     _, params, expected = reference
