@@ -63,6 +63,9 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, max_slots: int, capacity: int) -> KVCache:
+        make = getattr(model, "new_kv_cache", None)  # a tensor-parallel target: its shard's heads, on every rank
+        if make is not None:
+            return make(max_slots, capacity)
         cfg = model.config
         p = model.model.embed_tokens.weight
         return cls(cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, capacity,

@@ -13,3 +13,8 @@ class QuickdraftError(ValueError):
 
 class UnsupportedModelError(QuickdraftError):
     """The checkpoint uses an architecture or option this engine does not implement."""
+
+
+class EngineFailure(QuickdraftError):
+    """The engine cannot go on at all (e.g. a tensor-parallel rank died or timed out): every
+    request it holds fails, and a server exits non-zero rather than answering 503 forever."""

@@ -60,7 +60,8 @@ class LLM:
                  spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
                  profile: str | Path | None = None, compile: bool | str | None = None,
                  quantization: str | None = None, draft_quantization: str | None = None,
-                 preallocate: bool = False, draft_dtype: str | torch.dtype | None = None):
+                 preallocate: bool = False, draft_dtype: str | torch.dtype | None = None,
+                 tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
         then cached on disk); False: eager. None (default): CUDA graphs on CUDA/ROCm; on CPU the
@@ -70,7 +71,9 @@ class LLM:
         acceptance and speed only, never the output's distribution. preallocate: KV
         caches for max_num_seqs requests of max_model_len tokens at once, so requests can join
         a running batch whenever a row is free (what a server wants); else they are sized for
-        each batch of generate()."""
+        each batch of generate(). tensor_parallel_size: the target split over this many ranks
+        (quickdraft.parallel; processes spawned here, or joined under torchrun);
+        tensor_parallel_options: lm_head ("rank0" | "vocab"), timeout_s (collectives)."""
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():
@@ -97,7 +100,21 @@ class LLM:
             raise QuickdraftError(f"method {method!r} needs a draft model folder")
         dev = resolve_device(device)
         target_dir = checkpoint_dir(target)
-        self.target = prepare(load_model(target_dir, dtype=dtype, device=dev, quantization=quantization), quantization)
+        if tensor_parallel_size != 1:
+            from .parallel import load_tensor_parallel
+
+            if compile == "aot":
+                raise QuickdraftError("ahead-of-time compiled steps (aot) are not supported with "
+                                      "tensor_parallel_size > 1: use compile=True (torch.compile on each rank)")
+            # compiled: each rank compiles its own shard's step (CUDA graphs on CUDA), the engine drives it as is
+            per_rank = compile is True or (compile is None and dev.type == "cuda")
+            compile = False
+            self.target = load_tensor_parallel(target_dir, tensor_parallel_size, dtype=dtype, device=dev,
+                                               quantization=quantization, compile=per_rank,
+                                               **dict(tensor_parallel_options or {}))
+        else:
+            self.target = prepare(load_model(target_dir, dtype=dtype, device=dev, quantization=quantization),
+                                  quantization)
         self.tokenizer = Tokenizer.from_dir(target_dir)
         proposer = None
         self.draft = None
@@ -134,6 +151,14 @@ class LLM:
         self.engine.generate([([0] * 8, SamplingParams(temperature=0, max_tokens=k + 4, ignore_eos=True))])
         self.engine.stats = SpecStats()
         print(f"quickdraft: compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Release what outlives this object: a tensor-parallel target's other ranks (once no
+        other LLM of this process shares them)."""
+        release = getattr(self.target, "release", None)
+        if release is not None and not getattr(self, "_closed", False):
+            self._closed = True
+            release()
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         if isinstance(prompt, str):

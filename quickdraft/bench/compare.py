@@ -24,22 +24,25 @@ from pathlib import Path
 
 def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes: list[int], ks: list[int],
               temperatures: list[float], prompts: list, new_tokens: int, repeats: int, iters: int,
-              progress=None, peers: bool = False, dtype: str | None = None, device: str | None = None) -> dict:
+              progress=None, peers: bool = False, dtype: str | None = None, device: str | None = None,
+              llm_options: dict | None = None) -> dict:
     """Measure every (temperature, batch size, method, k) against plain decoding; with
     `peers`, also transformers' plain, assisted and prompt-lookup generation (greedy,
     batch 1) against ours on the same prompts (result["peers"], see peers.run_peers).
-    dtype and device go to every LLM (None: quickdraft's defaults)."""
+    dtype and device go to every LLM (None: quickdraft's defaults), and llm_options (e.g.
+    tensor_parallel_size: the LLMs then share one tensor-parallel target)."""
     from .. import LLM, SamplingParams
     from ..policy.costs import expected_tokens
     from .measure import measure_propose, measure_target_steps
 
-    plain = LLM(target, method="none", dtype=dtype, device=device)
+    more = dict(llm_options or {})
+    plain = LLM(target, method="none", dtype=dtype, device=device, **more)
     encoded = [plain.encode(p) for p in prompts]
     llms = {}
     for m in methods:
         for k in ks:
             llms[(m, k)] = LLM(target, draft=draft if m == "draft" else None, method=m, num_speculative_tokens=k,
-                               spec_options=spec_options, dtype=dtype, device=device)
+                               spec_options=spec_options, dtype=dtype, device=device, **more)
     names = [("none", 0)] + list(llms)
     runs = []
     # step costs for the prediction, measured once per batch size

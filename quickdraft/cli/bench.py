@@ -34,6 +34,8 @@ def bench_command(
     name: str = typer.Option("bench", "--name"),
     peers: bool = typer.Option(False, "--peers", help="Also time transformers' generate, assisted generation and "
                                                       "prompt lookup (greedy, batch 1; needs transformers)."),
+    tensor_parallel_size: int = opts.TENSOR_PARALLEL_SIZE,
+    tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
 ) -> None:
     """Compare speculative methods with plain decoding; write JSON, markdown and plots."""
     import torch
@@ -81,11 +83,13 @@ def bench_command(
     with Progress(console=console) as bar:
         task = bar.add_task("bench", total=total)
         result = run_bench(target, draft, methods, parse_spec_options(spec_option), list(bs), k_list, temps, texts,
-                           new_tokens, repeats, iters, progress=lambda: bar.advance(task), peers=peers)
+                           new_tokens, repeats, iters, progress=lambda: bar.advance(task), peers=peers,
+                           llm_options=opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout))
     if skipped:
         result["peers"] = {"skipped": skipped}
     result["setup"] = {"hardware": device_name("cuda" if torch.cuda.is_available() else "cpu"),
                        "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "tensor_parallel_size": tensor_parallel_size,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "command": command_line()}
     for p in write_outputs(result, out_dir, name):

@@ -142,6 +142,32 @@ DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, w
                            "(changes speed only, not the output).")
 SAVE_DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the file's float type, "
                           "bfloat16 for quantised weights).")
+TENSOR_PARALLEL_SIZE = typer.Option(1, "--tensor-parallel-size", "--tp", help="Split the target over N ranks "
+                                    "(tensor parallelism: N GPUs with nccl, or N CPU processes with gloo sharing the "
+                                    "cores). Started here, or under `torchrun --nproc-per-node N`.")
+TENSOR_PARALLEL_TIMEOUT = typer.Option(60.0, "--tensor-parallel-timeout", help="Seconds a tensor-parallel collective "
+                                       "may wait for a rank; then the engine fails (a dead rank never hangs it).")
+
+
+def tensor_parallel_args(size: int, timeout: float) -> dict:
+    """LLM keyword arguments for --tensor-parallel-size / --tensor-parallel-timeout."""
+    if size < 1:
+        raise QuickdraftError(f"--tensor-parallel-size must be >= 1, got {size}")
+    if not timeout > 0:
+        raise QuickdraftError(f"--tensor-parallel-timeout must be > 0, got {timeout}")
+    if size == 1:
+        return {}
+    return {"tensor_parallel_size": size, "tensor_parallel_options": {"timeout_s": timeout}}
+
+
+def torchrun_follower() -> bool:
+    """Under torchrun, a rank other than 0 (it follows rank 0's steps; rank 0 does the talking)."""
+    from ..parallel.group import under_torchrun
+    import os
+
+    return under_torchrun() and os.environ.get("RANK", "0") != "0"
+
+
 TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy.")
 PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="[-2, 2]: subtracted once from each generated token.")
 FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="[-2, 2]: subtracted per occurrence in the output.")

@@ -47,6 +47,8 @@ def generate(
     quantization: Optional[str] = opts.QUANTIZATION,
     draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
     draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
+    tensor_parallel_size: int = opts.TENSOR_PARALLEL_SIZE,
+    tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from ..llm import LLM
@@ -57,9 +59,10 @@ def generate(
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                             repetition_penalty=repetition_penalty)
     options = parse_spec_options(spec_option, tree_width)
+    tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
               spec_options=options, policy=policy, profile=profile, compile="aot" if aot else compile, quantization=quantization,
-              draft_quantization=draft_quantization, draft_dtype=draft_dtype)
+              draft_quantization=draft_quantization, draft_dtype=draft_dtype, **tp)
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = parse_ids(prompt, "--ids (PROMPT)") if ids else prompt
@@ -67,7 +70,7 @@ def generate(
     if compare:
         if llm.engine.proposer is None:
             fail("--compare needs speculative decoding: give a draft or a --method (or use the bundled pair)")
-        plain = LLM(target=target, method="none", dtype=dtype, device=device)
+        plain = LLM(target=target, method="none", dtype=dtype, device=device, **tp)
         warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
         for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
             m.generate([m.encode(prompt_in, chat=chat)], warm)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import QuickdraftError
+from ..errors import EngineFailure, QuickdraftError
 from ..model.sources import check_spec
 from . import common as opts
 from .common import fail, parse_spec_options
@@ -41,6 +41,11 @@ def serve_command(
     quantization: Optional[str] = opts.QUANTIZATION,
     draft_quantization: Optional[str] = opts.DRAFT_QUANTIZATION,
     draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
+    tensor_parallel_size: int = opts.TENSOR_PARALLEL_SIZE,
+    tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
+    replicas: int = typer.Option(1, "--replicas", help="Serve N engine replicas behind Ray Serve's HTTP proxy "
+                                 "(needs the ray extra: pip install -e \".[ray]\"); each is a whole engine, "
+                                 "tensor-parallel within itself with --tensor-parallel-size."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QUICKDRAFT_API_KEY", show_envvar=True,
                                           help="Require `Authorization: Bearer KEY` on every /v1/* request "
@@ -83,15 +88,37 @@ def serve_command(
         options = parse_spec_options(spec_option)
     except QuickdraftError as exc:
         fail(str(exc))
+    try:
+        tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
+    except QuickdraftError as exc:
+        fail(str(exc))
     name = served_model_name or (str(target) if target is not None else "quickdraft-default")
+
+    llm_kwargs = dict(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
+                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
+                      profile=None if profile is None else str(profile), compile="aot" if aot else compile,
+                      quantization=quantization, draft_quantization=draft_quantization, draft_dtype=draft_dtype,
+                      preallocate=True, **tp)
 
     def load():
         from ..llm import LLM
 
-        return LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
-                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
-                   profile=profile, compile="aot" if aot else compile, quantization=quantization,
-                   draft_quantization=draft_quantization, draft_dtype=draft_dtype, preallocate=True)
+        return LLM(**llm_kwargs)
+
+    if replicas != 1:
+        if replicas < 1:
+            fail(f"--replicas must be >= 1, got {replicas}")
+        origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
+        _serve_replicas(llm_kwargs, replicas, host, port, dict(served_model_name=name, max_queue=max_queue,
+                                                               api_key=api_key or None, allowed_origins=origins,
+                                                               chat_template=template))
+
+    if tp and opts.torchrun_follower():  # torchrun's ranks > 0 serve rank 0's steps, not HTTP
+        try:
+            load()  # returns only through SystemExit once rank 0 is done
+        except QuickdraftError as exc:
+            fail(str(exc))
+        sys.exit(0)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if not request_timeout > 0:
@@ -112,8 +139,16 @@ def serve_command(
     def load_failed(message: str) -> None:
         server.should_exit = True
 
+    fatal: list[str] = []
+
+    def engine_died(exc: BaseException) -> None:
+        if isinstance(exc, EngineFailure):  # e.g. a tensor-parallel rank died: exit, do not answer 503 forever
+            fatal.append(str(exc))
+            server.should_exit = True
+
     state.on_ready = ready
     state.on_load_error = load_failed
+    state.on_engine_dead = engine_died
     print(f"quickdraft: loading the model; listening on http://{shown_host}:{port} (GET /health is 200 when ready)",
           flush=True)
     try:
@@ -122,6 +157,50 @@ def serve_command(
         fail(str(exc))
     if state.load_error is not None:
         fail(state.load_error)
+    if fatal:
+        print(f"error: the engine failed: {fatal[0]}", file=sys.stderr, flush=True)
+        sys.exit(1)
     if not server.started:
         fail(f"could not listen on {host}:{port} (address in use or not available?)")
+    sys.exit(0)
+
+
+def _serve_replicas(llm_kwargs: dict, replicas: int, host: str, port: int, server_options: dict) -> None:
+    """`--replicas N`: a local Ray cluster, N engines behind Ray Serve's proxy at host:port."""
+    import os
+    import signal
+    import time
+
+    try:
+        import ray
+        from ray import serve
+
+        from ..deploy import deployment
+    except ImportError as exc:
+        fail(f"--replicas needs Ray Serve: pip install -e \".[ray]\" ({exc})")
+    try:
+        app = deployment(llm_kwargs, replicas, **server_options)
+    except QuickdraftError as exc:
+        fail(str(exc))
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # after ray.init (it sets its own): shut Ray down on a kill
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        print(f"quickdraft: starting {replicas} replicas behind Ray Serve at http://{host}:{port}/v1 ...", flush=True)
+        try:
+            serve.run(app, name="quickdraft", route_prefix="/")
+        except Exception as exc:  # noqa: BLE001 - a replica failed to start (its log says why)
+            fail(f"the replicas did not start: {exc}")
+        print(f"quickdraft: serving {server_options['served_model_name']!r} with {replicas} replicas at "
+              f"http://{host}:{port}/v1; ready", flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
     sys.exit(0)

@@ -26,7 +26,7 @@ import traceback
 from dataclasses import dataclass
 
 from ..engine import Engine, RequestOutput
-from ..errors import QuickdraftError
+from ..errors import EngineFailure, QuickdraftError
 from ..sampling import SamplingParams
 
 log = logging.getLogger("quickdraft.server")
@@ -86,6 +86,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
         # the engine thread's own: request id -> the queue its outputs go to
         self._queues: dict[str, asyncio.Queue] = {}
+        self.on_dead = None  # called with the exception once the engine died (the CLI exits on EngineFailure)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -144,6 +145,8 @@ class AsyncEngine:
                     continue
                 try:
                     outputs = engine.step()
+                except EngineFailure:  # nothing more can be served (a tensor-parallel rank is gone)
+                    raise
                 except Exception as exc:  # fail only the requests this step worked on
                     self._fail_step(exc)
                     continue
@@ -209,6 +212,8 @@ class AsyncEngine:
                 break
             if isinstance(cmd, AddRequest):
                 self._deliver(cmd.out, EngineError(cmd.request_id, self.dead))
+        if self.on_dead is not None:
+            self.on_dead(exc)
 
 
 def now() -> float:

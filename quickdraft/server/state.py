@@ -35,6 +35,7 @@ class ServerState:
         self.metrics = ServerMetrics(self)
         self.on_ready: Callable[[], None] | None = None
         self.on_load_error: Callable[[str], None] | None = None
+        self.on_engine_dead: Callable[[BaseException], None] | None = None  # from the engine thread
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         threading.Thread(target=self._load_model, args=(loop,), name="quickdraft-load", daemon=True).start()
@@ -51,6 +52,7 @@ class ServerState:
                 llm.tokenizer.release_gil = True  # prompts are tokenized on worker threads
                 llm.tokenizer.max_token_chars  # computed once, now
             engine = AsyncEngine(llm.engine, self.max_queue)
+            engine.on_dead = self.on_engine_dead
             engine.start(loop)
         except Exception as exc:  # noqa: BLE001 - reported and turned into an exit by the CLI
             self.load_error = str(exc) if isinstance(exc, QuickdraftError) else f"{type(exc).__name__}: {exc}"

@@ -13,11 +13,11 @@ PACKAGE = Path(__file__).resolve().parents[2] / "quickdraft"
 # The layers, top first; a module may import its own layer and everything below.
 LAYERS = [
     {"cli"},
-    {"server", "bench", "train"},
+    {"server", "bench", "train", "deploy"},
     {"__init__"},  # the package's public re-exports (LLM, Engine, SamplingParams, ...)
     {"llm"},
     {"engine"},
-    {"policy", "proposers", "compile", "aot"},
+    {"policy", "proposers", "compile", "aot", "parallel"},
     {"model", "verify", "sampling", "tree", "cache", "metrics"},
     {"config"},
     {"errors"},
