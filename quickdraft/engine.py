@@ -221,6 +221,9 @@ class Engine:
             raise QuickdraftError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{len(prompt) + params.max_tokens} exceeds the model's context length ({self.max_model_len})")
+        if params.prompt_logprobs is not None and getattr(self.target, "split_head", False):
+            raise QuickdraftError("prompt_logprobs need the whole lm_head on rank 0; this tensor-parallel target splits "
+                                  "it by vocabulary (tensor_parallel_options lm_head='vocab'): use lm_head='rank0'")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise QuickdraftError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         if params.stop and self.tokenizer is None:

@@ -108,6 +108,12 @@ class TensorParallelTarget(nn.Module):
         self.closed = False
         self.users = 1  # LLMs sharing this target (one group per process: they share it)
 
+    @property
+    def split_head(self) -> bool:
+        """Whether the lm_head is split over the ranks ("vocab"): then only a forward gives logits
+        (the engine cannot apply the head to hidden states itself: prompt logprobs)."""
+        return self.plan.lm_head == "vocab"
+
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)

@@ -285,3 +285,13 @@ def test_a_draft_model_drafts_from_penalised_distributions(target_dir, plain, te
             assert [o.token_ids for o in got] == [o.token_ids for o in want]
         rates[penalize] = llm.stats.acceptance_rate
     assert rates[True] > 0.99 and rates[False] < 0.95
+
+
+def test_prompt_logprobs_with_a_vocabulary_split_head_is_a_clear_error(target_dir):
+    """A tensor-parallel target whose lm_head is split by vocabulary (split_head) gives logits only
+    from a forward on every rank: prompt logprobs say so instead of hanging in a collective."""
+    llm = LLM(target_dir, method="none")
+    llm.engine.target.split_head = True  # what parallel.runtime.TensorParallelTarget reports in "vocab" mode
+    with pytest.raises(QuickdraftError, match="lm_head='rank0'"):
+        llm.generate([[0, 3]], SamplingParams(prompt_logprobs=1))
+    assert llm.generate([[0, 3]], SamplingParams(logprobs=1, max_tokens=2))[0].logprobs  # generated ones are fine

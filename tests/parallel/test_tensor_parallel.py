@@ -85,3 +85,15 @@ def test_streaming_and_a_request_joining_a_running_batch(tp_llms, reference):
             if o.finished:
                 done[o.request_id] = o.token_ids
     assert done == {first: expected[0], second: expected[2]}
+
+
+def test_logprobs_and_penalties_equal_the_single_process(tp_llms, reference):
+    """Penalties, logit_bias, logprobs and prompt logprobs are rank 0's (the head is there by default)."""
+    plain = reference[0]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                            repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={11: 3.0})
+    got, want = tp_llms("draft").generate(PROMPTS[:2], params), plain.generate(PROMPTS[:2], params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(g.logprobs, w.logprobs))
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]))
