@@ -196,17 +196,22 @@ class PenaltyState:
               device: torch.device) -> PenaltyState | None:
         return cls(params, prompts, vocab, device) if any(p.penalized for p in params) else None
 
-    def apply(self, logits: torch.Tensor, outputs: Sequence[Sequence[int]],
+    def output_counts(self, outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """(B, V) counts of each row's generated tokens (apply takes them instead of the lists
+        when one step applies the penalties more than once: a draft's chain)."""
+        return _occurrences(outputs, self.vocab, self.device)
+
+    def apply(self, logits: torch.Tensor, outputs: Sequence[Sequence[int]] | torch.Tensor,
               drafts: torch.Tensor | None = None) -> torch.Tensor:
         """Penalised float32 logits, the shape of `logits` ((B, V) or (B, T, V)). outputs: each
-        row's generated tokens so far; drafts (B, T, V) or None: counts of the draft tokens in
-        each position's context (draft_counts)."""
+        row's generated tokens so far, or their output_counts; drafts (B, T, V) or None: counts of
+        the draft tokens in each position's context (draft_counts)."""
         squeeze = logits.dim() == 2
         x = logits.float()[:, None] if squeeze else logits.float()
         if self.bias is not None:
             x = x + self.bias[:, None]
         if self.any_repetition or self.any_counts:
-            counts = _occurrences(outputs, self.vocab, self.device)[:, None]  # (B, 1, V)
+            counts = (outputs if isinstance(outputs, torch.Tensor) else self.output_counts(outputs))[:, None]  # (B, 1, V)
             if drafts is not None:
                 counts = counts + drafts
             if self.any_repetition:

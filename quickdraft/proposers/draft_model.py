@@ -280,12 +280,13 @@ def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, las
     start = positions.gather(1, last)  # (B, 1) the last committed token's position
     start = torch.where(start >= 0, start + 1, -1)  # where the first draft token goes
     tokens, probs = [], []
-    seen = None
+    seen = counts = None
     if penalize is not None:
         seen = torch.zeros(logits.shape[0], 1, logits.shape[-1], dtype=torch.float32, device=logits.device)
+        counts = penalize[0].output_counts(penalize[1])  # once per step, not per depth
     for i in range(k):
         if penalize is not None:
-            logits = penalize[0].apply(logits, penalize[1], seen)  # a sibling's context is the chain before it
+            logits = penalize[0].apply(logits, counts, seen)  # a sibling's context is the chain before it
         q = process_logits(logits, sampling)  # (B, V) float32
         xs = [q.argmax(-1)] if noise is None else [race(q, noise[:, i, j]) for j in range(width)]
         tokens += xs
