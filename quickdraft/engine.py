@@ -29,7 +29,7 @@ from .model.transformer import Transformer, forward_chunks
 from .proposers import get as get_proposer
 from .proposers.base import Draft, ProposeBatch, Proposer, VerifyResult
 from .sampling import (BatchSampling, PenaltyState, SamplingParams, StepRandom, Stream, chain_ancestors,
-                       draft_counts, process_logits, race, seed_key, token_logprobs)
+                       draft_context, process_logits, race, seed_key, token_logprobs)
 from .tree import tree_mask, tree_structure
 from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
@@ -483,8 +483,8 @@ class Engine:
                                               self.cache.rows(0, B), kv_len=max(lengths) + k)  # (B, k+1, V)
         raw = logits
         if self._batch_penalties is not None:  # position i also follows d_1..d_i
-            counts = draft_counts(draft_tokens, chain_ancestors(draft_tokens), logits.shape[-1]) if k else None
-            logits = self._batch_penalties.apply(logits, [r.output for r in self.running], counts)
+            drafts = draft_context(draft_tokens, chain_ancestors(draft_tokens)) if k else None
+            logits = self._batch_penalties.apply(logits, [r.output for r in self.running], drafts)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted = greedy_verify(draft_tokens, argmax)
@@ -520,7 +520,7 @@ class Engine:
         raw = logits
         if self._batch_penalties is not None:  # node n's position also follows its ancestors and itself
             logits = self._batch_penalties.apply(logits, [r.output for r in self.running],
-                                                 draft_counts(draft.tokens, anc, logits.shape[-1]))
+                                                 draft_context(draft.tokens, anc))
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax, (anc, depth))

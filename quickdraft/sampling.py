@@ -166,8 +166,10 @@ class PenaltyState:
     composition (None when no row has any: the step then does nothing extra).
 
     apply(logits, outputs, drafts) penalises raw logits (B, T, V) at T positions: position 0
-    follows each row's committed output, position t also follows the draft tokens before it
-    (`drafts`: per position, the draft tokens in its context; see draft_counts)."""
+    follows each row's committed output, position t also follows the draft tokens in its
+    context (`drafts`: draft_context's tokens and mask). Only the tokens a penalty can touch
+    are computed (gathered, changed, scattered back): those of the prompt (repetition), of the
+    output and of the drafts, not the whole vocabulary at every position."""
 
     def __init__(self, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab: int,
                  device: torch.device):
@@ -186,41 +188,64 @@ class PenaltyState:
                 for t, v in (p.logit_bias or {}).items():
                     bias[b, t] = v
             self.bias = bias.to(device)
-        self.prompt_mask = None  # (B, V) tokens of each row's prompt (the repetition penalty's)
-        if self.any_repetition:
-            self.prompt_mask = _occurrences([list(pr) if p.repetition_penalty != 1 else [] for p, pr in zip(params, prompts)],
-                                            vocab, device) > 0
+        # the repetition penalty's prompt tokens: a (B, V) mask, and each row's distinct ones as ids
+        rep_prompts = [sorted(set(pr)) if p.repetition_penalty != 1 else [] for p, pr in zip(params, prompts)]
+        self.prompt_ids = _padded(rep_prompts, device)
+        self.prompt_mask = _occurrences(rep_prompts, vocab, device) > 0
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]], vocab: int,
               device: torch.device) -> PenaltyState | None:
         return cls(params, prompts, vocab, device) if any(p.penalized for p in params) else None
 
-    def output_counts(self, outputs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """(B, V) counts of each row's generated tokens (apply takes them instead of the lists
-        when one step applies the penalties more than once: a draft's chain)."""
-        return _occurrences(outputs, self.vocab, self.device)
+    def output_counts(self, outputs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's view of each row's generated tokens: (B, V) counts and (B, n) distinct ids
+        (apply takes it instead of the lists when one step applies the penalties more than once:
+        a draft's chain)."""
+        return _occurrences(outputs, self.vocab, self.device), _padded([sorted(set(o)) for o in outputs], self.device)
 
-    def apply(self, logits: torch.Tensor, outputs: Sequence[Sequence[int]] | torch.Tensor,
-              drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """Penalised float32 logits, the shape of `logits` ((B, V) or (B, T, V)). outputs: each
-        row's generated tokens so far, or their output_counts; drafts (B, T, V) or None: counts of
-        the draft tokens in each position's context (draft_counts)."""
+    def apply(self, logits: torch.Tensor, outputs: Sequence[Sequence[int]] | tuple[torch.Tensor, torch.Tensor],
+              drafts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Penalised float32 logits (a new tensor), the shape of `logits` ((B, V) or (B, T, V)).
+        outputs: each row's generated tokens so far, or their output_counts; drafts: None, or
+        (tokens (B, N) with -1 = absent, in_context (B, T, N) bool: which of them precede
+        position t), as draft_context gives."""
         squeeze = logits.dim() == 2
         x = logits.float()[:, None] if squeeze else logits.float()
-        if self.bias is not None:
-            x = x + self.bias[:, None]
+        x = x + self.bias[:, None] if self.bias is not None else x.clone()
         if self.any_repetition or self.any_counts:
-            counts = (outputs if isinstance(outputs, torch.Tensor) else self.output_counts(outputs))[:, None]  # (B, 1, V)
+            counts, out_ids = outputs if isinstance(outputs, tuple) else self.output_counts(outputs)
+            B, T, _ = x.shape
+            ids = torch.cat([self.prompt_ids, out_ids], 1)  # (B, M): every token a penalty may touch
             if drafts is not None:
-                counts = counts + drafts
+                tokens, in_context = drafts
+                ids = torch.cat([ids, tokens.clamp(min=0)], 1)
+            n = counts.gather(1, ids)[:, None].expand(B, T, ids.shape[1])  # occurrences in the output
+            if drafts is not None:  # plus the draft tokens before each position
+                same = (tokens[:, :, None] == ids[:, None, :]) & (tokens >= 0)[:, :, None]  # (B, N, M)
+                n = n + in_context.float() @ same.float()
+            where = ids[:, None].expand(B, T, ids.shape[1])
+            xs = x.gather(2, where)
             if self.any_repetition:
-                seen = (counts > 0) | self.prompt_mask[:, None]
+                seen = (n > 0) | self.prompt_mask.gather(1, ids)[:, None]
                 rp = self.repetition.view(-1, 1, 1)
-                x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+                xs = torch.where(seen, torch.where(xs > 0, xs / rp, xs * rp), xs)
             if self.any_counts:
-                x = x - self.frequency.view(-1, 1, 1) * counts - self.presence.view(-1, 1, 1) * (counts > 0)
+                xs = xs - self.frequency.view(-1, 1, 1) * n - self.presence.view(-1, 1, 1) * (n > 0)
+            x.scatter_(2, where, xs)  # an id listed twice gets the same value twice
         return x[:, 0] if squeeze else x
+
+
+def _padded(seqs: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """(B, n) int64 ids, each row right-padded with its first id (or 0): a repeated id is
+    harmless to PenaltyState.apply, which computes every listed id exactly."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        if s:
+            out[b, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+            out[b, len(s):] = s[0]
+    return out.to(device)
 
 
 def _occurrences(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -236,16 +261,13 @@ def _occurrences(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device
     return out[:, :vocab].to(device)
 
 
-def draft_counts(tokens: torch.Tensor, anc: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B, 1 + N, V) counts of the draft tokens in each verify position's context: position 0
-    (after the committed tokens) has none; position 1 + n (after node n) has node n and its
-    ancestors. tokens (B, N) (-1 = absent), anc (B, N, N) (tree.tree_structure's; a chain's is
-    lower-triangular). One index_put over the (node, ancestor) pairs."""
+def draft_context(tokens: torch.Tensor, anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PenaltyState.apply's `drafts` for a verify forward over [last, nodes...]: position 0
+    (after the committed tokens) has no draft token in its context; position 1 + n (after node n)
+    has node n and its ancestors. tokens (B, N) (-1 = absent), anc (B, N, N)
+    (tree.tree_structure's; a chain's is chain_ancestors')."""
     B, N = tokens.shape
-    out = torch.zeros(B, 1 + N, vocab, dtype=torch.float32, device=tokens.device)
-    b, n, a = (anc & (tokens >= 0)[:, None, :]).nonzero(as_tuple=True)
-    out.index_put_((b, n + 1, tokens[b, a]), torch.ones(b.shape, device=tokens.device), accumulate=True)
-    return out
+    return tokens, torch.cat([anc.new_zeros(B, 1, N), anc & (tokens >= 0)[:, None, :]], 1)
 
 
 def chain_ancestors(tokens: torch.Tensor) -> torch.Tensor:

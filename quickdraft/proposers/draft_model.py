@@ -280,19 +280,18 @@ def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, las
     start = positions.gather(1, last)  # (B, 1) the last committed token's position
     start = torch.where(start >= 0, start + 1, -1)  # where the first draft token goes
     tokens, probs = [], []
-    seen = counts = None
+    counts = None
     if penalize is not None:
-        seen = torch.zeros(logits.shape[0], 1, logits.shape[-1], dtype=torch.float32, device=logits.device)
         counts = penalize[0].output_counts(penalize[1])  # once per step, not per depth
     for i in range(k):
-        if penalize is not None:
-            logits = penalize[0].apply(logits, counts, seen)  # a sibling's context is the chain before it
+        if penalize is not None:  # a sibling's context is the chain before it
+            chain = torch.stack(tokens[::width], 1) if i else logits.new_zeros(logits.shape[0], 0, dtype=torch.long)
+            logits = penalize[0].apply(logits, counts, (chain, chain.new_ones(chain.shape[0], 1, chain.shape[1],
+                                                                              dtype=torch.bool)))
         q = process_logits(logits, sampling)  # (B, V) float32
         xs = [q.argmax(-1)] if noise is None else [race(q, noise[:, i, j]) for j in range(width)]
         tokens += xs
         probs += [q] * len(xs)
-        if seen is not None:
-            seen = seen.scatter_add(2, xs[0][:, None, None], torch.ones_like(seen[..., :1]))
         if i < k - 1:  # the last draft token is never fed: the target will judge it
             pos = torch.where(start >= 0, start + i, -1)
             logits = model(xs[0][:, None], pos, cache, kv_len=kv_len + 1 + i if grow else kv_len)[:, 0]

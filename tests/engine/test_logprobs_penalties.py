@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, QuickdraftError, SamplingParams
-from quickdraft.sampling import PenaltyState, chain_ancestors, draft_counts
+from quickdraft.sampling import PenaltyState, chain_ancestors, draft_context
 from quickdraft.tree import tree_structure
 
 PROMPTS = [
@@ -110,7 +110,7 @@ def test_penalty_state_matches_the_reference_per_position():
     drafts = torch.tensor([[9, 11, 3], [5, -1, -1], [7, 7, 8]])
     logits = torch.randn(3, 4, V, generator=g) * 3
     got = PenaltyState.build(params, prompts, V, torch.device("cpu")).apply(
-        logits, outputs, draft_counts(drafts, chain_ancestors(drafts), V))
+        logits, outputs, draft_context(drafts, chain_ancestors(drafts)))
     for b in range(3):
         for i in range(4):
             context = outputs[b] + [t for t in drafts[b, :i].tolist() if t >= 0]
@@ -118,18 +118,25 @@ def test_penalty_state_matches_the_reference_per_position():
             torch.testing.assert_close(got[b, i].double(), want, rtol=0, atol=1e-5)
 
 
-def test_draft_counts_of_a_tree_are_each_nodes_path():
+def test_a_tree_nodes_penalties_count_its_path():
+    """Tree verification: node n's position is penalised with node n and its ancestors only."""
+    V, g = 8, torch.Generator().manual_seed(1)
     tokens = torch.tensor([[4, 5, 4, 6, -1, 5]])
     parents = torch.tensor([[-1, -1, 0, 2, 1, 1]])
     anc, _ = tree_structure(parents, tokens >= 0)
-    counts = draft_counts(tokens, anc, 8)
-    assert counts[0, 0].sum() == 0
+    params = SamplingParams(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.3, logit_bias={6: 1.0})
+    logits = torch.randn(1, 7, V, generator=g) * 2
+    raw = logits.clone()
+    got = PenaltyState.build([params], [[1, 2]], V, torch.device("cpu")).apply(logits, [[3, 4]],
+                                                                             draft_context(tokens, anc))
     paths = {0: [4], 1: [5], 2: [4, 4], 3: [4, 4, 6], 4: [], 5: [5, 5]}
+    torch.testing.assert_close(got[0, 0].double(), ref_penalize(logits[0, 0], [1, 2], [3, 4], params), rtol=0, atol=1e-5)
     for n, path in paths.items():
-        want = torch.zeros(8)
-        for t in path:
-            want[t] += 1
-        assert torch.equal(counts[0, 1 + n], want), n
+        if n == 4:
+            continue  # an absent node: its position is never read
+        want = ref_penalize(logits[0, 1 + n], [1, 2], [3, 4] + path, params)
+        torch.testing.assert_close(got[0, 1 + n].double(), want, rtol=0, atol=1e-5)
+    assert torch.equal(logits, raw)  # the raw logits are left as they were (logprobs read them)
 
 
 # ---- greedy: speculative == plain == a reference loop ----------------------------------------
