@@ -177,3 +177,39 @@ def test_llm_greedy_output_with_a_gguf_target_equals_plain_single_process_decodi
     finally:
         for llm in llms:
             llm.close()
+
+
+@pytest.mark.parametrize(("name", "lm_head"), [("qwen2-Q4_0", "vocab"), ("llama-Q4_K", "rank0")])
+def test_int4_keeps_each_ranks_own_4bit_blocks(files, name, lm_head):
+    """quantization="int4": every rank's linears hold their slices of the file's 4-bit blocks
+    (not re-quantised), and the logits are the single-process int4 model's up to the order
+    of the partial sums."""
+    from quickdraft.model.quant import FastLinear, prepare
+
+    path = files(name)
+    ref = prepare(load_model(path, dtype="float32", quantization="int4"), "int4")
+    tp = load_tensor_parallel(checkpoint_dir(path), 2, dtype="float32", quantization="int4", lm_head=lm_head,
+                              timeout_s=60)
+    try:
+        linears = [m for m in tp.shard.modules() if isinstance(m, FastLinear)]
+        assert len(linears) == 4 * ref.config.num_hidden_layers + 1
+        assert all("from GGUF blocks" in repr(m) for m in linears), [repr(m) for m in linears]
+        # rank 0's int4 weights are the slices of the single process's, exactly
+        F, HD = ref.config.intermediate_size // 2, ref.config.num_attention_heads // 2 * ref.config.head_dim
+        KV = ref.config.num_key_value_heads * ref.config.head_dim  # 2 KV heads here: one per rank
+        for mine, whole in zip(tp.shard.model.layers, ref.model.layers):
+            q, k, v = whole.self_attn.qkv_proj.dequantized(torch.float32).split([2 * HD, KV, KV])
+            assert torch.equal(mine.self_attn.qkv_proj.dequantized(torch.float32),
+                               torch.cat([q[:HD], k[:KV // 2], v[:KV // 2]]))
+            w = whole.mlp.gate_up_proj.dequantized(torch.float32)
+            assert torch.equal(mine.mlp.gate_up_proj.dequantized(torch.float32), torch.cat([w[:F], w[2 * F:3 * F]]))
+            assert torch.equal(mine.mlp.down_proj.linear.dequantized(torch.float32),
+                               whole.mlp.down_proj.dequantized(torch.float32)[:, :F])
+            assert torch.equal(mine.self_attn.o_proj.linear.dequantized(torch.float32),
+                               whole.self_attn.o_proj.dequantized(torch.float32)[:, :HD])
+        ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():  # the CPU int4 kernel rounds activations to bfloat16: 2^-8 relative
+            want = ref(ids)
+            torch.testing.assert_close(tp(ids), want, atol=2 ** -5 * float(want.abs().max()), rtol=0)
+    finally:
+        tp.close()
