@@ -11,6 +11,8 @@ style folder, so a GGUF is met halfway:
 - `load_gguf_model(path)` (what `load_model` does for a .gguf file or such a folder) reads the
   weights straight from the GGUF, dequantised at load into the requested dtype: no copy on disk.
 - `convert_gguf(path, out_dir)` writes a complete Hugging Face folder (model.safetensors too).
+- `GGUFWeights(path)` opens the weights like safetensors' `safe_open` (keys, get_tensor,
+  get_slice(name)[rows] / [:, cols]): a tensor-parallel rank reads only its own blocks (`read_part`).
 
 The header is read here (the gguf package's reader takes seconds over a large vocabulary); its
 type enum and block sizes, and the numpy dequantisers of the K-quants, are the `gguf` package's.

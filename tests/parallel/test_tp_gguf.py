@@ -213,3 +213,8 @@ def test_int4_keeps_each_ranks_own_4bit_blocks(files, name, lm_head):
             torch.testing.assert_close(tp(ids), want, atol=2 ** -5 * float(want.abs().max()), rtol=0)
     finally:
         tp.close()
+
+
+def test_a_folder_without_weights_is_refused_before_starting_processes(tmp_path):
+    with pytest.raises(QuickdraftError, match="safetensors checkpoint folders or GGUF files"):
+        load_tensor_parallel(tmp_path, 2)
