@@ -130,11 +130,11 @@ def _read(f, name: str, s: Slice | None) -> torch.Tensor:
     return torch.zeros_like(t) if s is not None and s.zero else t
 
 
-def _open(file: Path):
+def _open(file: Path, cfg: ModelConfig):
     """safetensors' `safe_open`, or for a GGUF its `GGUFWeights` (the same keys / get_slice / get_tensor)."""
     if file.suffix == ".safetensors" or not is_gguf_file(file):
         return safe_open(str(file), framework="pt", device="cpu")
-    return GGUFWeights(file)
+    return GGUFWeights(file, cfg)
 
 
 def load_shard(path: Path, plan: ShardPlan, dtype: str | torch.dtype | None, device: torch.device,
@@ -154,7 +154,7 @@ def load_shard(path: Path, plan: ShardPlan, dtype: str | torch.dtype | None, dev
     head_groups = None
     for file in [source] if source is not None else weight_files(path):
         try:
-            with _open(file) as f:
+            with _open(file, cfg) as f:
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
