@@ -11,6 +11,8 @@ style folder, so a GGUF is met halfway:
 - `load_gguf_model(path)` (what `load_model` does for a .gguf file or such a folder) reads the
   weights straight from the GGUF, dequantised at load into the requested dtype: no copy on disk.
 - `convert_gguf(path, out_dir)` writes a complete Hugging Face folder (model.safetensors too).
+- `GGUFWeights(path)` opens the weights like safetensors' `safe_open` (keys, get_tensor,
+  get_slice(name)[rows] / [:, cols]): a tensor-parallel rank reads only its own blocks (`read_part`).
 
 The header is read here (the gguf package's reader takes seconds over a large vocabulary); its
 type enum and block sizes, and the numpy dequantisers of the K-quants, are the `gguf` package's.
@@ -376,6 +378,26 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def hf_name(name: str) -> str:
+    """The Hugging Face parameter name of GGUF tensor `name` (unknown tensors keep theirs, so the
+    loader's unexpected-tensor check names them)."""
+    base, _, kind = name.rpartition(".")
+    parts = base.split(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    return name
+
+
+def permuted_heads(g: GGUFContents, cfg: ModelConfig, name: str) -> int | None:
+    """The number of heads whose rows llama.cpp permuted in GGUF tensor `name` (llama's q / k), else None."""
+    part = name.rpartition(".")[0].split(".")[-1]
+    if g.arch == "llama" and part in ("attn_q", "attn_k"):
+        return cfg.num_attention_heads if part == "attn_q" else cfg.num_key_value_heads
+    return None
+
+
 def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                     int4: dict[str, tuple[torch.Tensor, ...]] | None = None) -> dict[str, torch.Tensor]:
     """Every weight, dequantised, under its Hugging Face name. Unknown tensors keep their GGUF
@@ -385,23 +407,158 @@ def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, devic
     for name, t in g.tensors.items():
         if name == _ROPE_FREQS:
             continue  # read into the config
-        base, _, kind = name.rpartition(".")
-        parts = base.split(".")
-        hf_name = name
-        if base in _GLOBAL_NAMES:
-            hf_name = f"{_GLOBAL_NAMES[base]}.{kind}"
-        elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-            hf_name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+        hf = hf_name(name)
         w = _dequantize(t)
         groups = int4_groups(t) if int4 is not None else None
-        if g.arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
-            n_head = cfg.num_attention_heads if parts[-1] == "attn_q" else cfg.num_key_value_heads
+        n_head = permuted_heads(g, cfg, name)
+        if n_head is not None:
             w = _unpermute(w, n_head)
             groups = groups and tuple(_unpermute(x, n_head) for x in groups)
-        state[hf_name] = w.to(device=device, dtype=dtype)
+        state[hf] = w.to(device=device, dtype=dtype)
         if groups is not None:
-            int4[hf_name] = tuple(x.to(device) for x in groups)
+            int4[hf] = tuple(x.to(device) for x in groups)
     return state
+
+
+# --- parts of tensors (tensor parallelism: each rank reads its own) --------------------------
+
+def _rows(t: GGUFTensor, start: int, stop: int) -> GGUFTensor:
+    """Rows start:stop of a matrix, as raw blocks: every type stores a row as whole blocks, so
+    this is one contiguous byte range of the file."""
+    return GGUFTensor(t.name, t.tensor_type, (t.shape[0], stop - start), t.data[start:stop])
+
+
+def _columns(t: GGUFTensor, start: int, stop: int) -> GGUFTensor | None:
+    """Columns (input features) start:stop of a matrix as raw blocks, when both ends fall on the
+    type's block boundaries (32 values for Q8_0 / Q4_0 / Q4_1 / Q5_x, 256 for K-quants, any for
+    F32 / F16 / BF16); None otherwise."""
+    gguf = _gguf_package()
+    block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    if start % block or stop % block:
+        return None
+    data = np.ascontiguousarray(t.data[:, start // block * block_bytes: stop // block * block_bytes])
+    return GGUFTensor(t.name, t.tensor_type, (stop - start, *t.shape[1:]), data)
+
+
+def _cut_groups(t: GGUFTensor, groups: tuple[torch.Tensor, ...], start: int, stop: int) -> tuple[torch.Tensor, ...]:
+    """Columns start:stop of int4 groups (q per value; scale, zero per 32 values); an error
+    unless both ends fall on the 32-value groups (a group cannot be split between ranks)."""
+    if start % 32 or stop % 32:
+        raise QuickdraftError(f"{t.name}: columns {start}:{stop} cut its 32-value int4 groups, so its 4-bit blocks "
+                              "cannot be kept under this tensor parallelism: use fewer ranks, or quantization None "
+                              "or int8")
+    q, scale, zero = groups
+    return q[:, start:stop], scale[:, start // 32:stop // 32], zero[:, start // 32:stop // 32]
+
+
+def read_part(t: GGUFTensor, n_head: int | None, rows: tuple[int, int] | None = None,
+              cols: tuple[int, int] | None = None, int4: bool = False):
+    """Rows and/or columns of GGUF tensor `t` in Hugging Face order (q / k un-permuted over
+    `n_head` heads), dequantised to float32, or with `int4` its int4 groups (None when `t` is
+    not a 4-bit matrix; an error when the columns cut its 32-value groups).
+
+    Only the needed bytes are read where the format allows:
+    - rows: the rows' blocks only (a contiguous byte range). For q / k, whole heads' rows are
+      taken and un-permuted per head (the permutation stays within each head, so this equals
+      un-permuting the whole tensor and slicing); a row range that is not whole heads is cut
+      from the fully un-permuted tensor instead.
+    - columns: each row's blocks that the range covers, when its ends are multiples of the
+      type's block size (see `_columns`); otherwise every row is dequantised fully and cut.
+      Either way a column range reads every row (only its own part of each where aligned).
+    1-D tensors (norms, biases) are small: read whole, then cut."""
+    convert = int4_groups if int4 else _dequantize
+    if len(t.shape) != 2:
+        if int4:
+            return None
+        w = _dequantize(t)
+        if n_head is not None:
+            w = _unpermute(w, n_head)
+        return w if rows is None else w[rows[0]:rows[1]]
+    cut_after = None
+    if rows is not None:
+        head = t.hf_shape[0] // n_head if n_head else 1
+        if rows[0] % head or rows[1] % head:
+            cut_after = rows  # not whole heads: un-permute everything, then cut
+        else:
+            t = _rows(t, *rows)
+            n_head = n_head and (rows[1] - rows[0]) // head
+    if cols is not None:
+        part = _columns(t, *cols)
+        if part is None:
+            w = convert(t)
+            if w is None:
+                return None
+            w = _cut_groups(t, w, *cols) if int4 else w[:, cols[0]:cols[1]]
+        else:
+            w = convert(part)
+    else:
+        w = convert(t)
+    if w is None:
+        return None
+    if n_head is not None:
+        w = tuple(_unpermute(x, n_head) for x in w) if int4 else _unpermute(w, n_head)
+    if cut_after is not None:
+        w = tuple(x[cut_after[0]:cut_after[1]] for x in w) if int4 else w[cut_after[0]:cut_after[1]]
+    return w
+
+
+class GGUFWeights:
+    """A GGUF's weights under Hugging Face names, opened like safetensors' `safe_open`:
+    `keys()`, `get_tensor(name)`, and `get_slice(name)[a:b]` (rows) / `[:, a:b]` (columns)
+    reading only that part (`read_part`), as float32. `get_slice(name).int4(rows, cols)`: the
+    4-bit blocks of that part (see `int4_groups`), or None."""
+
+    def __init__(self, path: str | Path, cfg: ModelConfig | None = None):
+        self.g = read_gguf(path)
+        self.cfg = cfg or ModelConfig.from_hf(hf_config(self.g))
+        self._names = {hf_name(n): n for n in self.g.tensors if n != _ROPE_FREQS}
+
+    def __enter__(self) -> GGUFWeights:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def get_slice(self, name: str) -> GGUFSlice:
+        gname = self._names[name]
+        return GGUFSlice(self.g.tensors[gname], permuted_heads(self.g, self.cfg, gname))
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.get_slice(name)[:]
+
+
+class GGUFSlice:
+    """One tensor of a `GGUFWeights`, read in part: [:], [a:b] (rows), [:, a:b] (columns)."""
+
+    def __init__(self, t: GGUFTensor, n_head: int | None):
+        self.t, self.n_head = t, n_head
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.hf_shape)
+
+    def _span(self, key: Any, dim: int) -> tuple[int, int] | None:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"GGUF tensors are read by contiguous slices, not {key!r}")
+        start, stop, _ = key.indices(self.t.hf_shape[dim])
+        if (start, stop) == (0, self.t.hf_shape[dim]):
+            return None
+        return start, max(start, stop)
+
+    def _key(self, key: Any) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        if isinstance(key, tuple):
+            if len(key) != 2 or len(self.t.hf_shape) != 2:
+                raise TypeError(f"GGUF tensor {self.t.name}: cannot index {len(self.t.hf_shape)}-D data by {key!r}")
+            return self._span(key[0], 0), self._span(key[1], 1)
+        return self._span(key, 0), None
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        return read_part(self.t, self.n_head, *self._key(key))
+
+    def int4(self, key: Any = slice(None)) -> tuple[torch.Tensor, ...] | None:
+        return read_part(self.t, self.n_head, *self._key(key), int4=True)
 
 
 def load_gguf_model(path: str | Path, dtype: str | torch.dtype | None = None,

@@ -31,6 +31,7 @@ from torch import nn
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..errors import QuickdraftError
+from ..model.gguf import gguf_source
 from ..model.quant import prepare
 from .group import (DEFAULT_TIMEOUT_S, RankFailure, TPGroup, check_all, init_spawned, init_torchrun, start_spawned,
                     under_torchrun, watch_parent)
@@ -254,7 +255,8 @@ def follow(shard: nn.Module, group: TPGroup, step=None) -> None:
 def _load(spec: LoadSpec, group: TPGroup) -> nn.Module:
     cfg = ModelConfig.from_file(Path(spec.path) / "config.json")
     plan = ShardPlan(cfg, group.rank, group.world, spec.lm_head)
-    shard = load_shard(Path(spec.path), plan, spec.dtype, group.device, Comm(None, group.rank, group.world))
+    shard = load_shard(Path(spec.path), plan, spec.dtype, group.device, Comm(None, group.rank, group.world),
+                       spec.quantization)
     return prepare(shard, spec.quantization)
 
 
@@ -313,9 +315,9 @@ def load_tensor_parallel(path: Path, world: int, dtype=None, device: torch.devic
     the process (`SystemExit(0)`), so a script's code after LLM(...) runs on rank 0 only.
     A process holds one group: a second LLM over the same target and settings shares it (each
     with its own KV caches); release() when done."""
-    if (path / "gguf.json").exists() or not any(path.glob("*.safetensors*")):
-        raise QuickdraftError("tensor parallelism loads safetensors checkpoint folders (each rank reads its slice); "
-                              f"{path} has none (GGUF targets are not supported with tensor_parallel_size > 1)")
+    if gguf_source(path) is None and not any(path.glob("*.safetensors*")):  # gguf_source: a GGUF's metadata folder
+        raise QuickdraftError("tensor parallelism loads safetensors checkpoint folders or GGUF files (each rank "
+                              f"reads its slice); {path} has neither")
     check_tensor_parallel(ModelConfig.from_file(path / "config.json"), world)
     ShardPlan(ModelConfig.from_file(path / "config.json"), 0, world, lm_head)  # validates lm_head early
     if not timeout_s > 0:

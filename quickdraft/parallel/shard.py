@@ -13,6 +13,10 @@ Per decoder layer (N ranks, rank r):
 - lm_head: "rank0" (only rank 0 holds and applies it: the verifier runs there and the other
   ranks never need logits) or "vocab" (each rank V/N rows, logits gathered to rank 0).
 Each rank's KV cache holds only its own KV heads (the local config's num_key_value_heads).
+
+A GGUF target (its metadata folder) is read the same way through `gguf.GGUFWeights`, which
+offers safetensors' get_slice: a row range is dequantised from its own blocks only, a column
+range from each row's blocks that it covers when it falls on block boundaries.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import QuickdraftError
+from ..model.gguf import GGUFWeights, gguf_source, is_gguf_file
 from ..model.loader import assemble, resolve_dtype, weight_files
 from ..model.transformer import Transformer
 
@@ -121,26 +126,35 @@ class ShardPlan:
 
 def _read(f, name: str, s: Slice | None) -> torch.Tensor:
     """Only this rank's part of a tensor is read from the file."""
-    part = f.get_slice(name)
-    if s is None:
-        return part[:]
-    t = part[s.start:s.stop] if s.dim == 0 else part[:, s.start:s.stop]
-    return torch.zeros_like(t) if s.zero else t
+    t = f.get_slice(name)[_key(s)]
+    return torch.zeros_like(t) if s is not None and s.zero else t
+
+
+def _open(file: Path, cfg: ModelConfig):
+    """safetensors' `safe_open`, or for a GGUF its `GGUFWeights` (the same keys / get_slice / get_tensor)."""
+    if file.suffix == ".safetensors" or not is_gguf_file(file):
+        return safe_open(str(file), framework="pt", device="cpu")
+    return GGUFWeights(file, cfg)
 
 
 def load_shard(path: Path, plan: ShardPlan, dtype: str | torch.dtype | None, device: torch.device,
-               comm: Comm) -> Transformer:
-    """This rank's shard of the safetensors checkpoint at `path` (a folder), with the
-    all-reduce / gather modules in place. Each tensor is read as a slice: no rank reads the
-    others' weights."""
+               comm: Comm, quantization: str | None = None) -> Transformer:
+    """This rank's shard of the checkpoint at `path` (a safetensors folder, or a GGUF's metadata
+    folder: then the weights come from the GGUF), with the all-reduce / gather modules in place.
+    Each tensor is read as a slice: no rank reads the others' weights (a GGUF's row-parallel
+    columns that do not fall on its quant blocks excepted: see `gguf.read_part`). With
+    quantization="int4", a GGUF's 4-bit blocks are kept for `quant.prepare`, sliced alike."""
     cfg, local = plan.cfg, plan.local_config()
     torch_dtype = resolve_dtype(dtype, cfg, device)
     state: dict[str, torch.Tensor] = {}
     head_weight = None  # the (untied) lm_head rows this rank holds
     vocab = slice(plan.rank * plan.vocab_rows, (plan.rank + 1) * plan.vocab_rows)
-    for file in weight_files(path):
+    source = gguf_source(path)
+    int4: dict[str, tuple[torch.Tensor, ...]] | None = {} if source is not None and quantization == "int4" else None
+    head_groups = None
+    for file in [source] if source is not None else weight_files(path):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with _open(file, cfg) as f:
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
@@ -149,11 +163,18 @@ def load_shard(path: Path, plan: ShardPlan, dtype: str | torch.dtype | None, dev
                             continue
                         if plan.lm_head == "vocab":
                             head_weight = f.get_slice(name)[vocab].to(device=device, dtype=torch_dtype)
+                            head_groups = int4 is not None and f.get_slice(name).int4(vocab)
                         elif plan.rank == 0:
                             head_weight = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+                            head_groups = int4 is not None and f.get_slice(name).int4()
                         state[name] = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
                         continue
-                    state[name] = _read(f, name, plan.slice_for(name)).to(device=device, dtype=torch_dtype)
+                    s = plan.slice_for(name)
+                    state[name] = _read(f, name, s).to(device=device, dtype=torch_dtype)
+                    if int4 is not None and state[name].dim() == 2:
+                        groups = f.get_slice(name).int4(_key(s))
+                        if groups is not None:
+                            int4[name] = tuple(x.to(device) for x in groups)
         except (OSError, RuntimeError, ValueError) as exc:
             if isinstance(exc, QuickdraftError):
                 raise
@@ -161,22 +182,43 @@ def load_shard(path: Path, plan: ShardPlan, dtype: str | torch.dtype | None, dev
     model = assemble(local, state, path)
     model.config = cfg  # what the engine and proposers read (vocabulary, context); layers use local shapes
     model.tp_plan = plan
+    for name, groups in (int4 or {}).items():
+        model.get_parameter(name).gguf_int4 = groups
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, comm)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
     embed = model.model.embed_tokens.weight
     if plan.lm_head == "vocab":
         rows = head_weight if head_weight is not None else embed[vocab]
+        if head_weight is None and int4 is not None and "model.embed_tokens.weight" in int4:
+            head_groups = tuple(x[vocab] for x in int4["model.embed_tokens.weight"])
         if rows.shape[0] < plan.vocab_rows:  # the last rank's short share, padded to gather equal parts
-            rows = torch.cat([rows, rows.new_zeros(plan.vocab_rows - rows.shape[0], rows.shape[1])])
+            pad = plan.vocab_rows - rows.shape[0]
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+            if head_groups:  # padded rows of zeros: q = 8, scale = zero = 0
+                q, scale, zero = head_groups
+                head_groups = (torch.cat([q, q.new_full((pad, q.shape[1]), 8)]),
+                               torch.cat([scale, scale.new_zeros(pad, scale.shape[1])]),
+                               torch.cat([zero, zero.new_zeros(pad, zero.shape[1])]))
         model.lm_head = VocabParallelHead(rows, cfg.vocab_size, comm)
+        if head_groups:
+            model.lm_head.linear.weight.gguf_int4 = head_groups
     elif plan.rank == 0:
         if head_weight is not None:
             model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
             model.lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
+            if head_groups:
+                model.lm_head.weight.gguf_int4 = head_groups
     else:
         model.lm_head = NoLogits()
     return model
+
+
+def _key(s: Slice | None):
+    """The index `_read` takes for slice `s`."""
+    if s is None:
+        return slice(None)
+    return slice(s.start, s.stop) if s.dim == 0 else (slice(None), slice(s.start, s.stop))
 
 
 class Comm:
