@@ -106,3 +106,52 @@ def aot_packages(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("quickdraft.aot.aot_dir", lambda: folder)
         yield folder
+
+
+@pytest.fixture(scope="session")
+def noisy_draft(target_dir, tmp_path_factory):
+    """The target with noise on its weights: agrees often, not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("noisy")
+    for f in target_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    w = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    save_file({n: t + 0.003 * torch.randn(t.shape, generator=g) for n, t in w.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def ref_penalize(logits: torch.Tensor, prompt: list[int], output: list[int], params) -> torch.Tensor:
+    """The documented penalty semantics, one token at a time (independent of PenaltyState):
+    logit_bias added; the repetition penalty over prompt + output tokens (positive logits divided,
+    negative multiplied); frequency and presence penalties over output tokens."""
+    x = logits.double().clone()
+    for t, b in (params.logit_bias or {}).items():
+        x[t] += b
+    if params.repetition_penalty != 1:
+        for t in set(prompt) | set(output):
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t in set(output):
+        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    return x
+
+
+def assert_same_logits_through_cache(a, b, vocab: int, atol: float = 1e-5) -> None:
+    """Two models of the same checkpoint give the same logits without a cache, for a prefill into
+    a KV cache and for one decode step after it (tensor-parallel targets against one process)."""
+    from quickdraft.cache import KVCache
+
+    ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(a(ids), b(ids), atol=atol, rtol=0)
+        caches = [KVCache.for_model(m, 2, 16) for m in (a, b)]
+        pos = torch.arange(7).expand(2, 7)
+        outs = [m(ids, pos, c.rows(0, 2)) for m, c in zip((a, b), caches)]
+        torch.testing.assert_close(outs[0], outs[1], atol=atol, rtol=0)
+        nxt, npos = ids[:, :1], torch.full((2, 1), 7)
+        outs = [m(nxt, npos, c.rows(0, 2)) for m, c in zip((a, b), caches)]
+        torch.testing.assert_close(outs[0], outs[1], atol=atol, rtol=0)

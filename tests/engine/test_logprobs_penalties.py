@@ -13,6 +13,8 @@ from quickdraft import LLM, QuickdraftError, SamplingParams
 from quickdraft.sampling import PenaltyState, chain_ancestors, draft_context
 from quickdraft.tree import tree_structure
 
+from conftest import ref_penalize
+
 PROMPTS = [
     [0, 5, 7, 9, 11, 5, 7, 9, 11, 5, 7],
     [0, 3],
@@ -33,35 +35,6 @@ PENALTIES = [
     dict(frequency_penalty=0.7, presence_penalty=0.4),
     dict(repetition_penalty=0.8, presence_penalty=-1.0, logit_bias={5: 3.0, 7: -100, 200: 2.5}),
 ]
-
-
-def ref_penalize(logits, prompt, output, params):
-    """The documented order and semantics, token by token (independent of PenaltyState)."""
-    x = logits.double().clone()
-    for t, b in (params.logit_bias or {}).items():
-        x[t] += b
-    if params.repetition_penalty != 1:
-        for t in set(prompt) | set(output):
-            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
-    for t in set(output):
-        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
-    return x
-
-
-@pytest.fixture(scope="module")
-def noisy_draft(target_dir, tmp_path_factory):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path_factory.mktemp("noisy")
-    for f in target_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    w = load_file(str(folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    save_file({n: t + 0.003 * torch.randn(t.shape, generator=g) for n, t in w.items()},
-              str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from quickdraft import LLM, SamplingParams
 from quickdraft.sampling import BatchSampling, process_logits
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, ref_penalize
 
 V = 12
 PROMPT = [3, 7, 5]
@@ -122,21 +122,6 @@ def test_other_proposers_match_target_distribution(pair, method, options, kw):
 
 
 # ---- penalties and logit_bias (issue 18): the exact penalised distribution ----------------------
-
-def ref_penalize(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
-    """The documented semantics, one token at a time (independent of PenaltyState): logit_bias
-    added; repetition penalty over prompt + output tokens (positive logits divided, negative
-    multiplied); frequency and presence penalties over output tokens."""
-    x = logits.double().clone()
-    for t, b in (params.logit_bias or {}).items():
-        x[t] += b
-    if params.repetition_penalty != 1:
-        for t in set(prompt) | set(output):
-            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
-    for t in set(output):
-        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
-    return x
-
 
 def exact_joint_penalized(model_dir, params: SamplingParams) -> np.ndarray:
     """exact_joint, with each next-token distribution penalised for its own context."""

@@ -11,6 +11,8 @@ from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.parallel import ShardPlan, check_tensor_parallel
 
+from conftest import assert_same_logits_through_cache
+
 
 def _cfg(H=8, KV=2, F=64, D=4, V=50) -> ModelConfig:
     return ModelConfig(model_type="llama", vocab_size=V, hidden_size=H * D, intermediate_size=F, num_hidden_layers=1,
@@ -21,7 +23,7 @@ def _cfg(H=8, KV=2, F=64, D=4, V=50) -> ModelConfig:
 def test_shards_cover_each_weight_once_and_q_heads_read_their_kv_head(world):
     cfg = _cfg()
     D, H, KV = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    q_rows, f_rows, o_cols = [], [], []
+    q_rows, f_rows = [], []
     for r in range(world):
         p = ShardPlan(cfg, r, world)
         q = p.slice_for("model.layers.0.self_attn.q_proj.weight")
@@ -84,17 +86,8 @@ def test_two_ranks_give_the_single_process_logits(ckpt_factory, name):
     ref = load_model(path)
     tp = load_tensor_parallel(path, 2, lm_head=lm_head, timeout_s=60)
     try:
-        ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
-        with torch.inference_mode():
-            torch.testing.assert_close(tp(ids), ref(ids), atol=1e-5, rtol=0)
-            # through the KV cache: a prefill, then one token per row at the next position
-            caches = [KVCache.for_model(m, 2, 16) for m in (tp, ref)]
-            assert caches[0].k[0].shape[1] == max(1, ref.config.num_key_value_heads // 2)  # this rank's heads only
-            pos = torch.arange(7).expand(2, 7)
-            outs = [m(ids, pos, c.rows(0, 2)) for m, c in zip((tp, ref), caches)]
-            torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
-            nxt, npos = ids[:, :1], torch.full((2, 1), 7)
-            outs = [m(nxt, npos, c.rows(0, 2)) for m, c in zip((tp, ref), caches)]
-            torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+        assert_same_logits_through_cache(tp, ref, ref.config.vocab_size)
+        with torch.inference_mode():  # this rank's KV heads only
+            assert KVCache.for_model(tp, 2, 16).k[0].shape[1] == max(1, ref.config.num_key_value_heads // 2)
     finally:
         tp.close()

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from quickdraft import LLM, QuickdraftError, SamplingParams
-from quickdraft.cache import KVCache
 from quickdraft.config import ModelConfig
 from quickdraft.model.gguf import GGUFWeights, _unpermute, gguf_state_dict, hf_config, read_gguf, read_part
 from quickdraft.model.loader import checkpoint_dir, load_model
@@ -22,6 +21,8 @@ from quickdraft.parallel import ShardPlan, load_tensor_parallel
 gguf = pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from test_gguf import WIDE, hf_model, vocab_size, write_gguf  # noqa: E402
+
+from conftest import assert_same_logits_through_cache  # noqa: E402
 
 # arch, tensor type, model overrides (K-quant rows hold whole 256-value blocks: WIDE)
 FILES = {
@@ -149,16 +150,7 @@ def test_two_ranks_give_the_single_process_gguf_logits(files, name, lm_head):
     ref = load_model(path, dtype="float32")
     tp = load_tensor_parallel(checkpoint_dir(path), 2, dtype="float32", lm_head=lm_head, timeout_s=60)
     try:
-        ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
-        with torch.inference_mode():
-            torch.testing.assert_close(tp(ids), ref(ids), atol=1e-5, rtol=0)
-            caches = [KVCache.for_model(m, 2, 16) for m in (tp, ref)]
-            pos = torch.arange(7).expand(2, 7)
-            outs = [m(ids, pos, c.rows(0, 2)) for m, c in zip((tp, ref), caches)]
-            torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
-            nxt, npos = ids[:, :1], torch.full((2, 1), 7)
-            outs = [m(nxt, npos, c.rows(0, 2)) for m, c in zip((tp, ref), caches)]
-            torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+        assert_same_logits_through_cache(tp, ref, ref.config.vocab_size)
     finally:
         tp.close()
 

@@ -3,7 +3,6 @@ plain decoding at batch 1 and batch > 1, with drafts actually accepted."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -33,21 +32,6 @@ CASES = [
 ]
 IDS = ["draft-chain", "draft-tree", "draft-tree-pruned", "ngram-chain", "ngram-tree", "suffix-chain", "suffix-tree", "lookahead",
        "lookahead-small"]
-
-
-@pytest.fixture(scope="module")
-def noisy_draft(target_dir, tmp_path_factory):
-    """The target with noise on its weights: agrees often, not always."""
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path_factory.mktemp("noisy")
-    for f in target_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    w = load_file(str(folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    save_file({n: t + 0.003 * torch.randn(t.shape, generator=g) for n, t in w.items()},
-              str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
 
 
 @pytest.fixture(scope="module")
