@@ -436,8 +436,9 @@ class Engine:
         last = to_device([r.tokens[-1] for r in rows], self.device)[:, None]
         draft = None
         if k > 0:
-            draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, rnd, self._batch_penalties,
-                                                       [r.output for r in rows]))
+            penalties = self._batch_penalties
+            draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, rnd, penalties,
+                                                       None if penalties is None else [r.output for r in rows]))
             if min(ks) < k:
                 draft = _limit_depth(draft, ks)
             if draft.tokens.shape[1] == 0:  # nothing proposed for any row
