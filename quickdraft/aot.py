@@ -46,6 +46,7 @@ from torch import nn
 
 from .cache import CacheView
 from .errors import QuickdraftError
+from . import kernels
 from .model import quant, transformer
 from .model.quant import DENSE_ROWS, FastLinear
 from .model.sources import cache_dir
@@ -74,8 +75,9 @@ def unsupported(model: nn.Module) -> str | None:
 def _source_hash() -> str:
     """The code a package was traced from: a change to the forward invalidates old packages."""
     h = hashlib.sha256()
-    for module in (transformer, quant):
+    for module in (transformer, quant, kernels):
         h.update(inspect.getsource(module).encode())
+    h.update(kernels.SOURCE.read_bytes())  # the blocked format's kernel, which packages call
     return h.hexdigest()[:16]
 
 
@@ -214,6 +216,8 @@ def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] 
     if not path.exists():
         return None
     try:
+        if any(isinstance(m, FastLinear) and m.fmt == "blocked" for m in model.modules()) and not kernels.available():
+            raise QuickdraftError("the package calls quickdraft's CPU kernel, which is not available")
         runner = torch._inductor.aoti_load_package(str(path))
         if _embeds_weights(model):
             return AOTStep(model, runner, path, hidden_at)

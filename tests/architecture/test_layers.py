@@ -18,7 +18,7 @@ LAYERS = [
     {"llm"},
     {"engine"},
     {"policy", "proposers", "compile", "aot", "parallel"},
-    {"model", "verify", "sampling", "tree", "cache", "metrics"},
+    {"model", "kernels", "verify", "sampling", "tree", "cache", "metrics"},
     {"config"},
     {"errors"},
 ]

@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.model.quant import FastLinear, onednn_bf16_supported, weight_bytes
+from quickdraft.model.quant import FastLinear, onednn_bf16_supported, weight_bytes, weight_format
 
 from test_lossless import N, chi2_pvalue, exact_joint, pair, sampled_joint  # noqa: F401
 
 PROMPTS = [[0, 5, 7, 9, 11], [0, 3], [0, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PRECISIONS = [("float32", "int8"), ("float32", "int4"), ("bfloat16", None), ("bfloat16", "int4")]
+
+
+F32 = weight_format(torch.device("cpu"), torch.float32, None)  # "blocked" with AVX-512 and the kernel built
 
 
 def formats(model) -> set[str]:
@@ -28,7 +31,7 @@ def plain_out(target_dir):
 
 def test_default_formats_are_fused_and_packed(target_dir, draft_dir):
     llm = LLM(target_dir, draft_dir, num_speculative_tokens=3)
-    assert formats(llm.target) == formats(llm.draft) == {"transposed"}  # float32 on CPU
+    assert formats(llm.target) == formats(llm.draft) == {F32}  # float32 on CPU
     layer = llm.target.model.layers[0]
     assert layer.self_attn.q_proj is None and layer.self_attn.qkv_proj.splits[0] == layer.self_attn.qkv_proj.in_features
     assert layer.mlp.gate_up_proj is not None and not any(isinstance(m, torch.nn.Linear) for m in llm.target.modules())
@@ -48,11 +51,26 @@ def test_quantised_target_speculative_output_equals_its_plain_output(target_dir,
     assert spec.stats.num_accepted_tokens > 0
 
 
+def test_mkl_float32_format_is_lossless_and_agrees_with_the_default(target_dir, draft_dir, plain_out, monkeypatch):
+    """Machines without AVX-512 (or a compiler) keep MKL's `transposed` format: still lossless,
+    and its logits are the default format's to float rounding."""
+    monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
+    spec = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+    assert formats(spec.target) == formats(spec.draft) == {"transposed"}
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == plain_out
+    plain = LLM(target_dir, method="none")
+    assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == plain_out
+    monkeypatch.delenv("QUICKDRAFT_KERNELS")
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.inference_mode():
+        assert torch.allclose(LLM(target_dir, method="none").target(ids), plain.target(ids), atol=1e-4)
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantised_draft_is_lossless_and_smaller(target_dir, draft_dir, plain_out, quant):
     full = LLM(target_dir, draft_dir, num_speculative_tokens=3)
     small = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization=quant)
-    assert formats(small.draft) == {quant} and formats(small.target) == {"transposed"}
+    assert formats(small.draft) == {quant} and formats(small.target) == {F32}
     assert weight_bytes(small.draft) < weight_bytes(full.draft)
     assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == plain_out
     assert small.stats.num_draft_tokens > 0

@@ -8,10 +8,11 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.loader import load_model
-from quickdraft.model.quant import (DENSE_ROWS, FastLinear, int4_quantize, onednn_bf16_supported, prepare,
+from quickdraft.model.quant import (DENSE_ROWS, FastLinear, blocked_supported, int4_quantize, onednn_bf16_supported, prepare,
                                     weight_bytes, weight_format)
 
-FORMATS = ["dense", "transposed", "int8", "int4"] + (["onednn"] if onednn_bf16_supported() else [])
+FORMATS = (["dense", "transposed", "int8", "int4"] + (["onednn"] if onednn_bf16_supported() else [])
+           + (["blocked"] if blocked_supported() else []))
 
 
 def linears(dtype=torch.float32, bias=True):
@@ -30,13 +31,13 @@ def test_fused_linear_computes_each_projection(fmt, rows):
     assert fused.splits == [96, 32, 32] and fused(x).dtype == dtype
     for lin, part in zip(lins, parts):
         ref = lin(x).float()
-        tol = {"dense": 1e-5, "transposed": 1e-5, "onednn": 0.03, "int8": 0.03, "int4": 0.2}[fmt]
+        tol = {"dense": 1e-5, "transposed": 1e-5, "blocked": 1e-5, "onednn": 0.03, "int8": 0.03, "int4": 0.2}[fmt]
         assert (part.float() - ref).abs().max() <= tol * ref.abs().max()
     if fmt != "onednn":  # the stored weight is what the matmul uses
         w = fused.dequantized(torch.float32)
         b = torch.cat([lin.bias for lin in lins]).float()
         exact = x.float() @ w.t() + b
-        tol = 1e-5 if fmt in ("dense", "transposed") else 0.02  # bf16 activations in the kernels
+        tol = 1e-5 if fmt in ("dense", "transposed", "blocked") else 0.02  # bf16 activations in the kernels
         assert (fused(x).float() - exact).abs().max() <= tol * exact.abs().max()
 
 
@@ -52,7 +53,7 @@ def test_int4_error_is_within_half_a_step_per_group():
 
 def test_format_choice_and_unknown_quantization():
     cpu = torch.device("cpu")
-    assert weight_format(cpu, torch.float32, None) == "transposed"
+    assert weight_format(cpu, torch.float32, None) == ("blocked" if blocked_supported() else "transposed")
     assert weight_format(cpu, torch.float16, "none") == "dense"
     assert weight_format(torch.device("cuda"), torch.bfloat16, None) == "dense"
     assert weight_format(cpu, torch.float32, "int4") == "int4"

@@ -1,0 +1,93 @@
+"""quickdraft's small-M float32 CPU kernel (quickdraft/kernels/blocked_mm.cpp, issue 19): the
+matmul it computes, every row independent of the others (decode and verify rows get the same
+bits), the layout, its errors, and the `blocked` weight format built on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft import kernels
+from quickdraft.model.quant import FastLinear, blocked_supported, weight_format
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
+
+
+def case(m, k, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(k, n, generator=g) / k ** 0.5, torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("k,n", [(64, 64), (100, 70), (576, 960), (33, 200), (1, 5)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 40])
+def test_blocked_mm_is_the_matmul(m, k, n):
+    x, w, b = case(m, k, n)
+    packed = kernels.pack(w)
+    assert packed.shape == (-(-n // 64), k, 64) and torch.equal(kernels.unpack(packed, n), w)
+    want = x.double() @ w.double()
+    got = kernels.blocked_mm(x, packed, None, n)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1e-5 * (want.abs().max() + 1)
+    got_b = kernels.blocked_mm(x, packed, b, n)
+    assert (got_b.double() - (want + b.double())).abs().max() <= 1e-5 * (want.abs().max() + 1)
+
+
+@pytest.mark.parametrize("m", [2, 3, 5, 8, 17])
+def test_each_row_gets_the_bits_it_gets_alone(m):
+    """The property that makes a verify row's matmuls equal the decode step's for the same input:
+    a row's sums do not depend on how many rows come with it, or on the thread count."""
+    x, w, b = case(m, 96, 300, seed=m)
+    packed = kernels.pack(w)
+    together = kernels.blocked_mm(x, packed, b, 300)
+    alone = torch.cat([kernels.blocked_mm(x[i:i + 1], packed, b, 300) for i in range(m)])
+    assert torch.equal(together, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.blocked_mm(x, packed, b, 300), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_and_no_rows():
+    x, w, _ = case(6, 80, 130)
+    packed = kernels.pack(w)
+    wide = torch.randn(6, 200)
+    wide[:, 10:90] = x
+    view = wide[:, 10:90]  # rows 200 floats apart
+    assert torch.equal(kernels.blocked_mm(view, packed, None, 130), kernels.blocked_mm(x, packed, None, 130))
+    assert kernels.blocked_mm(x[:0], packed, None, 130).shape == (0, 130)
+
+
+def test_bad_operands_are_one_clear_error():
+    x, w, _ = case(2, 32, 64)
+    packed = kernels.pack(w)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.blocked_mm(x.double(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="x has 31 columns, the weight 32 rows"):
+        kernels.blocked_mm(x[:, :31], packed, None, 64)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        kernels.blocked_mm(x, packed, None, 65)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.blocked_mm(x, packed, torch.zeros(3), 64)
+
+
+def test_traceable_shape():
+    x, w, b = case(3, 40, 90)
+    packed = kernels.pack(w)
+    f = torch.compile(lambda x: kernels.blocked_mm(x, packed, b, 90) * 2, backend="eager", fullgraph=True)
+    assert torch.equal(f(x), kernels.blocked_mm(x, packed, b, 90) * 2)
+
+
+def test_the_float32_cpu_format_and_its_switch(monkeypatch):
+    cpu = torch.device("cpu")
+    want = "blocked" if blocked_supported() else "transposed"
+    assert weight_format(cpu, torch.float32, None) == want
+    lin = torch.nn.Linear(48, 100)
+    fast = FastLinear([lin], "blocked")
+    x = torch.randn(4, 48)
+    assert (fast(x) - lin(x)).abs().max() <= 1e-5
+    assert torch.equal(fast.dequantized(torch.float32), lin.weight.detach())
+    assert fast.bytes_read() == (2 * 64 * 48 + 100) * 4  # two padded blocks and the bias
+    monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
+    assert weight_format(cpu, torch.float32, None) == "transposed"
