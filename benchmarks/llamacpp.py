@@ -531,7 +531,7 @@ CONFIGS = {c.name: c for c in [
     # methods for a model with no draft model (SmolLM2) and those the chat bar compares with
     *[Config(f"eagle3-k{k}{suffix}", {"dtype": "float32", "method": "eagle3", "num_speculative_tokens": k},
              peer, "F32", flags, head=True, workloads=("chat", "code"))
-      for k in (3,) for suffix, peer, flags in (("", "llama-completion", PLAIN_FLAGS),
+      for k in (1, 3) for suffix, peer, flags in (("", "llama-completion", PLAIN_FLAGS),
                                                 ("-vs-lookup", "llama-lookup", ("--spec-draft-n-max", "8")))],
     *[Config(f"eagle3-tree{w}x{n}", {"dtype": "float32", "method": "eagle3", "num_speculative_tokens": 4,
                                       "spec_options": {"tree_width": w, "tree_nodes": n}},

@@ -45,7 +45,9 @@ def test_logits_equal_the_single_process(tp_llms):
     ref = load_model(tp.checkpoint_path)
     ids = torch.randint(0, ref.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        torch.testing.assert_close(tp(ids), ref(ids), atol=1e-5, rtol=0)
+        # each rank runs its prepared shard (the CPU float32 format: blocked, or MKL), the reference
+        # F.linear: the sums are taken in other orders, so equal to float rounding (~2e-6 relative)
+        torch.testing.assert_close(tp(ids), ref(ids), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("method", "kwargs"), [
