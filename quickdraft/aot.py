@@ -162,6 +162,8 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
                          dynamic_shapes=({0: B, 1: T}, {0: B, 1: T}, {0: S}, per_layer, per_layer), strict=False)
         tmp = path.with_suffix(".tmp.pt2")
         configs = {"aot_inductor.package_constants_in_so": _embeds_weights(model)}
+        if any(isinstance(m, FastLinear) and (m.fmt == "blocked" or m.blocked) for m in model.modules()):
+            configs.update(kernels.aoti_config())  # direct calls, not the proxy executor
         if hasattr(torch._inductor.config, "emulate_precision_casts"):
             configs["emulate_precision_casts"] = True  # bf16 activations rounded where eager rounds them
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)

@@ -1,7 +1,7 @@
 """quickdraft's own CPU kernels, compiled once on the machine that runs them.
 
 `blocked_mm.cpp`: the float32 matmul of small row counts that a verify step needs (k + 1 rows),
-streaming each weight once for all rows; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost
+streaming each weight once for all rows, over float32 or int8 weights (`blocked_mm`, `blocked_mm_int8`); PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost
 1.5-2.9x a one-row step at 2-8 rows (benchmarks/results/small_m_gemm_cpu.json). See the
 source's header for the layout and the numerics.
 
@@ -69,7 +69,32 @@ def _load() -> bool:
                       "kernels, and verify steps of several tokens cost more", stacklevel=2)
         return False
     _register_fake()
+    _export_c_symbols()
     return True
+
+
+# AOTInductor's declarations of the C entry points (blocked_mm.cpp's end), for `aoti_config`
+_SHIMS = {
+    "blocked_mm": "AOTITorchError aoti_torch_cpu_blocked_mm(AtenTensorHandle x, AtenTensorHandle packed, "
+                  "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
+    "blocked_mm_int8": "AOTITorchError aoti_torch_cpu_blocked_mm_int8(AtenTensorHandle x, AtenTensorHandle packed, "
+                       "AtenTensorHandle scale, AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
+}
+
+
+def aoti_config() -> dict:
+    """Inductor settings that make an AOT package call the kernels' C entry points directly."""
+    return {"aot_inductor.custom_ops_to_c_shims": {getattr(torch.ops.quickdraft, name).default: [decl]
+                                                   for name, decl in _SHIMS.items()}}
+
+
+def _export_c_symbols() -> None:
+    """Make the library's C entry points visible to packages loaded later (dlopen RTLD_GLOBAL)."""
+    import ctypes
+
+    lib = _build_dir() / "qd_kernels.so"
+    if lib.exists():
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,6 +104,17 @@ def _register_fake() -> None:
     @torch.library.register_fake("quickdraft::blocked_mm")
     def _(x, packed, bias, n):
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("quickdraft::blocked_mm_int8")
+    def _(x, packed, scale, bias, n):
+        return x.new_empty((x.shape[0], n))
+
+
+def blocked_mm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    n: int) -> torch.Tensor:
+    """x (M, in) float32 @ (Q * scale) + bias -> (M, n): Q int8 (in, out) given `pack`ed, scale (n,)
+    per output; the sums of x * Q are exact products accumulated in float32, scaled at the end."""
+    return torch.ops.quickdraft.blocked_mm_int8.default(x, packed, scale, bias, n)
 
 
 def pack(weight_t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@
   | `blocked` | CPU float32 with AVX-512 | quickdraft's own (`quickdraft.kernels`): W in 64-column blocks, each streamed once for all rows | as MKL's sgemv | k+1 = 2-3 rows cost ~1 row, 4-6 rows ~1.15 (MKL: 1.5-1.9); prefill as MKL |
   | `transposed` | CPU float32 without it (or the kernel could not be built) | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
   | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
-  | `int8` | any | `torch._weight_int8pack_mm`, per-channel scales (bf16 activations on CPU) | 1 byte/weight | large M: dequantised to bf16, dense GEMM |
+  | `int8` | any | per-channel scales; CPU with AVX-512: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row; large M: dequantised to bf16, dense GEMM |
   | `int4` | CPU | `torch._weight_int4pack_mm_for_cpu`, groups of 32, asymmetric | 0.56 byte/weight read | large M: from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
 
   Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
@@ -132,6 +132,7 @@ class FastLinear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.fmt = fmt
         self.kernel = False  # int8 / int4: a weight-only kernel runs small matmuls
+        self.blocked = False  # int8: quickdraft's kernel (blocks of int8) rather than PyTorch's
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = nn.Parameter(torch.cat([b.detach() if b is not None else w.new_zeros(n)
@@ -151,10 +152,18 @@ class FastLinear(nn.Module):
                                  persistent=False)
         elif fmt == "int8":
             q, scale = int8_quantize(w)
-            self.kernel = has_kernel("_weight_int8pack_mm", w.device)
-            self.register_buffer("qweight", q)
-            self.act_dtype = torch.bfloat16 if cpu else w.dtype  # f32 activations hit a slow path on CPU
-            self.register_buffer("scales", scale.to(self.act_dtype))
+            self.blocked = cpu and blocked_supported()
+            if self.blocked:  # quickdraft's kernel: the int8 blocks widened in registers, float32 activations
+                self.kernel = True
+                self.register_buffer("qpacked", kernels.pack(q.t()))
+                self.register_buffer("scales", scale)
+                if self.bias is not None:
+                    self.bias.data = self.bias.data.float()
+            else:
+                self.kernel = has_kernel("_weight_int8pack_mm", w.device)
+                self.register_buffer("qweight", q)
+                self.act_dtype = torch.bfloat16 if cpu else w.dtype  # f32 activations hit a slow path on CPU
+                self.register_buffer("scales", scale.to(self.act_dtype))
         elif fmt == "int4":
             native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
             self.source = "GGUF blocks" if all(n is not None for n in native) else None
@@ -183,11 +192,15 @@ class FastLinear(nn.Module):
         if self.fmt == "blocked":
             return kernels.unpack(self.packed, self.out_features).t().to(dtype)
         if self.fmt == "int8":
-            return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None])
+            return (self._qweight().to(dtype) * self.scales.to(dtype)[:, None])
         if self.fmt == "int4":
             q = self.q.unflatten(1, (-1, INT4_GROUP)).to(dtype)
             return (q * self.scale.to(dtype)[..., None] + self.offset.to(dtype)[..., None]).flatten(1)  # 3x addcmul's speed
         raise QuickdraftError("a oneDNN-packed weight cannot be read back")
+
+    def _qweight(self) -> torch.Tensor:
+        """The int8 weight (out, in) (a view of the blocks where they are stored blocked)."""
+        return kernels.unpack(self.qpacked, self.out_features).t() if self.blocked else self.qweight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -207,11 +220,14 @@ class FastLinear(nn.Module):
         elif not self.kernel or (not _KERNELS_ONLY and x2.shape[0] > DENSE_ROWS):
             xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
             if fmt == "int8":  # per-row scales apply to the output: one conversion of the weight
-                out = (F.linear(xd, self.qweight.to(xd.dtype)) * self.scales.to(xd.dtype)).to(x.dtype)
+                out = (F.linear(xd, self._qweight().to(xd.dtype)) * self.scales.to(xd.dtype)).to(x.dtype)
             else:
                 out = F.linear(xd, self.dequantized(xd.dtype)).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
+        elif fmt == "int8" and self.blocked:
+            out = kernels.blocked_mm_int8(x2.float(), self.qpacked, self.scales, self.bias, self.out_features)
+            return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         else:
             if fmt == "int8":
                 out = torch._weight_int8pack_mm(x2.to(self.act_dtype), self.qweight, self.scales)
@@ -229,7 +245,7 @@ class FastLinear(nn.Module):
             names = ["packed", "scales_and_zeros"] if self.kernel else ["q", "scale", "offset"]
         else:
             names = {"dense": ["weight"], "transposed": ["weight_t"], "onednn": ["packed"], "blocked": ["packed"],
-                     "int8": ["qweight", "scales"]}[self.fmt]
+                     "int8": ["qpacked" if self.blocked else "qweight", "scales"]}[self.fmt]
         tensors = [getattr(self, n) for n in names] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -238,6 +254,7 @@ class FastLinear(nn.Module):
         fallback = (f" (dequantised per call: no {self.fmt} kernel on this device)"
                     if self.fmt in ("int8", "int4") and not self.kernel else "")
         source = f" from {self.source}" if getattr(self, "source", None) else ""
+        source += " (quickdraft's blocked kernel)" if self.blocked else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}{source}{fused}{fallback}"
 
 

@@ -91,3 +91,33 @@ def test_the_float32_cpu_format_and_its_switch(monkeypatch):
     assert fast.bytes_read() == (2 * 64 * 48 + 100) * 4  # two padded blocks and the bias
     monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
     assert weight_format(cpu, torch.float32, None) == "transposed"
+
+
+@pytest.mark.parametrize("k,n", [(64, 64), (100, 70), (576, 960), (1, 5)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 13])
+def test_int8_blocks_are_the_scaled_matmul_and_rows_stay_independent(m, k, n):
+    x, _, b = case(m, k, n, seed=k + m)
+    q = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+    scale = torch.rand(n) / 100
+    packed = kernels.pack(q)
+    assert packed.dtype == torch.int8 and torch.equal(kernels.unpack(packed, n), q)
+    want = (x.double() @ q.double()) * scale.double() + b.double()
+    got = kernels.blocked_mm_int8(x, packed, scale, b, n)
+    assert (got.double() - want).abs().max() <= 1e-5 * (want.abs().max() + 1)
+    no_bias = kernels.blocked_mm_int8(x, packed, scale, None, n)
+    assert (no_bias.double() - (want - b.double())).abs().max() <= 1e-5 * (want.abs().max() + 1)
+    alone = torch.cat([kernels.blocked_mm_int8(x[i:i + 1], packed, scale, b, n) for i in range(m)])
+    assert torch.equal(alone, got)
+
+
+def test_int8_format_uses_the_kernel_with_float32_activations():
+    lin = torch.nn.Linear(64, 96)
+    fast = FastLinear([lin], "int8")
+    if not blocked_supported():
+        pytest.skip("no AVX-512 here: int8 keeps PyTorch's kernel")
+    assert fast.blocked and "blocked kernel" in repr(fast)
+    x = torch.randn(5, 2, 64)
+    exact = x @ fast.dequantized(torch.float32).t() + lin.bias
+    assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
+    with pytest.raises(RuntimeError, match="scale must be"):
+        kernels.blocked_mm_int8(x[0], fast.qpacked, fast.scales[:3], None, 96)

@@ -85,7 +85,8 @@ def test_bytes_read_per_token_counts_each_format(target_dir):
     assert bytes_read_per_token(f32) == 4 * (linear + small + cfg.hidden_size)  # lm_head its own copy
     int8 = prepare(load_model(target_dir), "int8")
     rows = sum(m.weight.shape[0] for m in plain.modules() if isinstance(m, torch.nn.Linear))
-    assert bytes_read_per_token(int8) == linear + 2 * rows + 4 * (small + cfg.hidden_size)  # bf16 scales
+    scale_bytes = 4 if int8.lm_head.blocked else 2  # float32 scales for quickdraft's kernel, bf16 for PyTorch's
+    assert bytes_read_per_token(int8) == linear + scale_bytes * rows + 4 * (small + cfg.hidden_size)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -93,6 +94,7 @@ def test_quantised_linear_without_a_kernel_dequantises(fmt, monkeypatch):
     """A device without PyTorch's weight-only kernel (int8 / int4 on CUDA) gets the same
     product from the dequantised weight, and says so in its repr."""
     monkeypatch.setattr("quickdraft.model.quant.has_kernel", lambda op, device: False)
+    monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")  # nor quickdraft's own
     lins = linears()
     fallback = FastLinear(lins, fmt)
     assert not fallback.kernel and "dequantised per call" in repr(fallback)
