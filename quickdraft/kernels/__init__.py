@@ -1,9 +1,10 @@
 """quickdraft's own CPU kernels, compiled once on the machine that runs them.
 
-`blocked_mm.cpp`: the float32 matmul of small row counts that a verify step needs (k + 1 rows),
-streaming each weight once for all rows, over float32 or int8 weights (`blocked_mm`, `blocked_mm_int8`); PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost
-1.5-2.9x a one-row step at 2-8 rows (benchmarks/results/small_m_gemm_cpu.json). See the
-source's header for the layout and the numerics.
+`blocked_mm.cpp`: the matmul of small row counts that a verify step needs (k + 1 rows), over
+float32 or int8 weights (`blocked_mm`, `blocked_mm_int8`), streaming each weight once for all
+rows; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
+(benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
+the layout and the numerics.
 
 The library is built with PyTorch's C++ extension builder (a C++ compiler and ninja) the
 first time a model needs it, about 15 s, and cached under `<cache>/kernels/`
@@ -63,11 +64,13 @@ def _load() -> bool:
 
         if shutil.which("ninja") is None:  # the `ninja` package's binary sits beside this Python
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        build = _build_dir()
-        if not (build / "qd_kernels.so").exists():
+        build = _build_dir()  # named by the source and flags: a library there is up to date
+        if (build / "qd_kernels.so").exists() and not (build / "lock").exists():  # (lock: another process building)
+            torch.ops.load_library(str(build / "qd_kernels.so"))  # 0.05 s; the builder's checks take 0.4
+        else:
             log.warning("quickdraft: building its CPU matmul kernel (once, about 15 s) in %s", build)
-        cpp_extension.load(name="qd_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                           build_directory=str(build), is_python_module=False, verbose=False)
+            cpp_extension.load(name="qd_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                               build_directory=str(build), is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: PyTorch's kernels instead
         warnings.warn(f"quickdraft's CPU matmul kernel could not be built ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0] if str(exc) else ''}); float32 weights use PyTorch's own "
