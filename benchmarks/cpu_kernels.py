@@ -122,6 +122,20 @@ def candidates():
             torch.bfloat16, 0.5 + 4 / 32)
     except (ImportError, RuntimeError):
         pass
+    from quickdraft import kernels  # quickdraft's own small-M kernels (quickdraft/kernels), where they build
+    if kernels.available():
+        from quickdraft.model.quant import int4_quantize
+
+        def q4(w):
+            q, scale, zero = int4_quantize(w)
+            return kernels.pack_int4(q, scale, zero - 8 * scale), w.shape[0]
+        c["f32 quickdraft blocked_mm"] = (lambda w: (kernels.pack(w.t()), w.shape[0]),
+                                          lambda x, p: kernels.blocked_mm(x, p[0], None, p[1]), torch.float32, 4)
+        c["int8 quickdraft blocked_mm_int8, f32 x"] = (
+            lambda w: (lambda q, s: (kernels.pack(q.t()), s, w.shape[0]))(*_int8(w)),
+            lambda x, p: kernels.blocked_mm_int8(x, p[0], p[1], None, p[2]), torch.float32, 1)
+        c["int4 g32 quickdraft blocked_mm_int4, f32 x"] = (
+            q4, lambda x, p: kernels.blocked_mm_int4(x, p[0], None, p[1]), torch.float32, 0.5 + 4 / 32)
     return c
 
 

@@ -1,7 +1,10 @@
 """What a verify step of k + 1 tokens costs against a one-token step on this CPU (issue 19:
 "T(k + 1) / T(1) as close to 1 as the kernels allow"), float32, batch 1, at a 400-token context,
 for the two float32 CPU weight formats side by side: `blocked` (quickdraft's own small-M kernel,
-quickdraft/kernels) and `transposed` (MKL's sgemm, the format before it).
+quickdraft/kernels) and `transposed` (MKL's sgemm, the format before it). With --quantization
+int8 / int4 the two sides are quickdraft's blocked int8 / int4 kernels (float32 activations) and
+PyTorch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (bfloat16 activations), labelled
+`blocked` and `pytorch`.
 
 Each format runs in its own worker process (the format is chosen when the model is prepared);
 the workers take turns, one round of every query length each, so both see the same machine
@@ -26,8 +29,8 @@ QUERY = (1, 2, 3, 4, 5, 6, 8)
 CONTEXT = 400
 
 
-def worker(fmt: str, model: str, threads: int, eager: bool, conn) -> None:
-    if fmt == "transposed":
+def worker(fmt: str, model: str, threads: int, eager: bool, quantization: str, conn) -> None:
+    if fmt != "blocked":
         os.environ["QUICKDRAFT_KERNELS"] = "0"
     import torch
 
@@ -37,7 +40,8 @@ def worker(fmt: str, model: str, threads: int, eager: bool, conn) -> None:
 
     torch.set_num_threads(threads)
     target = "smollm2" if model == "smollm2" else default_model_dirs()[0]
-    llm = LLM(target, method="none", compile="aot", dtype="float32")
+    llm = LLM(target, method="none", compile="aot", dtype="float32",
+              quantization=None if quantization == "none" else quantization)
     tgt = llm.target
     formats = sorted({m.fmt for m in tgt.modules() if hasattr(m, "fmt")})
     steps = {"aot": llm.engine._forward}
@@ -83,6 +87,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--eager", action="store_true", help="also time the eager forward")
+    ap.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     import sys
@@ -92,9 +97,11 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     workers = {}
-    for fmt in ("blocked", "transposed"):
+    other_side = "transposed" if args.quantization == "none" else "pytorch"
+    for fmt in ("blocked", other_side):
         here, there = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(fmt, args.model, args.threads, args.eager, there), daemon=True)
+        proc = ctx.Process(target=worker, args=(fmt, args.model, args.threads, args.eager, args.quantization, there),
+                           daemon=True)
         proc.start()
         workers[fmt] = (proc, here)
     info = {fmt: conn.recv() for fmt, (_, conn) in workers.items()}
@@ -120,19 +127,19 @@ def main() -> None:
             t1 = med[f"{step} T1"]
             ratios[step] = {f"T{t}/T1": round(med[f"{step} T{t}"] / t1, 3) for t in QUERY}
         rows[fmt] = {"formats": info[fmt]["formats"], "steps": info[fmt]["steps"], "median_ms": med, "ratios": ratios}
-    same = info["blocked"]["tokens"] == info["transposed"]["tokens"]
+    same = info["blocked"]["tokens"] == info[other_side]["tokens"]
     import torch
 
-    out = {"model": args.model, "threads": args.threads, "context": CONTEXT, "rounds": args.rounds,
+    out = {"model": args.model, "quantization": args.quantization, "threads": args.threads, "context": CONTEXT, "rounds": args.rounds,
            "loadavg_1m_before": load_before, "other_cpu_share": other, "torch": torch.__version__,
            "greedy_64_identical_across_formats": same, "results": rows,
-           "blocked_over_transposed": {k: round(rows["blocked"]["median_ms"][k] / rows["transposed"]["median_ms"][k], 3)
-                                       for k in rows["blocked"]["median_ms"]},
+           f"blocked_over_{other_side}": {k: round(rows["blocked"]["median_ms"][k] / rows[other_side]["median_ms"][k], 3)
+                                          for k in rows["blocked"]["median_ms"]},
            "command": f"python benchmarks/verify_cost.py --model {args.model} --threads {args.threads} "
-                      f"--rounds {args.rounds}{' --eager' if args.eager else ''} --out {args.out}"}
+                      f"--rounds {args.rounds} --quantization {args.quantization}{' --eager' if args.eager else ''} --out {args.out}"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
-    print(json.dumps({k: out[k] for k in ("greedy_64_identical_across_formats", "blocked_over_transposed",
+    print(json.dumps({k: out[k] for k in ("greedy_64_identical_across_formats", f"blocked_over_{other_side}",
                                           "other_cpu_share")}, indent=1))
     for fmt, row in rows.items():
         print(fmt, row["ratios"])

@@ -10,10 +10,11 @@ package is the compiled step as a shared library: loading it takes a fraction of
   capability, under `<cache>/aot/` (`QUICKDRAFT_CACHE`, else ~/.cache/quickdraft). The
   weights are not in it: they are handed to the package at load time (the model's own
   tensors, shared, not copied), so one package serves every checkpoint of that shape.
-  Except int4: Inductor turns the kernel's group size into tensor constants of its own,
-  which only a package with its weights inside carries; an int4 package embeds them (a
-  second copy of the packed weights in memory, 0.56 byte per weight) and its key includes a
-  fingerprint of the weights.
+  Except int4 on PyTorch's own kernel (CPUs without AVX-512): Inductor turns the kernel's
+  group size into tensor constants of its own, which only a package with its weights inside
+  carries; such a package embeds them (a second copy of the packed weights in memory, 0.56
+  byte per weight) and its key includes a fingerprint of the weights. int4 on quickdraft's
+  blocked kernel does not.
 - Exported with symbolic batch size, query length, key length, cache rows and cache
   capacity: one package serves decode (1 token), verify (k + 1 tokens) and every context length.
 - What it covers: `model(input_ids, positions, cache, kv_len=...)`, the decode and chain
@@ -82,7 +83,7 @@ def _source_hash() -> str:
 
 
 def _embeds_weights(model: nn.Module) -> bool:
-    return any(isinstance(m, FastLinear) and m.fmt == "int4" for m in model.modules())
+    return any(isinstance(m, FastLinear) and m.fmt == "int4" and not m.blocked for m in model.modules())
 
 
 def _fingerprint(model: nn.Module) -> str:
@@ -218,7 +219,8 @@ def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] 
     if not path.exists():
         return None
     try:
-        if any(isinstance(m, FastLinear) and m.fmt == "blocked" for m in model.modules()) and not kernels.available():
+        if any(isinstance(m, FastLinear) and (m.fmt == "blocked" or m.blocked) for m in model.modules()) \
+                and not kernels.available():
             raise QuickdraftError("the package calls quickdraft's CPU kernel, which is not available")
         runner = torch._inductor.aoti_load_package(str(path))
         if _embeds_weights(model):

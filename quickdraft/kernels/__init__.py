@@ -1,8 +1,8 @@
 """quickdraft's own CPU kernels, compiled once on the machine that runs them.
 
 `blocked_mm.cpp`: the matmul of small row counts that a verify step needs (k + 1 rows), over
-float32 or int8 weights (`blocked_mm`, `blocked_mm_int8`), streaming each weight once for all
-rows; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
+float32, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_int8`, `blocked_mm_int4`),
+streaming each weight once for all rows, with float32 activations; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
 the layout and the numerics.
 
@@ -31,6 +31,7 @@ log = logging.getLogger("quickdraft")
 
 SOURCE = Path(__file__).with_name("blocked_mm.cpp")
 BLOCK = 64  # outputs per column block of the packed layout (blocked_mm.cpp's NB)
+GROUP = 32  # int4: inputs per group (blocked_mm.cpp's QG)
 # -fopenmp: at::parallel_for splits the blocks over PyTorch's threads only when the kernel is
 # compiled for OpenMP (without it the pragma is ignored and the kernel runs on one thread:
 # measured 1.5x MKL's time at 2 threads). The OpenMP runtime is PyTorch's own (libgomp, loaded
@@ -87,6 +88,8 @@ _SHIMS = {
                   "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "blocked_mm_int8": "AOTITorchError aoti_torch_cpu_blocked_mm_int8(AtenTensorHandle x, AtenTensorHandle packed, "
                        "AtenTensorHandle scale, AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
+    "blocked_mm_int4": "AOTITorchError aoti_torch_cpu_blocked_mm_int4(AtenTensorHandle x, AtenTensorHandle packed, "
+                       "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
 }
 
 
@@ -117,6 +120,10 @@ def _register_fake() -> None:
     def _(x, packed, scale, bias, n):
         return x.new_empty((x.shape[0], n))
 
+    @torch.library.register_fake("quickdraft::blocked_mm_int4")
+    def _(x, packed, bias, n):
+        return x.new_empty((x.shape[0], n))
+
 
 def blocked_mm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     n: int) -> torch.Tensor:
@@ -142,3 +149,51 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 def blocked_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x (M, in) float32 @ W + bias -> (M, n), W given `pack`ed."""
     return torch.ops.quickdraft.blocked_mm.default(x, packed, bias, n)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Group-wise 4-bit weights in the int4 kernel's layout. q (out, in) in 0..15, scale and offset
+    (out, in / 32): w = q * scale + offset over each group of 32 inputs. Returns uint8
+    (ceil(out / 64), in / 32, 1280): per 64-output block and group, 32 rows of 32 bytes (byte j of
+    row k: q[j][k] | q[j + 32][k] << 4), then the 64 scales and the 64 offsets as float16.
+    Raises ValueError where a scale or offset does not fit float16."""
+    n, k = q.shape
+    if k % GROUP or scale.shape != (n, k // GROUP) or offset.shape != scale.shape:
+        raise ValueError(f"int4 blocks need in % {GROUP} == 0 and (out, in / {GROUP}) scales; got q {tuple(q.shape)}, "
+                         f"scale {tuple(scale.shape)}, offset {tuple(offset.shape)}")
+    half = [t.to(torch.float16) for t in (scale, offset)]
+    if not all(bool(torch.isfinite(h).all()) for h in half):
+        raise ValueError("int4 scales or offsets beyond float16's range")
+    blocks, groups = -(-n // BLOCK), k // GROUP
+    pad = blocks * BLOCK - n
+    qp = torch.cat([q.to(torch.uint8), q.new_zeros(pad, k, dtype=torch.uint8)]) if pad else q.to(torch.uint8)
+    # (blocks, 64 out, groups, 32 in) -> (blocks, groups, 32 in, 64 out)
+    qb = qp.view(blocks, BLOCK, groups, GROUP).permute(0, 2, 3, 1)
+    nibbles = (qb[..., :BLOCK // 2] | (qb[..., BLOCK // 2:] << 4)).reshape(blocks, groups, GROUP * BLOCK // 2)
+
+    def per_output(h: torch.Tensor) -> torch.Tensor:  # (out, groups) float16 -> (blocks, groups, 128) bytes
+        h = torch.cat([h, h.new_zeros(pad, groups)]) if pad else h
+        return h.view(blocks, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, per_output(half[0]), per_output(half[1])], dim=2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_int4`: (q (n, in) uint8, scale, offset (n, in / 32) float16)."""
+    blocks, groups, _ = packed.shape
+    nib = packed[..., :GROUP * BLOCK // 2].reshape(blocks, groups, GROUP, BLOCK // 2)
+    qb = torch.cat([nib & 15, nib >> 4], dim=3)  # (blocks, groups, 32 in, 64 out)
+    q = qb.permute(0, 3, 1, 2).reshape(blocks * BLOCK, groups * GROUP)[:n]
+
+    def per_output(lo: int) -> torch.Tensor:
+        h = packed[..., lo:lo + 2 * BLOCK].contiguous().view(torch.float16)  # (blocks, groups, 64)
+        return h.transpose(1, 2).reshape(blocks * BLOCK, groups)[:n]
+
+    size = GROUP * BLOCK // 2
+    return q, per_output(size), per_output(size + 2 * BLOCK)
+
+
+def blocked_mm_int4(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x (M, in) float32 @ W^T + bias -> (M, n), W the `pack_int4`ed weight: per group, exact
+    products x * q summed in float32, then scaled, plus the offset times the inputs' sum."""
+    return torch.ops.quickdraft.blocked_mm_int4.default(x, packed, bias, n)

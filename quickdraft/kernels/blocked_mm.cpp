@@ -1,4 +1,5 @@
-// Small-M float32 matmul for CPU verify steps (quickdraft issue 19).
+// Small-M matmuls for CPU verify steps (quickdraft issue 19): float32, int8 and group-wise int4
+// weights (the int4 layout is described at its kernel below), float32 activations.
 //
 // y (M, N) = x (M, K) @ W + bias, with W stored in column blocks of 64 outputs:
 // packed (N/64, K, 64), block j holding W[:, 64j : 64j + 64] row after row (zero-padded past N).
@@ -28,6 +29,11 @@ constexpr int64_t NB = 64;  // outputs per block: four 16-float vectors
 #define PF 4096  // bytes ahead of the read
 #endif
 
+// The lanes of a 16-float vector below `left` outputs (all of them from 16 on, none at 0 or less).
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
 // Sixteen weights of a block row as floats: float32 as stored; int8 widened exactly.
 __attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 __attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
@@ -48,7 +54,8 @@ __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, 
   __m512 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
-    __m512 b = (bias && !scaled) ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();  // adjacent blocks' biases are adjacent
+    // (adjacent blocks' biases are adjacent; masked: the last block may be partial)
+    __m512 b = (bias && !scaled) ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
@@ -72,9 +79,8 @@ __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, 
   }
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
-    const int64_t left = ncols - 16 * j;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    if (ncols - 16 * j <= 0) break;
+    const __mmask16 mask = tail_mask(ncols - 16 * j);
     __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
     if (scaled) {
       s = _mm512_maskz_loadu_ps(mask, scale + 16 * j);
@@ -95,7 +101,7 @@ void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, 
   constexpr bool scaled = !std::is_same<W, float>::value;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[NB];
-    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && !scaled) ? bias[n] : 0.f;
+    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && !scaled && n < ncols) ? bias[n] : 0.f;
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[r * ldx + k];
       const W* w = wb + k * NB;
@@ -136,32 +142,181 @@ void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, co
   }
 }
 
-// The shared driver: checks, the padded per-output vectors, and the blocks split over threads.
+// ---- int4: 4-bit weights in groups of 32 inputs, a scale and an offset per group and output ----
+//
+// Layout (uint8): packed (N/64, G, GB), G = K / 32 groups; block b's group g holds
+//   32 rows of 32 bytes, row k: byte j = q[k][j] | q[k][j + 32] << 4 (q in 0..15, outputs j, j + 32),
+//   then 64 float16 scales s, then 64 float16 offsets o: w = q * s + o.
+// Each (block, group) is one contiguous 1280-byte piece: the block is still a single read stream.
+//
+// Per row and output: y = bias + sum_g (s_g * A_g + o_g * X_g), A_g = sum_{k in g} x_k q_k (exact
+// products, FMAs in k order), X_g = sum_{k in g} x_k (computed once per call, k order). Again a
+// row's result does not depend on the other rows, the row grouping or the thread count.
+constexpr int64_t QG = 32;                      // inputs per group
+constexpr int64_t QGB = QG * NB / 2 + 2 * NB * 2;  // bytes per (block, group): 1024 + 256
+
+// Sixteen 4-bit values as floats: the low (HIGH = false) or high nibbles of 16 bytes.
+template <bool HIGH>
+__attribute__((target("avx512f"))) inline __m512 nibbles16(__m128i bytes) {
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  const __m128i v = HIGH ? _mm_and_si128(_mm_srli_epi16(bytes, 4), lo4) : _mm_and_si128(bytes, lo4);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+
+// MR rows over NBLK adjacent blocks. The group's partial sums stay in registers (MR * 4 * NBLK
+// of them); the running sums live in y itself (in L1), updated once per group, which leaves the
+// registers to the partial sums of more rows: each nibble widened once serves up to six rows.
+template <int MR, int NBLK>
+__attribute__((target("avx512f"))) void block_rows_q4(const float* x, int64_t ldx, const float* xs, int64_t G,
+                                                      const uint8_t* wb, const float* bias, float* y, int64_t ldy,
+                                                      int64_t ncols) {
+  constexpr int V = 4 * NBLK;
+#pragma GCC unroll 16
+  for (int j = 0; j < V; ++j) {
+    const __mmask16 mask = tail_mask(ncols - 16 * j);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, b);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 part[MR][V];
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j)
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) part[r][j] = _mm512_setzero_ps();
+    const float* xg = x + g * QG;
+#pragma GCC unroll 32
+    for (int k = 0; k < QG; ++k) {
+      __m512 xv[MR];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) xv[r] = _mm512_set1_ps(xg[r * ldx + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NBLK; ++c) {
+        const uint8_t* piece = wb + (c * G + g) * QGB;
+        // one cache line of the piece PF bytes ahead per k, its 20 lines over the first 20 k
+        if (k < int(QGB / 64)) _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * k, _MM_HINT_T0);
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 32 * k));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 32 * k + 16));
+        const __m512 w[4] = {nibbles16<false>(a), nibbles16<false>(b), nibbles16<true>(a), nibbles16<true>(b)};
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q)
+#pragma GCC unroll 6
+          for (int r = 0; r < MR; ++r) part[r][4 * c + q] = _mm512_fmadd_ps(xv[r], w[q], part[r][4 * c + q]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) {
+      const uint8_t* piece = wb + ((j / 4) * G + g) * QGB;
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 32 * (j % 4))));
+      const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
+      const __mmask16 mask = tail_mask(ncols - 16 * j);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) {
+        float* yr = y + r * ldy + 16 * j;
+        const __m512 acc = _mm512_fmadd_ps(part[r][j], sc, _mm512_maskz_loadu_ps(mask, yr));
+        _mm512_mask_storeu_ps(yr, mask, _mm512_fmadd_ps(_mm512_set1_ps(xs[r * G + g]), of, acc));
+      }
+    }
+  }
+}
+
+// The portable int4 path: the same operations in the same order, one row at a time.
+inline float half_to_float(const uint8_t* p) {
+  return float(*reinterpret_cast<const c10::Half*>(p));
+}
+
+void block_rows_q4_generic(const float* x, int64_t ldx, int64_t rows, const float* xs, int64_t G,
+                           const uint8_t* wb, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[NB];
+    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && n < ncols) ? bias[n] : 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* piece = wb + g * QGB;
+      float part[NB] = {0.f};
+      for (int64_t k = 0; k < QG; ++k) {
+        const float xv = x[r * ldx + g * QG + k];
+        for (int64_t n = 0; n < NB; ++n) {
+          const uint8_t byte = piece[32 * k + (n % 32)];
+          part[n] = std::fma(xv, float(n < 32 ? byte & 15 : byte >> 4), part[n]);
+        }
+      }
+      for (int64_t n = 0; n < NB; ++n)
+        acc[n] = std::fma(xs[r * G + g], half_to_float(piece + 1152 + 2 * n),
+                          std::fma(part[n], half_to_float(piece + 1024 + 2 * n), acc[n]));
+    }
+    for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] = acc[n];
+  }
+}
+
+// Rows [0, M) of NBLK adjacent int4 blocks: four blocks for one row, two for two or three rows,
+// one block six rows at a time for more (at most 24 partial sums in registers).
+template <int NBLK>
+void run_rows_q4(const float* x, int64_t ldx, int64_t M, const float* xs, int64_t G, const uint8_t* wb,
+                 const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  constexpr int N2 = NBLK == 4 ? 2 : NBLK;  // (keeps the instances that cannot occur small)
+  if (NBLK == 4) {
+    block_rows_q4<1, NBLK>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    return;
+  }
+  if (NBLK == 2) {
+    if (M == 3) block_rows_q4<3, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q4<2, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q4<1, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) block_rows_q4<6, 1>(x + m * ldx, ldx, xs + m * G, G, wb, bias, y + m * ldy, ldy, ncols);
+  const float* xm = x + m * ldx;
+  const float* xsm = xs + m * G;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 5: block_rows_q4<5, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 4: block_rows_q4<4, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 3: block_rows_q4<3, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 2: block_rows_q4<2, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 1: block_rows_q4<1, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    default: break;
+  }
+}
+
+// ---- the drivers: checks, then the blocks split over PyTorch's threads ----
+
+struct Checked {
+  int64_t M, K, nblk;
+  at::Tensor x;  // rows with unit column stride
+};
+
+Checked check(const at::Tensor& x, const at::Tensor& packed, int64_t k_packed, const c10::optional<at::Tensor>& scale,
+              const c10::optional<at::Tensor>& bias, int64_t n, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be a 2-D float32 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), name, ": packed must be a contiguous 3-D tensor");
+  const int64_t K = x.size(1), nblk = packed.size(0);
+  TORCH_CHECK(k_packed == K, name, ": x has ", K, " columns, the weight ", k_packed, " rows");
+  TORCH_CHECK(n > (nblk - 1) * NB && n <= nblk * NB, name, ": n does not match the packed blocks");
+  // per-output vectors of exactly n floats: the kernels read them masked, never past n
+  for (const auto* v : {&scale, &bias})
+    if (v->has_value() && (*v)->defined())
+      TORCH_CHECK((*v)->numel() == n && (*v)->scalar_type() == at::kFloat && (*v)->is_contiguous(), name, ": ",
+                  v == &bias ? "bias" : "scale", " must be a contiguous (n,) float32 tensor");
+  return {x.size(0), K, nblk, x.stride(1) == 1 ? x : x.contiguous()};
+}
+
+inline const float* data_or_null(const c10::optional<at::Tensor>& v) {
+  return v.has_value() && v->defined() ? v->data_ptr<float>() : nullptr;
+}
+
 template <typename W>
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                const c10::optional<at::Tensor>& bias, int64_t n, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be a 2-D float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.is_contiguous(), name,
-              ": packed must be a contiguous (N/64, K, 64) tensor");
-  const int64_t M = x.size(0), K = x.size(1), nblk = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, name, ": x has ", K, " columns, the weight ", packed.size(1), " rows");
-  TORCH_CHECK(n > (nblk - 1) * NB && n <= nblk * NB, name, ": n does not match the packed blocks");
-  at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  // per-output vectors zero-padded to whole blocks, so a block's kernel may read 64 of them
-  auto padded = [&](const c10::optional<at::Tensor>& v, const char* what) -> at::Tensor {
-    if (!v.has_value() || !v->defined()) return at::Tensor();
-    TORCH_CHECK(v->numel() == n && v->scalar_type() == at::kFloat, name, ": ", what, " must be (n,) float32");
-    at::Tensor out = at::zeros({nblk * NB}, x.options());
-    out.narrow(0, 0, n).copy_(v->reshape({n}));
-    return out;
-  };
-  at::Tensor bpad = padded(bias, "bias"), spad = padded(scale, "scale");
-  const float* bptr = bpad.defined() ? bpad.data_ptr<float>() : nullptr;
-  const float* sptr = spad.defined() ? spad.data_ptr<float>() : nullptr;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB, name, ": packed must be a (N/64, K, 64) tensor");
+  const Checked c = check(x, packed, packed.size(1), scale, bias, n, name);
+  const int64_t M = c.M, K = c.K, nblk = c.nblk;
+  const float* sptr = data_or_null(scale);
+  const float* bptr = data_or_null(bias);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  const float* xp = xc.data_ptr<float>();
-  const int64_t ldx = xc.stride(0);
+  const float* xp = c.x.data_ptr<float>();
+  const int64_t ldx = c.x.stride(0);
   const W* wp = packed.data_ptr<W>();
   float* yp = y.data_ptr<float>();
   auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
@@ -201,6 +356,53 @@ at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const 
                            const c10::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(packed.scalar_type() == at::kChar, "blocked_mm_int8: packed must be int8");
   return run<int8_t>(x, packed, scale, bias, n, "blocked_mm_int8");
+}
+
+at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t n) {
+  const char* name = "blocked_mm_int4";
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == QGB, name,
+              ": packed must be a uint8 (N/64, K/32, ", QGB, ") tensor");
+  const Checked c = check(x, packed, packed.size(1) * QG, c10::nullopt, bias, n, name);
+  const int64_t M = c.M, G = packed.size(1), nblk = c.nblk;
+  const float* bptr = data_or_null(bias);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  const float* xp = c.x.data_ptr<float>();
+  const int64_t ldx = c.x.stride(0);
+  // X_g: each row's sum over each group of inputs, in input order (shared by every block)
+  at::Tensor xsum = at::empty({M, G}, x.options());
+  float* xs = xsum.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int64_t k = 0; k < QG; ++k) t += xp[r * ldx + g * QG + k];
+      xs[r * G + g] = t;
+    }
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t stride = G * QGB;  // bytes per block
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
+    int64_t b = b0;
+    if (!has_avx512()) {
+      for (; b < b1; ++b)
+        block_rows_q4_generic(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
+                              std::min(NB, n - b * NB));
+      return;
+    }
+    if (M == 1)
+      for (; b + 3 < b1; b += 4)
+        run_rows_q4<4>(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
+                       std::min(4 * NB, n - b * NB));
+    if (M <= 3)
+      for (; b + 1 < b1; b += 2)
+        run_rows_q4<2>(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
+                       std::min(2 * NB, n - b * NB));
+    for (; b < b1; ++b)
+      run_rows_q4<1>(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
+                     std::min(NB, n - b * NB));
+  });
+  return y;
 }
 
 }  // namespace
@@ -243,12 +445,22 @@ extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_blocked
   });
 }
 
+extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_blocked_mm_int4(void* x, void* packed,
+                                                                                         void** bias, int64_t n,
+                                                                                         void** ret0) {
+  return shim_call([&] {
+    *ret0 = new at::Tensor(blocked_mm_int4(*static_cast<at::Tensor*>(x), *static_cast<at::Tensor*>(packed), opt(bias), n));
+  });
+}
+
 TORCH_LIBRARY(quickdraft, m) {
   m.def("blocked_mm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("blocked_mm_int8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n) -> Tensor");
+  m.def("blocked_mm_int4(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quickdraft, CPU, m) {
   m.impl("blocked_mm", &blocked_mm);
   m.impl("blocked_mm_int8", &blocked_mm_int8);
+  m.impl("blocked_mm_int4", &blocked_mm_int4);
 }

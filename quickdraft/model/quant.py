@@ -14,7 +14,7 @@
   | `transposed` | CPU float32 without it (or the kernel could not be built) | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
   | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
   | `int8` | any | per-channel scales; CPU with AVX-512: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row; large M: dequantised to bf16, dense GEMM |
-  | `int4` | CPU | `torch._weight_int4pack_mm_for_cpu`, groups of 32, asymmetric | 0.56 byte/weight read | large M: from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
+  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight read | blocked: k+1 rows ~1 row; large M: from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
 
   Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
   matmul dequantises per call (a fallback, labelled as such in its repr).
@@ -132,7 +132,7 @@ class FastLinear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.fmt = fmt
         self.kernel = False  # int8 / int4: a weight-only kernel runs small matmuls
-        self.blocked = False  # int8: quickdraft's kernel (blocks of int8) rather than PyTorch's
+        self.blocked = False  # int8 / int4: quickdraft's kernel (blocks of int8 / 4-bit) rather than PyTorch's
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = nn.Parameter(torch.cat([b.detach() if b is not None else w.new_zeros(n)
@@ -171,15 +171,31 @@ class FastLinear(nn.Module):
                 q, scale, zero = (torch.cat(parts) for parts in zip(*native))
             else:
                 q, scale, zero = int4_quantize(w)
-            # unpacked copy for dense (prefill) matmuls: w = q * scale + offset per group
+            offset = zero - 8 * scale
+            qpacked = None
+            if cpu and blocked_supported():  # quickdraft's kernel: nibbles widened in registers, f32 activations
+                try:
+                    qpacked = kernels.pack_int4(q, scale, offset)  # float16 scales and offsets
+                except ValueError:  # beyond float16's range: PyTorch's kernel, bfloat16 scales
+                    qpacked = None
+            self.blocked = qpacked is not None
+            # unpacked copy for dense (prefill) matmuls: w = q * scale + offset per group, with the
+            # scales the small-M kernel uses (float16 in the blocked layout, else bfloat16)
+            sdtype = torch.float16 if self.blocked else torch.bfloat16
             self.register_buffer("q", q)
-            self.register_buffer("scale", scale.to(torch.bfloat16))
-            self.register_buffer("offset", (zero - 8 * scale).to(torch.bfloat16))
-            self.kernel = cpu and has_kernel("_weight_int4pack_mm_for_cpu", w.device)
-            if cpu:
-                packed, sz = _int4_cpu_pack(q, scale, zero)
-                self.register_buffer("packed", packed)
-                self.register_buffer("scales_and_zeros", sz)
+            self.register_buffer("scale", scale.to(sdtype))
+            self.register_buffer("offset", offset.to(sdtype))
+            if self.blocked:
+                self.kernel = True
+                self.register_buffer("qpacked", qpacked)
+                if self.bias is not None:
+                    self.bias.data = self.bias.data.float()
+            else:
+                self.kernel = cpu and has_kernel("_weight_int4pack_mm_for_cpu", w.device)
+                if cpu:
+                    packed, sz = _int4_cpu_pack(q, scale, zero)
+                    self.register_buffer("packed", packed)
+                    self.register_buffer("scales_and_zeros", sz)
         else:
             raise QuickdraftError(f"unknown weight format {fmt!r}")
 
@@ -225,8 +241,9 @@ class FastLinear(nn.Module):
                 out = F.linear(xd, self.dequantized(xd.dtype)).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
-        elif fmt == "int8" and self.blocked:
-            out = kernels.blocked_mm_int8(x2.float(), self.qpacked, self.scales, self.bias, self.out_features)
+        elif self.blocked:
+            out = (kernels.blocked_mm_int8(x2.float(), self.qpacked, self.scales, self.bias, self.out_features)
+                   if fmt == "int8" else kernels.blocked_mm_int4(x2.float(), self.qpacked, self.bias, self.out_features))
             return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         else:
             if fmt == "int8":
@@ -242,7 +259,8 @@ class FastLinear(nn.Module):
     def bytes_read(self) -> int:
         """Bytes a one-row (decode) matmul streams: the tensors its kernel reads."""
         if self.fmt == "int4":
-            names = ["packed", "scales_and_zeros"] if self.kernel else ["q", "scale", "offset"]
+            names = (["qpacked"] if self.blocked else ["packed", "scales_and_zeros"] if self.kernel
+                     else ["q", "scale", "offset"])
         else:
             names = {"dense": ["weight"], "transposed": ["weight_t"], "onednn": ["packed"], "blocked": ["packed"],
                      "int8": ["qpacked" if self.blocked else "qweight", "scales"]}[self.fmt]

@@ -121,3 +121,70 @@ def test_int8_format_uses_the_kernel_with_float32_activations():
     assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
     with pytest.raises(RuntimeError, match="scale must be"):
         kernels.blocked_mm_int8(x[0], fast.qpacked, fast.scales[:3], None, 96)
+
+
+def int4_case(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // 32, generator=g) / 50
+    offset = -8 * scale + torch.randn(n, k // 32, generator=g) / 1000
+    return q, scale, offset
+
+
+@pytest.mark.parametrize("k,n", [(32, 64), (96, 70), (576, 960), (1536, 200), (64, 1)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
+def test_int4_blocks_are_the_group_wise_matmul_and_rows_stay_independent(m, k, n):
+    q, scale, offset = int4_case(n, k, seed=k + n)
+    packed = kernels.pack_int4(q, scale, offset)
+    assert packed.dtype == torch.uint8 and packed.shape == (-(-n // 64), k // 32, 1280)
+    q2, s2, o2 = kernels.unpack_int4(packed, n)
+    assert torch.equal(q2, q) and torch.equal(s2, scale.half()) and torch.equal(o2, offset.half())
+    w = (q.double().view(n, -1, 32) * s2.double()[..., None] + o2.double()[..., None]).view(n, k)
+    x, _, b = case(m, k, n, seed=m)
+    want = x.double() @ w.t() + b.double()
+    got = kernels.blocked_mm_int4(x, packed, b, n)
+    assert got.shape == (m, n) and (got.double() - want).abs().max() <= 1e-5 * (want.abs().max() + 1)
+    no_bias = kernels.blocked_mm_int4(x, packed, None, n)
+    assert (no_bias.double() - (want - b.double())).abs().max() <= 1e-5 * (want.abs().max() + 1)
+    alone = torch.cat([kernels.blocked_mm_int4(x[i:i + 1], packed, b, n) for i in range(m)])
+    assert torch.equal(alone, got)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.blocked_mm_int4(x, packed, b, n), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int4_bad_operands_are_one_clear_error():
+    q, scale, offset = int4_case(64, 64)
+    packed = kernels.pack_int4(q, scale, offset)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="x has 63 columns, the weight 64 rows"):
+        kernels.blocked_mm_int4(x[:, :63], packed, None, 64)
+    with pytest.raises(RuntimeError, match="uint8"):
+        kernels.blocked_mm_int4(x, packed.float(), None, 64)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        kernels.blocked_mm_int4(x, packed, torch.zeros(65), 64)
+    with pytest.raises(ValueError, match="float16's range"):
+        kernels.pack_int4(q, scale * 1e7, offset)
+    with pytest.raises(ValueError, match="in % 32"):
+        kernels.pack_int4(q[:, :40], scale[:, :1], offset[:, :1])
+
+
+def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
+    lin = torch.nn.Linear(64, 96)
+    fast = FastLinear([lin], "int4")
+    if not blocked_supported():
+        pytest.skip("no AVX-512 here: int4 keeps PyTorch's kernel")
+    assert fast.blocked and fast.kernel and "blocked kernel" in repr(fast)
+    assert fast.bytes_read() == 2 * 2 * 1280 + 96 * 4  # two blocks of two groups, and the bias
+    x = torch.randn(5, 2, 64)
+    exact = x @ fast.dequantized(torch.float32).t() + lin.bias
+    assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
+    big = torch.randn(40, 64)  # past DENSE_ROWS: the dense path, from the same float16 scales (bf16 GEMM)
+    assert (fast(big) - (big @ fast.dequantized(torch.float32).t() + lin.bias)).abs().max() <= 0.05
+    huge = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        huge.weight.mul_(1e6)
+    assert not FastLinear([huge], "int4").blocked  # scales past float16: PyTorch's kernel
