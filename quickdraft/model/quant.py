@@ -13,8 +13,8 @@
   | `blocked` | CPU float32 with AVX-512 | quickdraft's own (`quickdraft.kernels`): W in 64-column blocks, each streamed once for all rows | as MKL's sgemv | k+1 = 2-3 rows cost ~1 row, 4-6 rows ~1.15 (MKL: 1.5-1.9); prefill as MKL |
   | `transposed` | CPU float32 without it (or the kernel could not be built) | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
   | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
-  | `int8` | any | per-channel scales; CPU with AVX-512: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row; large M: dequantised to bf16, dense GEMM |
-  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight read | blocked: k+1 rows ~1 row; large M: from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
+  | `int8` | any | per-channel scales; CPU with AVX-512: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): dequantised to bf16, dense GEMM |
+  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight read | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
 
   Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
   matmul dequantises per call (a fallback, labelled as such in its repr).
@@ -41,6 +41,10 @@ INT4_GROUP = 32
 # weight-only kernels are GEMV kernels: from ~16 rows on, conversion + the AMX/AVX512 GEMM wins;
 # measured in benchmarks/results/cpu_kernels_*.json).
 DENSE_ROWS = 16
+# quickdraft's blocked int8 / int4 kernels stay ahead of conversion + dense GEMM up to ~64 rows
+# (SmolLM2's gate/up and down shapes, 1 thread: at 32 rows 1.45 vs 3.23 ms (int8), 1.95 vs 5.07
+# (int4); at 128 rows the dense path wins), so short prompts skip converting every weight.
+BLOCKED_DENSE_ROWS = 64
 _KERNELS_ONLY = False  # set while exporting a step (quickdraft.aot): no branch on the row count
 
 
@@ -233,7 +237,7 @@ class FastLinear(nn.Module):
             return out.reshape(*shape[:-1], self.out_features)
         if fmt == "dense":
             out = F.linear(x2, self.weight, self.bias)
-        elif not self.kernel or (not _KERNELS_ONLY and x2.shape[0] > DENSE_ROWS):
+        elif not self.kernel or (not _KERNELS_ONLY and x2.shape[0] > (BLOCKED_DENSE_ROWS if self.blocked else DENSE_ROWS)):
             xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
             if fmt == "int8":  # per-row scales apply to the output: one conversion of the weight
                 out = (F.linear(xd, self._qweight().to(xd.dtype)) * self.scales.to(xd.dtype)).to(x.dtype)

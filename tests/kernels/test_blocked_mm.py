@@ -182,7 +182,9 @@ def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
     x = torch.randn(5, 2, 64)
     exact = x @ fast.dequantized(torch.float32).t() + lin.bias
     assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
-    big = torch.randn(40, 64)  # past DENSE_ROWS: the dense path, from the same float16 scales (bf16 GEMM)
+    mid = torch.randn(40, 64)  # past DENSE_ROWS (PyTorch's kernels), within BLOCKED_DENSE_ROWS: still the kernel
+    assert torch.equal(fast(mid), torch.cat([fast(mid[i:i + 1]) for i in range(40)]))
+    big = torch.randn(80, 64)  # past BLOCKED_DENSE_ROWS: the dense path, from the same float16 scales (bf16 GEMM)
     assert (fast(big) - (big @ fast.dequantized(torch.float32).t() + lin.bias)).abs().max() <= 0.05
     huge = torch.nn.Linear(64, 64)
     with torch.no_grad():

@@ -8,7 +8,7 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.loader import load_model
-from quickdraft.model.quant import (DENSE_ROWS, FastLinear, blocked_supported, int4_quantize, onednn_bf16_supported, prepare,
+from quickdraft.model.quant import (BLOCKED_DENSE_ROWS, DENSE_ROWS, FastLinear, blocked_supported, int4_quantize, onednn_bf16_supported, prepare,
                                     weight_bytes, weight_format)
 
 FORMATS = (["dense", "transposed", "int8", "int4"] + (["onednn"] if onednn_bf16_supported() else [])
@@ -21,7 +21,7 @@ def linears(dtype=torch.float32, bias=True):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 5, DENSE_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 5, DENSE_ROWS + 3, BLOCKED_DENSE_ROWS])  # (x2: rows of 2)
 def test_fused_linear_computes_each_projection(fmt, rows):
     dtype = torch.bfloat16 if fmt == "onednn" else torch.float32
     lins = linears(dtype)
