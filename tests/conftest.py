@@ -14,6 +14,20 @@ warnings.filterwarnings("ignore")
 # Tiny models gain nothing from a second thread, and oversubscribed cores slow everything down.
 torch.set_num_threads(1)
 
+
+def _pin_kernel_cache() -> None:
+    """quickdraft's compiled CPU kernels stay in the user's cache while tests point
+    QUICKDRAFT_CACHE at temporary folders: otherwise every process those tests start (the
+    tensor-parallel ranks) compiles the kernels again, ~15-30 s each."""
+    import os
+
+    from quickdraft.model.sources import cache_dir
+
+    os.environ.setdefault("QUICKDRAFT_KERNEL_CACHE", str(cache_dir() / "kernels"))
+
+
+_pin_kernel_cache()
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "def sub(a, b):\n    return a - b\n",

@@ -8,7 +8,8 @@ the layout and the numerics.
 
 The library is built with PyTorch's C++ extension builder (a C++ compiler and ninja) the
 first time a model needs it, about 15 s, and cached under `<cache>/kernels/`
-(`QUICKDRAFT_CACHE`, else ~/.cache/quickdraft); later processes only load it. Where it
+(`QUICKDRAFT_CACHE`, else ~/.cache/quickdraft; `QUICKDRAFT_KERNEL_CACHE` names another folder
+for the kernels alone); later processes only load it. Where it
 cannot be built (no compiler) `available()` is False, with one warning naming the reason, and
 float32 weights keep PyTorch's own kernel (`quickdraft.model.quant`). `QUICKDRAFT_KERNELS=0`
 turns it off.
@@ -44,7 +45,8 @@ def _build_dir() -> Path:
 
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__.split('+')[0]}-{digest}"
-    path = cache_dir() / "kernels" / tag
+    base = os.environ.get("QUICKDRAFT_KERNEL_CACHE")
+    path = (Path(base) if base else cache_dir() / "kernels") / tag
     path.mkdir(parents=True, exist_ok=True)
     return path
 
