@@ -190,3 +190,11 @@ def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
     with torch.no_grad():
         huge.weight.mul_(1e6)
     assert not FastLinear([huge], "int4").blocked  # scales past float16: PyTorch's kernel
+
+
+def test_the_kernel_folder_follows_its_own_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUICKDRAFT_KERNEL_CACHE", str(tmp_path / "k"))
+    assert kernels._build_dir().parent == tmp_path / "k"
+    monkeypatch.delenv("QUICKDRAFT_KERNEL_CACHE")
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "c"))
+    assert kernels._build_dir().parent == tmp_path / "c" / "kernels"
