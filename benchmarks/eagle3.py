@@ -37,13 +37,17 @@ from quickdraft.metrics import SpecStats
 from quickdraft.train.corpus import load_corpus
 
 
-def rows_for(model: str, ks: list[int]) -> dict[str, dict]:
+def rows_for(model: str, ks: list[int], head_quant: list[str] = ()) -> dict[str, dict]:
     target, draft = default_model_dirs()
     base = {"target": str(target) if model == "bundled" else "smollm2", "dtype": "float32", "compile": "aot"}
     head = "target-eagle3" if model == "bundled" else "smollm2-eagle3"
     rows = {"plain": {**base, "method": "none"}}
     for k in ks:
         rows[f"eagle3-k{k}"] = {**base, "method": "eagle3", "draft": head, "num_speculative_tokens": k}
+    for q in head_quant:  # the head's weights quantised (the target stays float32)
+        for k in ks:
+            rows[f"eagle3-k{k}-{q}head"] = {**base, "method": "eagle3", "draft": head, "num_speculative_tokens": k,
+                                            "draft_quantization": q}
     rows["eagle3-tree3x8"] = {**base, "method": "eagle3", "draft": head, "num_speculative_tokens": 4,
                               "spec_options": {"tree_width": 3, "tree_nodes": 8}}
     if model == "bundled":
@@ -109,6 +113,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["bundled", "smollm2"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3])
+    ap.add_argument("--head-quantization", nargs="*", default=[], choices=["int8", "int4"],
+                    help="also rows with the head's weights quantised (eagle3-k<k>-<q>head)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -118,7 +124,7 @@ def main() -> None:
     results = []
     for model in args.models:
         llms = {}
-        for name, kw in rows_for(model, args.ks).items():
+        for name, kw in rows_for(model, args.ks, args.head_quantization).items():
             start = time.perf_counter()
             llms[name] = LLM(**kw)
             print(f"{model} {name}: loaded in {time.perf_counter() - start:.1f} s "

@@ -1,4 +1,5 @@
 """The parts of an eagle3 step on this CPU (issue 14's cost bar): one thread, float32, AOT steps,
+(with --draft-quantization the head's weights int8 / int4, the target float32),
 at a 400-token context, medians of 15 calls (ms): the target's plain step at 1 and 2 query
 tokens, its step at 2 tokens that also returns the head's hidden states (what an eagle3 verify
 with k = 1 runs), the head's catch-up over 2 pairs and one draft step.
@@ -26,14 +27,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["bundled", "smollm2"], default="smollm2")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-quantization", choices=["none", "int8", "int4"], default="none",
+                    help="the head's weights (the target stays float32)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = "smollm2" if args.model == "smollm2" else default_model_dirs()[0]
     head_name = "smollm2-eagle3" if args.model == "smollm2" else "target-eagle3"
-    llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1, compile="aot", dtype="float32")
+    llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1, compile="aot", dtype="float32",
+              draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization)
     tgt, step_h, head = llm.target, llm.engine._forward, llm.draft
-    step_p = aot.load(tgt)
+    step_p = aot.load_or_build(tgt)  # the plain package (built once when missing)
     cache = KVCache.for_model(tgt, 1, 600)
     ids = torch.randint(0, 1000, (1, 400), generator=torch.Generator().manual_seed(0))
     out = {}
@@ -57,9 +61,10 @@ def main() -> None:
         out["head_draft_step_ms"] = med(lambda: head(ids[:, :1], own, torch.tensor([[400]]), hc.rows(0, 1), kv_len=401,
                                                      project=False))
     out["head_draft_step_over_target_step"] = round(out["head_draft_step_ms"] / out["target_T1_ms"], 3)
-    out.update(model=args.model, threads=args.threads, loadavg_1m=os.getloadavg()[0],
+    out.update(model=args.model, head_quantization=args.draft_quantization, threads=args.threads, loadavg_1m=os.getloadavg()[0],
                head_weight_bytes=weight_bytes(head), target_weight_bytes=weight_bytes(tgt), torch=torch.__version__,
-               command=f"python benchmarks/eagle3_parts.py --model {args.model} --threads {args.threads} --out {args.out}")
+               command=f"python benchmarks/eagle3_parts.py --model {args.model} --threads {args.threads} "
+                       f"--draft-quantization {args.draft_quantization} --out {args.out}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
