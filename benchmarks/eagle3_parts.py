@@ -2,7 +2,8 @@
 (with --draft-quantization the head's weights int8 / int4, the target float32),
 at a 400-token context, medians of 15 calls (ms): the target's plain step at 1 and 2 query
 tokens, its step at 2 tokens that also returns the head's hidden states (what an eagle3 verify
-with k = 1 runs), the head's catch-up over 2 pairs and one draft step.
+with k = 1 runs), the head's catch-up over 2 pairs and one draft step, through the head's AOT
+packages (what the engine runs: quickdraft.aot.HeadAOTStep) and eagerly.
 
     python benchmarks/eagle3_parts.py --model smollm2 --out benchmarks/results/eagle3_parts_smollm2.json
 """
@@ -37,6 +38,7 @@ def main() -> None:
     llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1, compile="aot", dtype="float32",
               draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization)
     tgt, step_h, head = llm.target, llm.engine._forward, llm.draft
+    head_step = llm.engine.proposer._head  # the head's AOT packages (quickdraft.aot.HeadAOTStep) where built
     step_p = aot.load_or_build(tgt)  # the plain package (built once when missing)
     cache = KVCache.for_model(tgt, 1, 600)
     ids = torch.randint(0, 1000, (1, 400), generator=torch.Generator().manual_seed(0))
@@ -55,12 +57,15 @@ def main() -> None:
         hc = KVCache(1, 1, head.config.num_key_value_heads, 600, head.config.head_dim, torch.float32, "cpu")
         width = 3 * tgt.config.hidden_size
         feats = torch.randn(1, 2, width)
-        out["head_catch_up_2_pairs_ms"] = med(lambda: head(ids[:, :2], feats, torch.tensor([[398, 399]]), hc.rows(0, 1),
-                                                           kv_len=400))
         own = torch.randn(1, 1, tgt.config.hidden_size)
-        out["head_draft_step_ms"] = med(lambda: head(ids[:, :1], own, torch.tensor([[400]]), hc.rows(0, 1), kv_len=401,
-                                                     project=False))
+        for tag, fn in (("", head_step), ("_eager", head)):
+            out[f"head_catch_up_2_pairs{tag}_ms"] = med(lambda: fn(ids[:, :2], feats, torch.tensor([[398, 399]]),
+                                                                   hc.rows(0, 1), kv_len=400))
+            out[f"head_draft_step{tag}_ms"] = med(lambda: fn(ids[:, :1], own, torch.tensor([[400]]), hc.rows(0, 1),
+                                                             kv_len=401, project=False))
+    out["head_step"] = type(head_step).__name__
     out["head_draft_step_over_target_step"] = round(out["head_draft_step_ms"] / out["target_T1_ms"], 3)
+    out["head_draft_step_eager_over_target_step"] = round(out["head_draft_step_eager_ms"] / out["target_T1_ms"], 3)
     out.update(model=args.model, head_quantization=args.draft_quantization, threads=args.threads, loadavg_1m=os.getloadavg()[0],
                head_weight_bytes=weight_bytes(head), target_weight_bytes=weight_bytes(tgt), torch=torch.__version__,
                command=f"python benchmarks/eagle3_parts.py --model {args.model} --threads {args.threads} "

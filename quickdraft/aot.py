@@ -48,7 +48,7 @@ from torch import nn
 from .cache import CacheView
 from .errors import QuickdraftError
 from . import kernels
-from .model import quant, transformer
+from .model import eagle3, quant, transformer
 from .model.quant import DENSE_ROWS, FastLinear
 from .model.sources import cache_dir
 
@@ -76,7 +76,7 @@ def unsupported(model: nn.Module) -> str | None:
 def _source_hash() -> str:
     """The code a package was traced from: a change to the forward invalidates old packages."""
     h = hashlib.sha256()
-    for module in (transformer, quant, kernels):
+    for module in (transformer, quant, kernels, eagle3):
         h.update(inspect.getsource(module).encode())
     h.update(kernels.SOURCE.read_bytes())  # the blocked format's kernel, which packages call
     return h.hexdigest()[:16]
@@ -86,9 +86,9 @@ def _embeds_weights(model: nn.Module) -> bool:
     return any(isinstance(m, FastLinear) and m.fmt == "int4" and not m.blocked for m in model.modules())
 
 
-def _fingerprint(model: nn.Module) -> str:
+def _fingerprint(model: nn.Module, project: bool | None = None) -> str:
     h = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(_constants(_Step(model)).items()):
+    for name, t in sorted(_constants(_HeadStep(model, bool(project)) if _is_head(model) else _Step(model)).items()):
         h.update(name.encode())
         h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
     return h.hexdigest()
@@ -108,11 +108,25 @@ def aot_dir() -> Path:
     return cache_dir() / "aot"
 
 
-def package_path(model: nn.Module, hidden_at: tuple[int, ...] | None = None) -> Path:
+def package_path(model: nn.Module, hidden_at: tuple[int, ...] | None = None, project: bool | None = None) -> Path:
     """`<cache>/aot/<shape key>[-h<layers>].pt2`, with the weights' fingerprint appended where
-    they are inside; `-h<layers>` for the variant that also returns those layers' states."""
-    name = shape_key(model) + _hidden_suffix(hidden_at) + (f"-{_fingerprint(model)}" if _embeds_weights(model) else "")
+    they are inside; `-h<layers>` for the variant that also returns those layers' states; an
+    EAGLE-3 head's two variants end in `-e3p` (from the target's states) and `-e3d` (drafting)."""
+    name = (shape_key(model) + _hidden_suffix(hidden_at) + _head_suffix(model, project)
+            + (f"-{_fingerprint(model, project)}" if _embeds_weights(model) else ""))
     return aot_dir() / f"{name}.pt2"
+
+
+def _is_head(model: nn.Module) -> bool:
+    return hasattr(model, "head_config")  # quickdraft.model.eagle3.Eagle3Head (not imported: no cycle)
+
+
+def _head_suffix(model: nn.Module, project: bool | None) -> str:
+    if not _is_head(model):
+        return ""
+    hc = model.head_config  # what the graph depends on beyond the layer's config and formats
+    extra = f"{hc.target_hidden_size}-{len(model.aux_layers)}-{int(hc.norm_before_residual)}"
+    return f"-e3{'p' if project else 'd'}-" + hashlib.sha256(extra.encode()).hexdigest()[:8]
 
 
 def _hidden_suffix(hidden_at: tuple[int, ...] | None) -> str:
@@ -132,15 +146,34 @@ class _Step(nn.Module):
         return self.model(input_ids, positions, cache, kv_len=key_pos.shape[0], hidden_at=self.hidden_at)
 
 
-def _constants(step: _Step) -> dict[str, torch.Tensor]:
+class _HeadStep(nn.Module):
+    """An EAGLE-3 head's exported signature. The target's embedding, which the head reads but
+    does not own, is registered here so the package takes it at load time like the head's
+    own weights (shared, not copied)."""
+
+    def __init__(self, head: nn.Module, project: bool):
+        super().__init__()
+        self.head = head
+        self.embed_tokens = head.embed_tokens
+        self.project = project
+
+    def forward(self, input_ids, hidden, positions, key_pos, k, v):
+        cache = CacheView([k], [v], k.shape[2] - 1)
+        return self.head(input_ids, hidden, positions, cache, kv_len=key_pos.shape[0], project=self.project)
+
+
+def _constants(step: nn.Module) -> dict[str, torch.Tensor]:
     named = dict(step.named_parameters(remove_duplicate=False))
     named.update(step.named_buffers(remove_duplicate=False))
     return {name: t.detach() for name, t in named.items()}
 
 
-def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None) -> Path:
+def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None,
+          project: bool | None = None) -> Path:
     """Export and compile `model`'s decode/verify forward into a package (once per shape); with
-    `hidden_at`, the forward that also returns those layers' states (Transformer.forward)."""
+    `hidden_at`, the forward that also returns those layers' states (Transformer.forward). For
+    an EAGLE-3 head, `project` picks the variant: reading the target's states (True) or its own
+    previous output (False)."""
     reason = unsupported(model)
     if reason:
         raise QuickdraftError(reason)
@@ -148,19 +181,31 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
 
     from .cache import KVCache
 
-    path = path or package_path(model, hidden_at)
+    head = _is_head(model)
+    path = path or package_path(model, hidden_at, project)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    cache = KVCache.for_model(model, 3, 16)  # example sizes: all > 1 and distinct, so none is specialised
+    # example sizes: all > 1 and distinct, so none is specialised
+    cache = (KVCache(1, 3, model.config.num_key_value_heads, 16, model.config.head_dim, model.dtype, model.device)
+             if head else KVCache.for_model(model, 3, 16))
     ids = torch.zeros(2, 2, dtype=torch.long)
     positions = torch.tensor([[5, 6], [7, 8]])
     key_pos = torch.arange(9)
     B, T = Dim("batch", max=_MAX_ROWS), Dim("query", max=_MAX_QUERY)
     S, R, C = Dim("keys", min=2, max=_MAX_SLOTS), Dim("rows", max=_MAX_ROWS), Dim("slots", min=3, max=_MAX_SLOTS)
     per_layer = [{0: R, 2: C}] * len(cache.k)
+    if head:  # (input_ids, hidden, positions, key_pos, k, v): one layer
+        width = (len(model.aux_layers) * model.head_config.target_hidden_size if project
+                 else model.config.hidden_size)
+        step = _HeadStep(model, bool(project)).eval()
+        args = (ids, torch.zeros(2, 2, width, dtype=model.dtype), positions, key_pos, cache.k[0], cache.v[0])
+        dims = ({0: B, 1: T}, {0: B, 1: T}, {0: B, 1: T}, {0: S}, {0: R, 2: C}, {0: R, 2: C})
+    else:
+        step = _Step(model, hidden_at).eval()
+        args = (ids, positions, key_pos, cache.k, cache.v)
+        dims = ({0: B, 1: T}, {0: B, 1: T}, {0: S}, per_layer, per_layer)
     with torch.no_grad(), quant.kernels_only():
-        program = export(_Step(model, hidden_at).eval(), (ids, positions, key_pos, cache.k, cache.v),
-                         dynamic_shapes=({0: B, 1: T}, {0: B, 1: T}, {0: S}, per_layer, per_layer), strict=False)
+        program = export(step, args, dynamic_shapes=dims, strict=False)
         tmp = path.with_suffix(".tmp.pt2")
         configs = {"aot_inductor.package_constants_in_so": _embeds_weights(model)}
         if any(isinstance(m, FastLinear) and (m.fmt == "blocked" or m.blocked) for m in model.modules()):
@@ -208,14 +253,25 @@ class AOTStep:
         return f"AOTStep({self.path.name})"
 
 
-def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None) -> AOTStep | None:
-    """The model's cached package as a step, or None (no package, or not loadable here)."""
+def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None):
+    """The model's cached package as a step, or None (no package, or not loadable here). For an
+    EAGLE-3 head: a HeadAOTStep over its two variants, or None unless both are cached."""
     if unsupported(model):
         return None
+    if _is_head(model):
+        runners = {p: _runner(model, None, None, p) for p in (True, False)}
+        return HeadAOTStep(model, runners) if all(runners.values()) else None
+    runner = _runner(model, path, hidden_at, None)
+    return None if runner is None else AOTStep(model, runner[0], runner[1], hidden_at)
+
+
+def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | None, project: bool | None):
+    """(the loaded package, its path), its weights handed over from the model; or None."""
     if path is None:
-        if not any(aot_dir().glob(f"{shape_key(model)}{_hidden_suffix(hidden_at)}*.pt2")):
+        pattern = f"{shape_key(model)}{_hidden_suffix(hidden_at)}{_head_suffix(model, project)}*.pt2"
+        if not any(aot_dir().glob(pattern)):
             return None  # (before fingerprinting an int4 model's weights)
-        path = package_path(model, hidden_at)
+        path = package_path(model, hidden_at, project)
     if not path.exists():
         return None
     try:
@@ -224,8 +280,8 @@ def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] 
             raise QuickdraftError("the package calls quickdraft's CPU kernel, which is not available")
         runner = torch._inductor.aoti_load_package(str(path))
         if _embeds_weights(model):
-            return AOTStep(model, runner, path, hidden_at)
-        constants = _constants(_Step(model))
+            return runner, path
+        constants = _constants(_HeadStep(model, bool(project)) if _is_head(model) else _Step(model))
         wanted = runner.get_constant_fqns()
         missing = [name for name in wanted if name not in constants]
         if missing:
@@ -234,10 +290,10 @@ def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] 
     except Exception as exc:  # noqa: BLE001 - a stale or foreign package: run eagerly, say why once
         log.warning("quickdraft: the AOT step %s did not load (%s: %s); running eagerly", path, type(exc).__name__, exc)
         return None
-    return AOTStep(model, runner, path, hidden_at)
+    return runner, path
 
 
-def load_or_build(model: nn.Module, hidden_at: tuple[int, ...] | None = None) -> AOTStep | None:
+def load_or_build(model: nn.Module, hidden_at: tuple[int, ...] | None = None):
     """The cached step, built first when missing (None where packages are unsupported)."""
     reason = unsupported(model)
     if reason:
@@ -245,6 +301,42 @@ def load_or_build(model: nn.Module, hidden_at: tuple[int, ...] | None = None) ->
         return None
     step = load(model, hidden_at=hidden_at)
     if step is None:
-        build(model, hidden_at=hidden_at)
+        for project in ((True, False) if _is_head(model) else (None,)):
+            if _runner(model, None, hidden_at, project) is None:
+                build(model, hidden_at=hidden_at, project=project)
         step = load(model, hidden_at=hidden_at)
     return step
+
+
+class HeadAOTStep:
+    """A drop-in for calling an EAGLE-3 head: chains and catch-ups run its packages (one per
+    `project` variant); token trees (slots, a mask) and oversized calls run the head eagerly."""
+
+    def __init__(self, head: nn.Module, runners: dict):
+        self.head = head
+        self.runners = {p: r[0] for p, r in runners.items()}
+        self.paths = [r[1] for r in runners.values()]
+        quantised = any(isinstance(m, FastLinear) and m.fmt in ("int8", "int4") for m in head.modules())
+        self.max_rows = DENSE_ROWS if quantised else _MAX_ROWS  # beyond: the eager dense path
+        self._key_pos = torch.arange(0)
+
+    def __call__(self, input_ids, hidden, positions, cache: CacheView | None = None, kv_len=None, slots=None,
+                 attn_mask=None, project: bool = True):
+        B, T = input_ids.shape
+        if (cache is None or slots is not None or attn_mask is not None or B * T > self.max_rows
+                or T > _MAX_QUERY or not cache.k[0].is_contiguous()):
+            return self.head(input_ids, hidden, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
+                             project=project)
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        if self._key_pos.shape[0] < kv_len:
+            self._key_pos = torch.arange(max(kv_len, 2 * self._key_pos.shape[0]))
+        out = self.runners[bool(project)](input_ids.contiguous(), hidden.to(self.head.dtype).contiguous(),
+                                          positions.contiguous(), self._key_pos[:max(kv_len, 2)], cache.k[0], cache.v[0])
+        return tuple(out)
+
+    def __getattr__(self, name):  # the head's attributes (to_target, config, ...)
+        return getattr(self.head, name)
+
+    def __repr__(self) -> str:
+        return f"HeadAOTStep({', '.join(p.name for p in self.paths)})"

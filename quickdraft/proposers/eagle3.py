@@ -51,6 +51,7 @@ class Eagle3Proposer(Proposer):
         if tree_nodes is not None and tree_width == 1:
             raise QuickdraftError("tree_nodes needs tree_width > 1 (a chain has k nodes)")
         self.tree_nodes = None if tree_nodes is None else check_int("tree_nodes", tree_nodes, 1, 1024)
+        self._head = head  # what runs the head: the head, or its AOT packages (use_forward)
         self.cache: KVCache | None = None
         self.cached: list[int] = []  # per row: positions of the head's cache built from target states
         self.pending: list[list[torch.Tensor]] = []  # per row: target states not yet fed to the head
@@ -61,6 +62,11 @@ class Eagle3Proposer(Proposer):
             raise QuickdraftError("method 'eagle3' needs an EAGLE-3 head folder (draft=...)")
         check_options("eagle3", options, cls.OPTIONS)
         return cls(draft, target.config.vocab_size, **options)
+
+    def use_forward(self, make) -> None:
+        step = make(self.head)
+        if step is not None:
+            self._head = step
 
     def max_draft_tokens(self, k: int) -> int:
         w = self.tree_width
@@ -107,7 +113,7 @@ class Eagle3Proposer(Proposer):
         """Feed each row the pairs it has not seen; the head's logits (B, draft V) and output
         state (B, h) after the last one."""
         B = len(rows)
-        head, device = self.head, self.head.device
+        head, device = self._head, self.head.device
         feats = []
         for b, t in enumerate(rows):
             f = torch.cat(self.pending[b]) if len(self.pending[b]) != 1 else self.pending[b][0]
@@ -152,7 +158,7 @@ class Eagle3Proposer(Proposer):
             tokens.append(x)
             probs.append(q)
             if i < k - 1:  # the last draft token is never fed: the target will judge it
-                logits, state = self.head(x[:, None], state[:, None], lengths - 1 + i, self.cache.rows(0, B),
+                logits, state = self._head(x[:, None], state[:, None], lengths - 1 + i, self.cache.rows(0, B),
                                           kv_len=kv_len + 1 + i, project=False)
                 logits, state = logits[:, 0], state[:, 0]
         return Draft(tokens=torch.stack(tokens, 1), probs=None if noise is None else torch.stack(probs, 1))

@@ -146,7 +146,43 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
     spec = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
                dtype="float32")
     assert isinstance(spec.engine._forward, aot.AOTStep) and spec.engine._forward.hidden_at == (1, 1, 0)
+    head_step = spec.engine.proposer._head  # the head's two packages: from target states, drafting
+    assert isinstance(head_step, aot.HeadAOTStep) and len({p.name for p in head_step.paths}) == 2
     plain = LLM(target_dir, method="none", compile=False, dtype="float32")
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [[3, 17, 42, 9], [5, 6, 7]]
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+    tree = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
+               dtype="float32", spec_options={"tree_width": 2, "tree_nodes": 5})  # trees: the head eagerly
+    assert [o.token_ids for o in tree.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+
+
+def test_head_packages_equal_the_eager_head(tmp_path, target_step):
+    """An EAGLE-3 head's packages (reading target states; drafting from its own output) give
+    the eager head's logits and states, on a ragged batch over its cache."""
+    from quickdraft.model.eagle3 import new_head
+
+    model, _ = target_step
+    torch.manual_seed(0)
+    head = new_head(model).eval()
+    step = aot.load_or_build(head)
+    assert isinstance(step, aot.HeadAOTStep) and aot.load(head) is not None
+    g = torch.Generator().manual_seed(1)
+    width = len(head.aux_layers) * model.config.hidden_size
+    with torch.inference_mode():
+        caches = [KVCache(1, 2, head.config.num_key_value_heads, 32, head.config.head_dim, torch.float32, "cpu")
+                  for _ in range(2)]
+        ids = torch.randint(3, 100, (2, 4), generator=g)
+        feats = torch.randn(2, 4, width, generator=g)
+        pos = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1]])  # the second row one pair short (padding)
+        want = head(ids, feats, pos, caches[0].rows(0, 2), kv_len=4)
+        got = step(ids, feats, pos, caches[1].rows(0, 2), kv_len=4)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b[:, :3], a[:, :3], rtol=1e-4, atol=1e-4)
+        own = want[1][:, 2:3]
+        pos = torch.tensor([[4], [3]])
+        want = head(ids[:, :1], own, pos, caches[0].rows(0, 2), kv_len=5, project=False)
+        got = step(ids[:, :1], own, pos, caches[1].rows(0, 2), kv_len=5, project=False)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].k[0], caches[0].k[0], rtol=1e-4, atol=1e-4)
