@@ -18,7 +18,10 @@ package is the compiled step as a shared library: loading it takes a fraction of
 - Exported with symbolic batch size, query length, key length, cache rows and cache
   capacity: one package serves decode (1 token), verify (k + 1 tokens) and every context length.
 - What it covers: `model(input_ids, positions, cache, kv_len=...)`, the decode and chain
-  verify steps (and a draft model's one-token steps). Prefill, token trees (slots and a mask)
+  verify steps (and a draft model's one-token steps), and an EAGLE-3 head's chain calls: two
+  packages per head, one reading the target's states (`-e3p`), one drafting from its own
+  output (`-e3d`), the target's embedding handed over like the head's weights
+  (`HeadAOTStep`). Prefill, token trees (slots and a mask)
   and gathers run eagerly, as before; so do int8 / int4 matmuls of more than DENSE_ROWS rows
   (their dense prefill path, which the package leaves out).
 - `build(model)` compiles (about a minute per model here, once); `load(model)` returns the
