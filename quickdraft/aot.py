@@ -121,7 +121,7 @@ def package_path(model: nn.Module, hidden_at: tuple[int, ...] | None = None, pro
 
 
 def _is_head(model: nn.Module) -> bool:
-    return hasattr(model, "head_config")  # quickdraft.model.eagle3.Eagle3Head (not imported: no cycle)
+    return isinstance(model, eagle3.Eagle3Head)
 
 
 def _head_suffix(model: nn.Module, project: bool | None) -> str:
