@@ -4,7 +4,9 @@
 float32, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_int8`, `blocked_mm_int4`),
 streaming each weight once for all rows, with float32 activations; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
-the layout and the numerics.
+the layout and the numerics. And `attend`: attention over the cache for up to 64 query rows
+(decode, verify and tree steps), each kv head's keys read once for several query rows, where
+PyTorch's flash attention reads a one-query step through one-row BLAS calls.
 
 The library is built with PyTorch's C++ extension builder (a C++ compiler and ninja) the
 first time a model needs it, about 15 s, and cached under `<cache>/kernels/`
@@ -92,6 +94,8 @@ _SHIMS = {
                        "AtenTensorHandle scale, AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "blocked_mm_int4": "AOTITorchError aoti_torch_cpu_blocked_mm_int4(AtenTensorHandle x, AtenTensorHandle packed, "
                        "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
+    "attend": "AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
+              "AtenTensorHandle mask, double scale, AtenTensorHandle* ret0)",
 }
 
 
@@ -125,6 +129,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("quickdraft::blocked_mm_int4")
     def _(x, packed, bias, n):
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("quickdraft::attend")
+    def _(q, k, v, mask, scale):
+        B, H, T, D = q.shape
+        return q.new_empty((B, T, H, D)).transpose(1, 2)
 
 
 def blocked_mm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -199,3 +208,11 @@ def blocked_mm_int4(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     """x (M, in) float32 @ W^T + bias -> (M, n), W the `pack_int4`ed weight: per group, exact
     products x * q summed in float32, then scaled, plus the offset times the inputs' sum."""
     return torch.ops.quickdraft.blocked_mm_int4.default(x, packed, bias, n)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale where mask) v for a few query rows over the cache: q (B, H, T, D),
+    k / v (B, H_kv, L, D) (grouped-query heads), mask bool (B or 1, 1, T, L); (B, H, T, D) out,
+    stored as (B, T, H, D). More than 64 query rows, or no AVX-512, run PyTorch's attention.
+    See blocked_mm.cpp's attention section for the numerics (row-invariant)."""
+    return torch.ops.quickdraft.attend.default(q, k, v, mask, scale)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..cache import CacheView, to_device
 from ..config import ModelConfig, RopeConfig
 
@@ -115,8 +116,21 @@ class Attention(nn.Module):
             cv[write_pos] = v.transpose(1, 2)
             # the view may hold more rows than the batch (static-shape steps pass the whole cache)
             k, v = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        out = attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) where mask) v, grouped-query heads: q (B, H, T, D), k / v (B, H_kv,
+    L, D), mask bool (B, 1, T, L). Inference on CPU in float32 runs quickdraft's kernel
+    (kernels.attend: one read of each kv head's cache for several query rows, the same bits for a
+    token whatever the rows beside it; a prefill goes on to PyTorch's attention inside it);
+    elsewhere, and under autograd, PyTorch's attention."""
+    if (q.device.type == "cpu" and q.dtype == torch.float32 and mask.dtype == torch.bool
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and q.shape[-1] % 16 == 0 and kernels.available()):
+        return kernels.attend(q, k, v, mask, q.shape[-1] ** -0.5)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):

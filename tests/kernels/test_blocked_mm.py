@@ -198,3 +198,62 @@ def test_the_kernel_folder_follows_its_own_variable(monkeypatch, tmp_path):
     monkeypatch.delenv("QUICKDRAFT_KERNEL_CACHE")
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "c"))
     assert kernels._build_dir().parent == tmp_path / "c" / "kernels"
+
+
+def _attention_case(B, H, Hkv, T, L, D, seed=0):
+    """q (B, H, T, D) as the model makes it (a transposed view), k / v views of a larger cache,
+    and a causal mask of random positions per row."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    k = torch.randn(B + 1, Hkv, L + 9, D, generator=g)[:B, :, :L]
+    v = torch.randn(B + 1, Hkv, L + 9, D, generator=g)[:B, :, :L]
+    pos = torch.randint(L // 2, L, (B, T), generator=g)
+    return q, k, v, (torch.arange(L) <= pos[..., None])[:, None]
+
+
+@pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 8, 4, 1, 300, 64), (3, 9, 3, 5, 77, 64), (2, 4, 4, 17, 40, 128),
+                                           (1, 8, 1, 64, 200, 64), (2, 6, 2, 3, 1, 32)])
+def test_attend_is_attention_and_rows_stay_independent(B, H, Hkv, T, L, D):
+    q, k, v, mask = _attention_case(B, H, Hkv, T, L, D)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                            enable_gqa=H != Hkv)
+    got = kernels.attend(q, k, v, mask, D ** -0.5)
+    assert got.shape == (B, H, T, D) and got.transpose(1, 2).is_contiguous()  # stored (B, T, H, D)
+    assert (got.double() - want).abs().max() < 1e-5
+    # each query row alone, and on two threads: the same bits (a verify row = the decode row)
+    for t in range(T):
+        alone = kernels.attend(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1], D ** -0.5)
+        assert torch.equal(alone[:, :, 0], got[:, :, t])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.attend(q, k, v, mask, D ** -0.5), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_attend_hands_a_prefill_to_pytorch_and_masks_by_row():
+    q, k, v, mask = _attention_case(2, 8, 4, 100, 300, 64)  # 100 query rows: PyTorch's attention
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(kernels.attend(q, k, v, mask, 0.125), want)
+    q, k, v, mask = _attention_case(1, 4, 2, 2, 50, 64)
+    shared = mask[:1, :, :1].expand(1, 1, 2, 50)  # a broadcast mask (stride 0) reads as its values
+    assert torch.equal(kernels.attend(q, k, v, shared, 0.125), kernels.attend(q, k, v, shared.contiguous(), 0.125))
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        kernels.attend(q, k, v, mask.float(), 0.125)
+    with pytest.raises(RuntimeError, match="do not match"):
+        kernels.attend(q, k[:, :, :10], v, mask, 0.125)
+
+
+def test_model_attention_runs_the_kernel_for_inference_only():
+    """The model's attention takes the kernel for a CPU float32 inference step and PyTorch's
+    attention under autograd (training needs its gradient)."""
+    from quickdraft.model.transformer import attention
+
+    q, k, v, mask = _attention_case(1, 4, 2, 3, 40, 64)
+    with torch.no_grad():
+        assert torch.equal(attention(q, k, v, mask), kernels.attend(q, k, v, mask, 0.125))
+    qg = q.detach().clone().requires_grad_()
+    out = attention(qg, k, v, mask)
+    out.sum().backward()
+    assert qg.grad is not None and torch.allclose(out, kernels.attend(q, k, v, mask, 0.125), atol=1e-5)
