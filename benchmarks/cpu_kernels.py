@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quickdraft.bench.hardware import read_bandwidth
+
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
@@ -34,19 +36,6 @@ def timed(fn, repeats: int) -> float:
         fn()
         out.append(time.perf_counter() - t)
     return statistics.median(out)
-
-
-def read_bandwidth(repeats: int, nbytes: int = 1 << 30) -> dict[str, float]:
-    """Bytes/s of streaming reads over float32 buffers larger than any cache, by three probes
-    (`sum`, `dot` of two halves, `mv` of a matrix); the best is the roofline's denominator."""
-    x = torch.ones(nbytes // 4)
-    half = x.numel() // 2
-    a, b = x[:half], x[half:]
-    m = x.view(-1, 4096)
-    v = torch.ones(4096)
-    return {"sum": nbytes / timed(lambda: x.sum(), repeats),
-            "dot": nbytes / timed(lambda: torch.dot(a, b), repeats),
-            "mv": nbytes / timed(lambda: torch.mv(m, v), repeats)}
 
 
 def model_rooflines(bandwidth: float) -> dict:

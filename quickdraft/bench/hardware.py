@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -50,3 +52,26 @@ def other_cpu_share(before, after, wall: float) -> float | None:
     if before is None or after is None or wall <= 0:
         return None
     return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * (os.cpu_count() or 1)))
+
+
+def read_bandwidth(repeats: int, nbytes: int = 1 << 30) -> dict[str, float]:
+    """Bytes/s of streaming reads over float32 buffers larger than any cache, at the current
+    torch thread count, by three probes (`sum`, `dot` of two halves, `mv` of a matrix), each the
+    median of `repeats` calls; the best is a memory roofline's denominator."""
+    x = torch.ones(nbytes // 4)
+    half = x.numel() // 2
+    a, b = x[:half], x[half:]
+    m = x.view(-1, 4096)
+    v = torch.ones(4096)
+
+    def timed(fn) -> float:
+        fn()
+        out = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+        return statistics.median(out)
+
+    return {"sum": nbytes / timed(lambda: x.sum()), "dot": nbytes / timed(lambda: torch.dot(a, b)),
+            "mv": nbytes / timed(lambda: torch.mv(m, v))}

@@ -4,7 +4,7 @@
 float32, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_int8`, `blocked_mm_int4`),
 streaming each weight once for all rows, with float32 activations; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
-the layout and the numerics. And `attend`: attention over the cache for up to 64 query rows
+the layout and the numerics. And `attend`: attention over the cache for up to 12 query rows
 (decode, verify and tree steps), each kv head's keys read once for several query rows, where
 PyTorch's flash attention reads a one-query step through one-row BLAS calls.
 
@@ -213,6 +213,6 @@ def blocked_mm_int4(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale where mask) v for a few query rows over the cache: q (B, H, T, D),
     k / v (B, H_kv, L, D) (grouped-query heads), mask bool (B or 1, 1, T, L); (B, H, T, D) out,
-    stored as (B, T, H, D). More than 64 query rows, or no AVX-512, run PyTorch's attention.
+    stored as (B, T, H, D). More than 12 query rows, or no AVX-512, run PyTorch's attention.
     See blocked_mm.cpp's attention section for the numerics (row-invariant)."""
     return torch.ops.quickdraft.attend.default(q, k, v, mask, scale)

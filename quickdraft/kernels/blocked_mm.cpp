@@ -420,16 +420,19 @@ at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const 
 // the memory order (B, T, H, D), so the output projection reads it without a copy.
 //
 // Why: PyTorch's CPU flash attention runs a one-query step as BLAS calls of one row over 512-key
-// blocks, reading the cache at 10-14 GB/s on this machine's 2 GHz cores (benchmarks/results/
-// attend_cpu.txt); here each kv head's keys and values are read once for up to RC query rows.
+// blocks, reading the cache at 8-16 GB/s on this machine's 2 GHz cores; here each kv head's keys
+// and values are read once for up to RC query rows: one query row 0.46-0.63x PyTorch's time, 12
+// rows 0.75-0.95x (benchmarks/results/attention_cpu.json).
 //
 // Numerics, per query row: the score of key j is the FMA sum over d in vector order, then one
 // fixed reduction, times nothing (q is scaled first); the softmax's max, exponentials (a
 // polynomial, within 2 ulp) and sum, and the weighted sum of v run in key order. A row's result
 // depends on its own query, its mask row and the keys only, however the rows are grouped and on
 // any thread count (row-invariant): a verify step attends for a token as a decode step does.
-// More than ATTEND_ROWS query rows (a prefill) go to PyTorch's attention.
-constexpr int64_t ATTEND_ROWS = 64;
+// More than ATTEND_ROWS query rows (a prefill, a large token tree) go to PyTorch's attention: from
+// about 12 rows on its blocked matmuls do the scores faster than one pass per 4 rows here
+// (benchmarks/results/attention_cpu.json); chains of up to 11 drafts stay row-invariant.
+constexpr int64_t ATTEND_ROWS = 12;
 constexpr int RC = 4;  // query rows per pass over a kv head's keys
 
 // exp(x) for x <= 0: 2^n p(r), x = n ln2 + r (ln2 split in two for an exact n ln2), |r| <= ln2/2,
@@ -559,8 +562,13 @@ __attribute__((target("avx512f"))) void attend_rows(const AttendArgs& a, int64_t
       }
       __m512 sc = sum16(acc);
       __mmask16 seen = 0;
-      for (int u = 0; u < 16; ++u)
-        if (j0 + u < last && mrow[r][(j0 + u) * a.ms3]) seen |= (__mmask16)(1u << u);
+      if (a.ms3 == 1 && j0 + 16 <= last) {  // 16 mask bytes (0 or 1) to 16 bits
+        const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mrow[r] + j0));
+        seen = (__mmask16)_mm512_test_epi32_mask(_mm512_cvtepu8_epi32(m8), _mm512_cvtepu8_epi32(m8));
+      } else {
+        for (int u = 0; u < 16; ++u)
+          if (j0 + u < last && mrow[r][(j0 + u) * a.ms3]) seen |= (__mmask16)(1u << u);
+      }
       _mm512_storeu_ps(s + r * Lp + j0, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), seen, sc));
     }
   }

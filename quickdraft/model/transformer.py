@@ -124,8 +124,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """softmax(q k^T / sqrt(D) where mask) v, grouped-query heads: q (B, H, T, D), k / v (B, H_kv,
     L, D), mask bool (B, 1, T, L). Inference on CPU in float32 runs quickdraft's kernel
     (kernels.attend: one read of each kv head's cache for several query rows, the same bits for a
-    token whatever the rows beside it; a prefill goes on to PyTorch's attention inside it);
-    elsewhere, and under autograd, PyTorch's attention."""
+    token whatever the rows beside it; more than 12 query rows go on to PyTorch's attention inside
+    it); elsewhere, and under autograd, PyTorch's attention."""
     if (q.device.type == "cpu" and q.dtype == torch.float32 and mask.dtype == torch.bool
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and q.shape[-1] % 16 == 0 and kernels.available()):
