@@ -16,26 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from quickdraft.bench.hardware import read_bandwidth
+from quickdraft.bench.hardware import median_seconds as timed, read_bandwidth
 
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def model_rooflines(bandwidth: float) -> dict:

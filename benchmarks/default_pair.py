@@ -31,7 +31,7 @@ import torch
 
 import quickdraft
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, median_seconds
 from quickdraft.cache import KVCache
 from quickdraft.llm import default_model_dirs
 from quickdraft.model.transformer import forward_chunks
@@ -58,13 +58,7 @@ def step_times(llm: LLM, k: int, context: int, iters: int) -> dict[str, float]:
     ctx = torch.randint(3, target.config.vocab_size, (context,)).tolist()
 
     def median_time(fn) -> float:
-        fn()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, iters)
 
     out = {}
     cache = KVCache.for_model(target, 1, context + k + 2)

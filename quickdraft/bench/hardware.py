@@ -54,6 +54,17 @@ def other_cpu_share(before, after, wall: float) -> float | None:
     return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (wall * (os.cpu_count() or 1)))
 
 
+def median_seconds(fn, repeats: int) -> float:
+    """The median wall time of `repeats` calls of fn, after one call to warm up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def read_bandwidth(repeats: int, nbytes: int = 1 << 30) -> dict[str, float]:
     """Bytes/s of streaming reads over float32 buffers larger than any cache, at the current
     torch thread count, by three probes (`sum`, `dot` of two halves, `mv` of a matrix), each the
@@ -64,14 +75,6 @@ def read_bandwidth(repeats: int, nbytes: int = 1 << 30) -> dict[str, float]:
     m = x.view(-1, 4096)
     v = torch.ones(4096)
 
-    def timed(fn) -> float:
-        fn()
-        out = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-        return statistics.median(out)
-
-    return {"sum": nbytes / timed(lambda: x.sum()), "dot": nbytes / timed(lambda: torch.dot(a, b)),
-            "mv": nbytes / timed(lambda: torch.mv(m, v))}
+    return {"sum": nbytes / median_seconds(lambda: x.sum(), repeats),
+            "dot": nbytes / median_seconds(lambda: torch.dot(a, b), repeats),
+            "mv": nbytes / median_seconds(lambda: torch.mv(m, v), repeats)}
