@@ -37,10 +37,13 @@ from quickdraft.metrics import SpecStats
 from quickdraft.train.corpus import load_corpus
 
 
-def rows_for(model: str, ks: list[int], head_quant: list[str] = ()) -> dict[str, dict]:
+def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | None = None) -> dict[str, dict]:
+    """Rows of one model's block. eagle3-k<k>: the head as the engine loads it by default (int8 on
+    a CPU with quickdraft's kernels); eagle3-k<k>-<q>head: with draft_quantization=q ("none": the
+    head's weights as stored)."""
     target, draft = default_model_dirs()
     base = {"target": str(target) if model == "bundled" else "smollm2", "dtype": "float32", "compile": "aot"}
-    head = "target-eagle3" if model == "bundled" else "smollm2-eagle3"
+    head = head or ("target-eagle3" if model == "bundled" else "smollm2-eagle3")
     rows = {"plain": {**base, "method": "none"}}
     for k in ks:
         rows[f"eagle3-k{k}"] = {**base, "method": "eagle3", "draft": head, "num_speculative_tokens": k}
@@ -113,8 +116,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["bundled", "smollm2"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3])
-    ap.add_argument("--head-quantization", nargs="*", default=[], choices=["int8", "int4"],
-                    help="also rows with the head's weights quantised (eagle3-k<k>-<q>head)")
+    ap.add_argument("--head-quantization", nargs="*", default=[], choices=["none", "int8", "int4"],
+                    help="also rows with the head's weights so (eagle3-k<k>-<q>head; none: as stored)")
+    ap.add_argument("--head", default=None, help="a head folder or name instead of the model's shipped head")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -124,7 +128,7 @@ def main() -> None:
     results = []
     for model in args.models:
         llms = {}
-        for name, kw in rows_for(model, args.ks, args.head_quantization).items():
+        for name, kw in rows_for(model, args.ks, args.head_quantization, args.head).items():
             start = time.perf_counter()
             llms[name] = LLM(**kw)
             print(f"{model} {name}: loaded in {time.perf_counter() - start:.1f} s "

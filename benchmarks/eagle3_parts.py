@@ -36,7 +36,7 @@ def main() -> None:
     target = "smollm2" if args.model == "smollm2" else default_model_dirs()[0]
     head_name = "smollm2-eagle3" if args.model == "smollm2" else "target-eagle3"
     llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1, compile="aot", dtype="float32",
-              draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization)
+              draft_quantization=args.draft_quantization)  # "none": the head as stored
     tgt, step_h, head = llm.target, llm.engine._forward, llm.draft
     head_step = llm.engine.proposer._head  # the head's AOT packages (quickdraft.aot.HeadAOTStep) where built
     step_p = aot.load_or_build(tgt)  # the plain package (built once when missing)

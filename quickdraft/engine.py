@@ -32,7 +32,7 @@ from .sampling import (BatchSampling, PenaltyState, SamplingParams, StepRandom, 
                        draft_context, process_logits, race, seed_key, token_logprobs)
 from .tree import tree_mask, tree_structure
 from .policy import RowState, check_policy, load_profile, make_policy
-from .verify import rejection_sample, tree_greedy_verify, tree_rejection_sample
+from .verify import greedy_verify_host, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 
 @dataclass(frozen=True)
@@ -511,21 +511,15 @@ class Engine:
         ops and then the read (~100 us a step on a 2 GHz core)."""
         k = draft_tokens.shape[1]
         both = (torch.cat([argmax, draft_tokens], 1) if k else argmax).tolist()
-        tokens, num_accepted, num_drafted = [], [], []
-        for row in both:
-            target, drafts = row[:k + 1], row[k + 1:]
-            n = 0
-            while n < k and drafts[n] == target[n]:  # a -1 (the chain's end) never equals a token
-                n += 1
-            tokens.append(drafts[:n] + [target[n]])
-            num_accepted.append(n)
-            num_drafted.append(sum(1 for d in drafts if d >= 0))
+        target, drafts = [row[:k + 1] for row in both], [row[k + 1:] for row in both]
+        tokens, num_accepted = greedy_verify_host(drafts, target)
+        num_drafted = [sum(1 for d in row if d >= 0) for row in drafts]
         lps = None
         if any(r.params.logprobs is not None for r in self.running):
             out = torch.tensor([t + [-1] * (k + 1 - len(t)) for t in tokens], device=argmax.device)
             lps = self._logprobs(self.running, raw, out)  # emitted token j came from position j
         return StepOutcome(tokens, num_accepted, num_drafted, None,
-                           [row[:k + 1] for row in both] if self._wants_target_tokens else None, hidden, lps)
+                           target if self._wants_target_tokens else None, hidden, lps)
 
     def _verify_tree(self, draft, last, lengths, sampling, rnd: StepRandom) -> StepOutcome:
         """Target forward over [last, nodes...] with tree attention, verify, then move the

@@ -29,6 +29,21 @@ def greedy_verify(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tu
     return _emit(draft_tokens, num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
 
 
+def greedy_verify_host(draft_tokens: list[list[int]], target_argmax: list[list[int]]
+                       ) -> tuple[list[list[int]], list[int]]:
+    """greedy_verify on host lists (what an all-greedy step reads back anyway): per row, the
+    emitted tokens (accepted drafts, then the target's choice) and the number accepted. The
+    same decision as greedy_verify, without its dozen tiny device ops."""
+    tokens, num_accepted = [], []
+    for drafts, target in zip(draft_tokens, target_argmax):
+        n = 0
+        while n < len(drafts) and drafts[n] == target[n]:  # a -1 (the chain's end) never equals a token
+            n += 1
+        tokens.append(drafts[:n] + [target[n]])
+        num_accepted.append(n)
+    return tokens, num_accepted
+
+
 def rejection_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                      uniform: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact speculative sampling (Leviathan et al. 2023, arXiv 2211.17192, Alg. 1;

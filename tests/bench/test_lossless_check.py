@@ -16,7 +16,7 @@ from quickdraft import QuickdraftError, SamplingParams
 from quickdraft.bench.lossless import DEFAULT_PROMPTS, chi2_sf, goodness_of_fit, verify_lossless
 from quickdraft.cli.verify import verify_command
 from quickdraft.sampling import race
-from quickdraft.verify import greedy_verify, rejection_sample
+from quickdraft.verify import greedy_verify_host, rejection_sample
 
 V = 12
 PROMPT = [3, 7, 5]
@@ -110,10 +110,10 @@ def test_greedy_equality(pair, monkeypatch):
     assert r["passed"] and r["distribution"]["skipped"]
     assert r["greedy"]["equal"] == r["greedy"]["total"] == 1 and r["greedy"]["num_draft_tokens"] > 0
 
-    def accept_all(draft_tokens, target_argmax):
-        return greedy_verify(draft_tokens, torch.cat([draft_tokens, target_argmax[:, -1:]], 1))
+    def accept_all(draft_tokens, target_argmax):  # (the engine verifies greedy chains on host lists)
+        return greedy_verify_host(draft_tokens, [d + t[-1:] for d, t in zip(draft_tokens, target_argmax)])
 
-    monkeypatch.setattr(quickdraft.engine, "greedy_verify", accept_all)
+    monkeypatch.setattr(quickdraft.engine, "greedy_verify_host", accept_all)
     r = check(pair, temperature=0.0)
     assert not r["passed"] and r["greedy"]["equal"] == 0 and r["greedy"]["mismatches"][0]["first_difference"] > 0
 

@@ -212,7 +212,7 @@ def _attention_case(B, H, Hkv, T, L, D, seed=0):
 
 
 @pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 8, 4, 1, 300, 64), (3, 9, 3, 5, 77, 64), (2, 4, 4, 11, 40, 128),
-                                           (1, 8, 1, 12, 200, 64), (2, 6, 2, 3, 1, 32)])
+                                           (1, 8, 1, 12, 200, 64), (2, 6, 2, 3, 1, 32), (1, 9, 3, 1, 100, 64)])
 def test_attend_is_attention_and_rows_stay_independent(B, H, Hkv, T, L, D):
     q, k, v, mask = _attention_case(B, H, Hkv, T, L, D)
     want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from quickdraft.sampling import BatchSampling, SamplingParams, process_logits, race
-from quickdraft.verify import greedy_verify, rejection_sample
+from quickdraft.verify import greedy_verify, greedy_verify_host, rejection_sample
 
 N = 200_000  # trials per distribution test
 PASS = 1e-3  # a correct distribution must give a p-value above this
@@ -437,6 +437,22 @@ def test_greedy_single_row_and_k1():
     assert tokens.tolist() == [[5, 9]] and acc.tolist() == [1]
     tokens, acc = greedy_verify(torch.tensor([[5]]), torch.tensor([[6, 9]]))
     assert tokens.tolist() == [[6, -1]] and acc.tolist() == [0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(B=st.integers(1, 6), k=st.integers(0, 6), V=st.integers(2, 4), seed=st.integers(0, 2**31 - 1))
+def test_greedy_on_host_lists_decides_as_greedy_verify(B, k, V, seed):
+    """The engine's all-greedy steps decide on host lists (greedy_verify_host): the same tokens
+    and counts as the tensor verifier, chains ending early (-1) included."""
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.randint(0, V, (B, k), generator=g)
+    ends = torch.randint(0, k + 1, (B,), generator=g)
+    draft = torch.where(torch.arange(k) < ends[:, None], draft, -1)
+    target = torch.randint(0, V, (B, k + 1), generator=g)
+    tokens, acc = greedy_verify(draft, target)
+    host_tokens, host_acc = greedy_verify_host(draft.tolist(), target.tolist())
+    assert host_acc == acc.tolist()
+    assert host_tokens == [row[:n + 1] for row, n in zip(tokens.tolist(), host_acc)]
 
 
 def test_greedy_k0_emits_one_token_per_row():
