@@ -271,8 +271,8 @@ def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] 
 
 class _DirectRunner:
     """A loaded package called without torch's per-call wrapper, which parses the package's
-    input and output specs from text and flattens the arguments on every call (~30 us a step
-    on a 2 GHz core, as much as a small layer). Our steps pass tensors and lists of tensors
+    input and output specs from text and flattens the arguments on every call (~70 us a step
+    on a 2 GHz core: the bundled int4 step took 2091 instead of 2159 us without it). Our steps pass tensors and lists of tensors
     only, in the order the package was traced with, so the flat inputs are the arguments'
     leaves; outputs come back as one tensor or a tuple, as the spec parsed once here says."""
 
