@@ -38,9 +38,9 @@ from quickdraft.train.corpus import load_corpus
 
 
 def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | None = None) -> dict[str, dict]:
-    """Rows of one model's block. eagle3-k<k>: the head as the engine loads it by default (as
-    stored; the results eagle3_{newhead,oldhead,newhead_k45}_cpu were run while int8 was the CPU
-    default: their eagle3-k<k> rows are int8 heads); eagle3-k<k>-<q>head: draft_quantization=q."""
+    """Rows of one model's block. eagle3-k<k>: the head as the engine loads it by default (int8 on
+    a CPU with quickdraft's kernels); eagle3-k<k>-<q>head: with draft_quantization=q ("none": the
+    head's weights as stored)."""
     target, draft = default_model_dirs()
     base = {"target": str(target) if model == "bundled" else "smollm2", "dtype": "float32", "compile": "aot"}
     head = head or ("target-eagle3" if model == "bundled" else "smollm2-eagle3")

@@ -14,7 +14,7 @@ from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device, resolve_dtype
-from .model.quant import prepare
+from .model.quant import blocked_supported, prepare, row_invariant
 from .model.eagle3 import is_eagle3_head
 from .model.sources import CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
@@ -66,8 +66,10 @@ class LLM:
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
         then cached on disk); False: eager. None (default): CUDA graphs on CUDA/ROCm; on CPU the
         cached ahead-of-time steps when this model's are built, else eager. quantization / draft_quantization: "int8" or "int4" weight-only for the target
-        / the draft (output follows the target as loaded, quantised or not; "none": as loaded).
-        draft_dtype: the
+        / the draft (output follows the target as loaded, quantised or not; "none": as loaded);
+        an EAGLE-3 head on a CPU with quickdraft's kernels is int8 unless draft_quantization says
+        otherwise, since its draft step streams its weights and int8 halves that at the same
+        acceptance (README, "EAGLE-3"). draft_dtype: the
         draft's precision when it should differ from the target's (`dtype`); it changes
         acceptance and speed only, never the output's distribution. preallocate: KV
         caches for max_num_seqs requests of max_model_len tokens at once, so requests can join
@@ -124,7 +126,8 @@ class LLM:
                 from .model.eagle3 import load_eagle3
 
                 self.draft = prepare(load_eagle3(draft, self.target, resolve_dtype(draft_dtype, self.target.config, dev)
-                                                 if draft_dtype else None), draft_quantization)
+                                                 if draft_dtype else None), _head_quantization(draft_quantization, dev))
+                row_invariant(self.draft)  # a seeded request's drafts never depend on its batch neighbours
             elif cls.needs_draft_model:
                 draft_dir = checkpoint_dir(draft)
                 self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev,
@@ -239,3 +242,14 @@ class LLM:
             agg.merge(o.stats)
         agg.elapsed_s = wall  # throughput of the whole call, not the sum over requests
         self.stats.merge(agg)
+
+
+def _head_quantization(asked: str | None, device: torch.device) -> str | None:
+    """An EAGLE-3 head's weight format: as asked, else int8 on a CPU where quickdraft's int8
+    kernel runs (a head's draft step is bound by reading its weights: the bundled head's step
+    was 15% of a target step in float32, 9.5% in int8, with the same acceptance on both shipped
+    heads: benchmarks/results/eagle3_aot_head_cpu.md), else as loaded. The head's quantised
+    matmuls then stay on the kernel at every row count (`row_invariant`)."""
+    if asked is not None:
+        return asked
+    return "int8" if device.type == "cpu" and blocked_supported() else None

@@ -202,6 +202,9 @@ class FastLinear(nn.Module):
                     self.register_buffer("scales_and_zeros", sz)
         else:
             raise QuickdraftError(f"unknown weight format {fmt!r}")
+        # int8 / int4: rows past which a matmul converts the weight and runs a dense GEMM
+        # instead of the kernel (None: the kernel at every row count; see `row_invariant`)
+        self.dense_rows: int | None = BLOCKED_DENSE_ROWS if self.blocked else DENSE_ROWS
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight (out, in) as the matmul sees it, in `dtype`."""
@@ -237,7 +240,7 @@ class FastLinear(nn.Module):
             return out.reshape(*shape[:-1], self.out_features)
         if fmt == "dense":
             out = F.linear(x2, self.weight, self.bias)
-        elif not self.kernel or (not _KERNELS_ONLY and x2.shape[0] > (BLOCKED_DENSE_ROWS if self.blocked else DENSE_ROWS)):
+        elif not self.kernel or (not _KERNELS_ONLY and self.dense_rows is not None and x2.shape[0] > self.dense_rows):
             xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
             if fmt == "int8":  # per-row scales apply to the output: one conversion of the weight
                 out = (F.linear(xd, self._qweight().to(xd.dtype)) * self.scales.to(xd.dtype)).to(x.dtype)
@@ -308,6 +311,22 @@ def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None =
             if isinstance(child, nn.Linear):
                 setattr(module, name, FastLinear([child], fmt))
     return model
+
+
+def row_invariant(model: nn.Module) -> bool:
+    """Keep `model`'s int8 / int4 matmuls on quickdraft's blocked kernels at every row count,
+    where they run on them, so that a row's result never depends on how many rows share the
+    call (the dense path past BLOCKED_DENSE_ROWS rounds activations to bfloat16). That costs
+    speed on long prompts (about 2x per matmul at 256 rows: benchmarks/results/
+    blocked_vs_dense_rows_cpu.txt). True when every quantised linear now is row-invariant."""
+    ok = True
+    for m in model.modules():
+        if isinstance(m, FastLinear) and m.fmt in ("int8", "int4"):
+            if m.blocked:
+                m.dense_rows = None
+            else:
+                ok = False
+    return ok
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -52,13 +52,50 @@ def _ttt_mask(T: int, step: int, device) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def ttt_loss(head: Eagle3Head, target, ids: torch.Tensor, steps: int = 3, decay: float = 0.8):
-    """Loss and per-step top-1 agreement with the target on sequences ids (B, T)."""
+@torch.no_grad()
+def target_features(head: Eagle3Head, target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What training reads from the target for sequences ids (B, T): the head's input states
+    (B, T, 3h) and the target's final normed states (B, T, h), both float32."""
+    L = target.config.num_hidden_layers
+    _, hidden = target(ids, hidden_at=(*head.aux_layers, L), logits_at=ids.new_zeros(ids.shape[0], 1))
+    h = target.config.hidden_size
+    return hidden[..., :-h].float(), target.model.norm(hidden[..., -h:]).float()
+
+
+def cache_features(head: Eagle3Head, target, windows: Sequence[list[int]], batch: int = 16,
+                   log=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`target_features` of every window (computed once, in batches of equal-length windows)."""
+    out: list = [None] * len(windows)
+    order = sorted(range(len(windows)), key=lambda i: len(windows[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and len(windows[groups[-1][0]]) == len(windows[i]) and len(groups[-1]) < batch:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    start, done = time.perf_counter(), 0
+    for n, group in enumerate(groups):
+        ids = torch.tensor([windows[i] for i in group], device=head.device)
+        feats, final = target_features(head, target, ids)
+        for row, i in enumerate(group):
+            out[i] = (feats[row].clone(), final[row].clone())
+        done += ids.numel()
+        if log is not None and (n + 1) % 100 == 0:
+            log({"target_features": f"{n + 1}/{len(groups)} batches",
+                 "tokens_per_s": round(done / (time.perf_counter() - start), 1)})
+    return out
+
+
+def ttt_loss(head: Eagle3Head, target, ids: torch.Tensor, steps: int = 3, decay: float = 0.8,
+             features: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Loss and per-step top-1 agreement with the target on sequences ids (B, T); `features`:
+    `target_features(head, target, ids)` when the caller has them already."""
     B, T = ids.shape
     with torch.no_grad():
-        logits, feats = target(ids, hidden_at=head.aux_layers)
-        draft_ids = head.draft_to_target
-        p_target = logits.float()[..., draft_ids].softmax(-1)  # (B, T, draft V) renormalised on the draft vocabulary
+        feats, final = target_features(head, target, ids) if features is None else features
+        # the target's distribution renormalised on the draft vocabulary: its logits there only
+        w = target.lm_head.weight[head.draft_to_target].float()
+        p_target = F.linear(final, w).softmax(-1)  # (B, T, draft V)
         embeds = head.embed_tokens(ids).float()
     layer = head.midlayer
     hidden = head.fc(feats.float())  # (B, T, h): step 0's hidden input at p
@@ -90,10 +127,12 @@ def ttt_loss(head: Eagle3Head, target, ids: torch.Tensor, steps: int = 3, decay:
 
 def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epochs: int = 1, batch_size: int = 8,
                seq_len: int = 128, lr: float = 3e-3, steps: int = 3, decay: float = 0.8, seed: int = 0,
-               log=None, checkpoint: Path | None = None) -> list[dict]:
+               log=None, checkpoint: Path | None = None, cache_limit_bytes: int = 12 << 30) -> list[dict]:
     """Train `head` (in place, float32) on windows of `sequences`; returns the log per epoch.
     With `checkpoint`, the head, optimiser and schedule are saved there after every epoch and,
-    when the file exists, training resumes after its last epoch."""
+    when the file exists, training resumes after its last epoch. The target's states for every
+    window are computed once and kept (float32, 16 h bytes per token) when that fits in
+    `cache_limit_bytes` (0: recompute them for every batch, every epoch)."""
     g = torch.Generator().manual_seed(seed)
     windows = [s[i:i + seq_len] for s in sequences for i in range(0, max(len(s) - 1, 1), seq_len)
                if len(s[i:i + seq_len]) >= steps + 2]
@@ -115,8 +154,11 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
         history, first = list(saved["history"]), int(saved["epoch"]) + 1
         if log is not None:
             log({"resumed_after_epoch": first - 1})
-    head.train()
     device = head.device
+    features = None
+    if cache_limit_bytes and sum(map(len, windows)) * 4 * 4 * target.config.hidden_size <= cache_limit_bytes:
+        features = cache_features(head, target, windows, log=log)
+    head.train()
     for epoch in range(first, epochs):
         order = torch.randperm(len(windows), generator=g).tolist()
         start, losses, agrees = time.perf_counter(), [], []
@@ -124,7 +166,9 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
             chunk = [windows[i] for i in order[b:b + batch_size]]
             width = min(len(c) for c in chunk)  # equal lengths: no padding inside the loss
             ids = torch.tensor([c[:width] for c in chunk], device=device)
-            loss, agree = ttt_loss(head, target, ids, steps, decay)
+            feats = None if features is None else tuple(
+                torch.stack([features[i][part][:width] for i in order[b:b + batch_size]]) for part in (0, 1))
+            loss, agree = ttt_loss(head, target, ids, steps, decay, feats)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -195,7 +239,7 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
     from ..model.tokenizer import Tokenizer, eos_token_ids
     from .corpus import load_corpus
     from .distill import generate_pool
-    from .instructions import HELDOUT, INSTRUCTIONS
+    from .instructions import HELDOUT, chat_instructions
     from .prompts import opening_prompts
 
     torch.manual_seed(seed)
@@ -207,8 +251,7 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
         raise QuickdraftError("chat training needs a target with a chat template (tokenizer_config.json)")
     eos = tuple(eos_token_ids(folder, tok)) if chat else ()
     if chat:
-        seeds = [tok.encode_chat([{"role": "user", "content": INSTRUCTIONS[i % len(INSTRUCTIONS)]}])
-                 for i in range(prompts)]
+        seeds = [tok.encode_chat([{"role": "user", "content": m}]) for m in chat_instructions(prompts, seed)]
         held = [tok.encode_chat([{"role": "user", "content": m}]) for m in HELDOUT[:eval_prompts]]
     else:
         corpus = load_corpus()
@@ -222,7 +265,7 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
         sequences = json.loads(cached.read_text())
         log({"reused_sequences": len(sequences), "from": str(cached)})
     else:
-        greedy = [i < len(INSTRUCTIONS) if chat else i % 2 == 0 for i in range(len(seeds))]
+        greedy = [i % 2 == 0 for i in range(len(seeds))]
         sequences = generate_pool(target, seeds, new_tokens, seed, eos=eos, greedy=greedy)
         if corpus_windows:
             corpus = load_corpus()

@@ -266,3 +266,119 @@ HELDOUT: tuple[str, ...] = (
     "What is the smallest country in the world?",
     "How can I become a better public speaker?",
 )
+
+
+# --- composed instructions: many more distinct requests than the list above -------------------
+# A head (or a draft) trained on the target's answers to a few hundred requests learns those
+# answers; thousands of distinct requests teach it the target's style in general. These are
+# request templates crossed with topics (and arithmetic problems with drawn numbers). The
+# subjects of HELDOUT and of the chat benchmark's prompts are left out, so the acceptance
+# measured on them stays a measurement on unseen requests.
+
+_TOPICS = (
+    "photosynthesis", "volcanoes", "the Roman Empire", "the printing press", "electric cars", "solar panels",
+    "coral reefs", "the human immune system", "black holes", "compound interest",
+    "machine learning", "public transport", "recycling", "honeybees", "the moon landing", "earthquakes",
+    "the Great Wall of China", "chess", "jazz music", "the Olympic Games", "renewable energy", "coffee",
+    "chocolate", "the internet", "smartphones", "social media", "the Renaissance", "ancient Egypt",
+    "the water cycle", "glaciers", "deserts", "rainforests", "penguins", "elephants", "dolphins", "octopuses",
+    "wolves", "the human brain", "memory", "habits", "meditation", "running", "yoga", "swimming",
+    "baking bread", "making pasta", "tea", "vitamins", "antibiotics", "vaccines",
+    "the printing of money", "taxes", "budgeting", "saving for retirement", "renting an apartment",
+    "buying a house", "job interviews", "time management", "leadership", "teamwork",
+    "negotiation", "learning a language", "reading", "writing a novel", "photography", "painting",
+    "classical music", "the guitar", "the piano", "film making", "video games", "board games",
+    "football", "basketball", "tennis", "cycling", "hiking", "camping", "travelling by train", "airports",
+    "hotels", "museums", "libraries", "schools", "universities", "online courses", "homework",
+    "databases", "spreadsheets", "cloud computing", "cybersecurity", "passwords", "encryption",
+    "operating systems", "open source software", "version control", "unit testing", "debugging",
+    "sorting algorithms", "recursion", "hash functions", "graphs", "binary trees", "regular expressions",
+    "JSON", "HTML", "CSS", "JavaScript", "Python", "Rust", "SQL", "the command line", "Docker",
+    "robots", "3D printing", "satellites", "Mars", "the Sun", "comets", "tides", "magnets",
+    "electricity", "batteries", "light", "sound", "rainbows", "clouds", "thunderstorms", "snow",
+    "wind turbines", "nuclear power", "bridges", "skyscrapers", "the wheel", "the telephone",
+    "the steam engine", "clocks", "maps", "the alphabet", "numbers", "fractions", "probability",
+    "statistics", "geometry", "the Pythagorean theorem", "prime numbers", "infinity", "logic puzzles",
+    "friendship", "kindness", "gratitude", "patience", "motivation", "procrastination", "happiness",
+    "moving to a new city", "starting a small business", "customer service", "marketing", "advertising",
+    "newspapers", "podcasts", "birds", "mushrooms", "spiders", "butterflies", "sharks",
+    "the ocean", "rivers", "mountains", "islands", "the Arctic", "the Amazon river", "pizza", "sushi",
+    "breakfast", "spices", "kitchen safety", "first aid", "fire safety",
+    "dentists", "hospitals", "nurses", "farming", "bees and pollination", "wine", "cheese", "bicycles",
+)
+
+_TEMPLATES = (
+    "Explain {t} to a beginner.",
+    "Explain {t} in simple terms.",
+    "What are three interesting facts about {t}?",
+    "Give me five facts about {t}.",
+    "Write a short paragraph about {t}.",
+    "Write a short poem about {t}.",
+    "Write a haiku about {t}.",
+    "Write a short story that involves {t}.",
+    "What are the advantages and disadvantages of {t}?",
+    "Summarize the history of {t} in a few sentences.",
+    "Why is {t} important?",
+    "How would you explain {t} to a child?",
+    "List some common misconceptions about {t}.",
+    "Write a tweet about {t}.",
+    "Give me a quiz of three questions about {t}, with the answers.",
+    "Write an introduction for a blog post about {t}.",
+    "What should a beginner know about {t}?",
+    "Write a short email to a friend recommending that they learn about {t}.",
+    "Describe {t} in three sentences.",
+    "What questions would you ask an expert on {t}?",
+    "Write a product description for a book about {t}.",
+    "Give me a study plan for learning about {t} in one week.",
+    "Compare {t} and {u}.",
+    "What do {t} and {u} have in common?",
+    "Write a dialogue between two friends talking about {t}.",
+    "Give me a list of words related to {t}.",
+    "Write a motivational message that mentions {t}.",
+    "Tell me a joke about {t}.",
+)
+
+_ARITHMETIC = (
+    "A shop sells {item} at {a} dollars each. How much do {b} of them cost?",
+    "{name} has {a} {item} and gives away {b}. How many are left?",
+    "A car travels {a} kilometers in {b} hours. What is its average speed?",
+    "What is {a} times {b}?",
+    "A box holds {b} {item}. How many boxes are needed for {c} {item}?",
+    "{name} reads {a} pages a day. How many days does a {c}-page book take?",
+    "The price of a jacket is {c} dollars and it is reduced by {a} percent. What is the new price?",
+)
+_NAMES = ("Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kate", "Liam")
+_ITEMS = ("apples", "pencils", "books", "cookies", "marbles", "stickers", "eggs", "bottles", "cards", "tickets")
+
+
+def composed_instructions(n: int, seed: int = 0) -> list[str]:
+    """`n` distinct requests (templates x topics, and arithmetic with drawn numbers), in a
+    reproducible shuffled order; none is in INSTRUCTIONS or HELDOUT."""
+    import random
+
+    rng = random.Random(seed)
+    taken = set(INSTRUCTIONS) | set(HELDOUT)
+    out: list[str] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(f"could not compose {n} distinct instructions")
+        if rng.random() < 0.12:
+            text = rng.choice(_ARITHMETIC).format(a=rng.randint(2, 60), b=rng.randint(2, 12), c=rng.randint(61, 900),
+                                                  item=rng.choice(_ITEMS), name=rng.choice(_NAMES))
+        else:
+            t, u = rng.sample(_TOPICS, 2)
+            text = rng.choice(_TEMPLATES).format(t=t, u=u)
+            text = text[0].upper() + text[1:]
+        if text not in seen and text not in taken:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+def chat_instructions(n: int, seed: int = 0) -> list[str]:
+    """`n` training requests: INSTRUCTIONS first, then composed ones."""
+    base = list(INSTRUCTIONS[:n])
+    return base + composed_instructions(n - len(base), seed)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quickdraft import kernels
-from quickdraft.model.quant import FastLinear, blocked_supported, weight_format
+from quickdraft.model.quant import FastLinear, blocked_supported, row_invariant, weight_format
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
 
@@ -190,6 +190,22 @@ def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
     with torch.no_grad():
         huge.weight.mul_(1e6)
     assert not FastLinear([huge], "int4").blocked  # scales past float16: PyTorch's kernel
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_row_invariant_keeps_every_row_count_on_the_kernel(fmt):
+    """Past BLOCKED_DENSE_ROWS the dense path rounds activations to bf16, so a row's result
+    depends on how many rows share the call; `row_invariant` keeps the kernel (a row's bits are
+    its own), which an EAGLE-3 head needs for seeded requests to ignore their batch."""
+    if not blocked_supported():
+        pytest.skip("no AVX-512 here: PyTorch's kernels")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(FastLinear([torch.nn.Linear(64, 96)], fmt))
+    big = torch.randn(80, 64)
+    alone = torch.cat([model(big[i:i + 1]) for i in range(80)])
+    assert not torch.equal(model(big), alone)  # the dense path
+    assert row_invariant(model)
+    assert torch.equal(model(big), alone)
 
 
 def test_the_kernel_folder_follows_its_own_variable(monkeypatch, tmp_path):

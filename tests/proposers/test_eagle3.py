@@ -334,3 +334,30 @@ def test_training_resumes_from_its_checkpoint(tmp_path, target):
     assert [h["epoch"] for h in history] == [0, 1, 2]
     for name, p in whole.state_dict().items():
         assert torch.allclose(p, resumed.state_dict()[name], atol=1e-6), name
+
+
+def test_cached_target_states_train_like_recomputed_ones(target):
+    """Training reads the target's states once per window (`cache_features`): the loss on a
+    batch and the trained weights are those of recomputing the target for every batch."""
+    from quickdraft.train.eagle3 import cache_features, train_head, ttt_loss
+
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (40, 40, 33, 40, 25, 40)]
+    vocab = torch.randperm(V, generator=g)[: V // 2]
+
+    def fresh():
+        torch.manual_seed(0)
+        return new_head(target, vocab, intermediate_size=64)
+
+    head = fresh()
+    ids = torch.tensor([s[:25] for s in seqs])
+    (feats, final), = [tuple(torch.stack(part) for part in zip(*cache_features(head, target, [s[:25] for s in seqs])))]
+    recomputed, agree = ttt_loss(head, target, ids)
+    cached, agree_cached = ttt_loss(head, target, ids, features=(feats, final))
+    assert torch.allclose(recomputed, cached, rtol=1e-5) and agree == agree_cached
+    kwargs = dict(epochs=2, batch_size=4, seq_len=32, lr=1e-2)
+    a, b = fresh(), fresh()
+    train_head(a, target, seqs, **kwargs)
+    train_head(b, target, seqs, cache_limit_bytes=0, **kwargs)
+    for name, p in a.state_dict().items():
+        assert torch.allclose(p, b.state_dict()[name], atol=1e-4), name

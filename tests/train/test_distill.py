@@ -155,6 +155,16 @@ def test_instructions_are_distinct_and_held_out():
     assert len(set(INSTRUCTIONS)) == len(INSTRUCTIONS) and not set(INSTRUCTIONS) & set(HELDOUT)
 
 
+def test_composed_instructions_are_many_distinct_and_never_held_out():
+    from quickdraft.bench.workloads import CHAT_PROMPTS
+    from quickdraft.train.instructions import HELDOUT, INSTRUCTIONS, chat_instructions, composed_instructions
+
+    many = chat_instructions(3000)
+    assert len(set(many)) == 3000 and many[:len(INSTRUCTIONS)] == list(INSTRUCTIONS)
+    assert not set(many) & (set(HELDOUT) | set(CHAT_PROMPTS))
+    assert composed_instructions(50, seed=3) == composed_instructions(50, seed=3) != composed_instructions(50)
+
+
 @pytest.mark.smollm2
 def test_shipped_smollm2_draft():
     """The draft quickdraft ships for `smollm2`: at most 1/8 of the target's parameters, its
