@@ -120,7 +120,7 @@ def train_eagle3_command(
     train_eagle3(target or _bundled_target(), out, prompts=prompts, new_tokens=new_tokens, epochs=epochs,
                  batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
                  chat=chat, seed=seed, corpus_windows=corpus_windows, resume=resume,
-                 log=lambda entry: opts.err.print(entry))
+                 log=lambda entry: opts.err.print(entry), progress=True)
 
 
 def _bundled_target():

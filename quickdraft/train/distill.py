@@ -71,15 +71,33 @@ def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[li
 
 @torch.inference_mode()
 def generate_pool(target: Transformer, prompts: list[list[int]], new_tokens: int, seed: int,
-                  batch: int = 64, eos: tuple[int, ...] = (), greedy: list[bool] | None = None) -> list[list[int]]:
+                  batch: int = 64, eos: tuple[int, ...] = (), greedy: list[bool] | None = None,
+                  progress=None) -> list[list[int]]:
     """prompt + target continuation for every prompt: greedy where `greedy` says so (default:
     even indices), else sampled at T = 1. With `eos` a continuation ends at the target's eos
-    (kept), else it runs `new_tokens`."""
+    (kept), else it runs `new_tokens`. `progress(finished, new_tokens_so_far)` is called as
+    sequences finish."""
     greedy = [i % 2 == 0 for i in range(len(prompts))] if greedy is None else greedy
     engine = Engine(target, None, EngineConfig(SpecConfig("none"), max_num_seqs=batch), eos_token_ids=eos)
     requests = [(p, SamplingParams(temperature=0.0 if g else 1.0, max_tokens=new_tokens, seed=seed + i,
                                    ignore_eos=not eos)) for i, (p, g) in enumerate(zip(prompts, greedy))]
-    return [p + out.token_ids for (p, _), out in zip(requests, engine.generate(requests))]
+    if progress is None:
+        return [p + out.token_ids for (p, _), out in zip(requests, engine.generate(requests))]
+    ids = [engine.add_request(p, params) for p, params in requests]
+    final: dict[str, list[int]] = {}
+    tokens = 0
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out.token_ids
+                    tokens += len(out.token_ids)
+                    progress(len(final), tokens)
+    except BaseException:
+        for rid in ids:
+            engine.abort_request(rid)
+        raise
+    return [p + final[rid] for (p, _), rid in zip(requests, ids)]
 
 
 def kl_loss(student: Transformer, teacher: Transformer, batch: torch.Tensor) -> torch.Tensor:

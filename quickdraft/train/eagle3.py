@@ -19,6 +19,7 @@ gradient); the target's embedding is shared and frozen.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -127,12 +128,14 @@ def ttt_loss(head: Eagle3Head, target, ids: torch.Tensor, steps: int = 3, decay:
 
 def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epochs: int = 1, batch_size: int = 8,
                seq_len: int = 128, lr: float = 3e-3, steps: int = 3, decay: float = 0.8, seed: int = 0,
-               log=None, checkpoint: Path | None = None, cache_limit_bytes: int = 12 << 30) -> list[dict]:
+               log=None, checkpoint: Path | None = None, cache_limit_bytes: int = 12 << 30,
+               progress=None) -> list[dict]:
     """Train `head` (in place, float32) on windows of `sequences`; returns the log per epoch.
     With `checkpoint`, the head, optimiser and schedule are saved there after every epoch and,
     when the file exists, training resumes after its last epoch. The target's states for every
     window are computed once and kept (float32, 16 h bytes per token) when that fits in
-    `cache_limit_bytes` (0: recompute them for every batch, every epoch)."""
+    `cache_limit_bytes` (0: recompute them for every batch, every epoch). `progress(done, total,
+    loss, tokens_per_s)` is called after every optimiser step (done / total: steps of the run)."""
     g = torch.Generator().manual_seed(seed)
     windows = [s[i:i + seq_len] for s in sequences for i in range(0, max(len(s) - 1, 1), seq_len)
                if len(s[i:i + seq_len]) >= steps + 2]
@@ -161,7 +164,7 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
     head.train()
     for epoch in range(first, epochs):
         order = torch.randperm(len(windows), generator=g).tolist()
-        start, losses, agrees = time.perf_counter(), [], []
+        start, losses, agrees, seen = time.perf_counter(), [], [], 0
         for b in range(0, len(order), batch_size):
             chunk = [windows[i] for i in order[b:b + batch_size]]
             width = min(len(c) for c in chunk)  # equal lengths: no padding inside the loss
@@ -176,6 +179,10 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
             sched.step()
             losses.append(loss.item())
             agrees.append(agree)
+            seen += ids.numel()
+            if progress is not None:
+                progress(epoch * math.ceil(len(windows) / batch_size) + b // batch_size + 1, total_steps,
+                         losses[-1], seen / (time.perf_counter() - start))
         seconds = time.perf_counter() - start
         entry = {"epoch": epoch, "loss": sum(losses) / len(losses),
                  "agreement_per_step": [round(sum(a[j] for a in agrees if len(a) > j) / len(agrees), 4)
@@ -220,7 +227,8 @@ def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens:
 def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 128, epochs: int = 4,
                  batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, ttt_steps: int = 3,
                  draft_vocab: int | None = None, chat: bool | None = None, eval_prompts: int = 16, seed: int = 0,
-                 corpus_windows: int = 64, resume: bool = False, save_bf16: bool = True, log=print) -> dict:
+                 corpus_windows: int = 64, resume: bool = False, save_bf16: bool = True, log=print,
+                 progress: bool = False) -> dict:
     """Train and save an EAGLE-3 head for `target_path` on its own text: its answers to the
     instructions in `instructions.py` for a chat target (one with a chat template; `chat`
     overrides), else its continuations of corpus openings; greedy and sampled at T = 1 in
@@ -229,16 +237,13 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
     (rate, mean acceptance length, by position) is measured before and after. The generated
     text (`sequences.json`) and a checkpoint after every epoch (`checkpoint.pt`) are kept in
     `out_dir`; `resume` continues from them. The head is saved in bfloat16 (`save_bf16`),
-    float32 otherwise; it loads in the target's dtype."""
-    import json
-
+    float32 otherwise; it loads in the target's dtype. `progress`: rich progress bars (on
+    stderr) for the generation (sequences, tokens) and the training (steps, loss, tokens/s)."""
     from ..errors import QuickdraftError
-    from ..model.eagle3 import new_head, save_eagle3
     from ..model.loader import checkpoint_dir, load_model
     from ..model.sources import resolve_model
     from ..model.tokenizer import Tokenizer, eos_token_ids
     from .corpus import load_corpus
-    from .distill import generate_pool
     from .instructions import HELDOUT, chat_instructions
     from .prompts import opening_prompts
 
@@ -259,6 +264,44 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
         held = [tok.encode(p) for p in opening_prompts(corpus.heldout, eval_prompts)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with _bars(progress) as bars:
+        return _train_eagle3(target, target_path, tok, chat, eos, seeds, held, out, bars, log, new_tokens=new_tokens,
+                             epochs=epochs, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps,
+                             draft_vocab=draft_vocab, seed=seed, corpus_windows=corpus_windows, resume=resume,
+                             save_bf16=save_bf16)
+
+
+@contextlib.contextmanager
+def _bars(enabled: bool):
+    """A rich Progress on stderr (None when not `enabled`)."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=Console(stderr=True)) as bars:
+        yield bars
+
+
+def _train_eagle3(target, target_path, tok, chat, eos, seeds, held, out: Path, bars, log, *, new_tokens, epochs,
+                  batch_size, seq_len, lr, ttt_steps, draft_vocab, seed, corpus_windows, resume, save_bf16) -> dict:
+    import json
+
+    from ..model.eagle3 import new_head, save_eagle3
+    from .corpus import load_corpus
+    from .distill import generate_pool
+
+    def bar(name: str, total: int):
+        """A progress callback for one phase: (done, info, total=None) -> None."""
+        if bars is None:
+            return None
+        task = bars.add_task(name, total=total, info="")
+        return lambda done, info, total=None: bars.update(task, completed=done, info=info, total=total)
+
     cached = out / "sequences.json"
     start = time.perf_counter()
     if resume and cached.exists():
@@ -266,7 +309,10 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
         log({"reused_sequences": len(sequences), "from": str(cached)})
     else:
         greedy = [i % 2 == 0 for i in range(len(seeds))]
-        sequences = generate_pool(target, seeds, new_tokens, seed, eos=eos, greedy=greedy)
+        gen_bar = bar("generate", len(seeds))
+        sequences = generate_pool(target, seeds, new_tokens, seed, eos=eos, greedy=greedy,
+                                  progress=None if gen_bar is None else lambda n, tokens: gen_bar(
+                                      n, f"{tokens:,} tokens, {tokens / (time.perf_counter() - start):,.0f} tok/s"))
         if corpus_windows:
             corpus = load_corpus()
             text = [t for doc in corpus.train[: corpus_windows * 4] for t in tok.encode(doc[1])]
@@ -285,8 +331,14 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
     if not resume and checkpoint.exists():
         checkpoint.unlink()
     before = None if checkpoint.exists() else measure_head(target, head, held, **measure)
+    train_bar = bar("train", 1)
+
+    def step_done(done, total, loss, tokens_per_s):
+        train_bar(done, f"loss {loss:.3f}, {tokens_per_s:,.0f} tok/s", total)
+
     history = train_head(head, target, sequences, epochs=epochs, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                         steps=ttt_steps, seed=seed, log=log, checkpoint=checkpoint)
+                         steps=ttt_steps, seed=seed, log=log, checkpoint=checkpoint,
+                         progress=None if train_bar is None else step_done)
     after = measure_head(target, head, held, **measure)
     report = {"target": str(target_path), "kind": "chat answers" if chat else "code continuations",
               "sequences": len(sequences), "new_tokens": new_tokens, "generate_seconds": round(gen_s, 1),

@@ -122,3 +122,27 @@ def test_model_source_commands_and_errors(tmp_path):
         assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.slow
+def test_train_eagle3_end_to_end(target_dir, tmp_path):
+    """The command generates the target's answers, trains with progress bars, saves a head the
+    engine loads, and --resume reuses the generated text."""
+    from quickdraft.model.eagle3 import is_eagle3_head
+
+    out = tmp_path / "head"
+    args = ("train-eagle3", "--target", target_dir, "--out", out, "--prompts", 6, "--new-tokens", 12, "--epochs", 1,
+            "--draft-vocab", 100, "--seq-len", 32, "--corpus-windows", 2, "--threads", 1)
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    assert "generate" in r.stderr and "train" in r.stderr and "tok/s" in r.stderr
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["sequences"] == 8 and log["draft_vocab_size"] == 100 and log["epochs"][0]["loss"] > 0
+    assert set(log["acceptance_after"]) >= {"acceptance_rate", "mean_acceptance_length", "accepted_by_position"}
+    assert is_eagle3_head(out)
+    again = run(*args, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "reused_sequences" in again.stderr
+    gen = run("generate", "--target", target_dir, "--method", "eagle3", "--draft", out, "--max-tokens", 8,
+              "--ignore-eos", "--json", "def add(a, b):")
+    assert gen.returncode == 0, gen.stderr
