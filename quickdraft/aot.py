@@ -21,9 +21,11 @@ package is the compiled step as a shared library: loading it takes a fraction of
   verify steps (and a draft model's one-token steps), and an EAGLE-3 head's chain calls: two
   packages per head, one reading the target's states (`-e3p`), one drafting from its own
   output (`-e3d`), the target's embedding handed over like the head's weights
-  (`HeadAOTStep`). Prefill, token trees (slots and a mask)
-  and gathers run eagerly, as before; so do int8 / int4 matmuls of more than DENSE_ROWS rows
-  (their dense prefill path, which the package leaves out).
+  (`HeadAOTStep`). Token trees (a step with slots and an attention mask: the target's tree
+  verify, an EAGLE-3 head's tree depths) have packages of their own (`-t`), built when the
+  proposer may draft trees. Prefill and gathers run eagerly, as before; so do int8 / int4
+  matmuls of more than DENSE_ROWS rows (their dense prefill path, which the package leaves
+  out) unless the model is `quant.row_invariant`.
 - `build(model)` compiles (about a minute per model here, once); `load(model)` returns the
   cached step or None. `LLM(compile="aot")` / `--compile aot` builds what is missing; by default
   a CPU engine uses a package when one is cached for its model and runs eagerly otherwise.
@@ -112,13 +114,19 @@ def aot_dir() -> Path:
     return cache_dir() / "aot"
 
 
-def package_path(model: nn.Module, hidden_at: tuple[int, ...] | None = None, project: bool | None = None) -> Path:
-    """`<cache>/aot/<shape key>[-h<layers>].pt2`, with the weights' fingerprint appended where
-    they are inside; `-h<layers>` for the variant that also returns those layers' states; an
-    EAGLE-3 head's two variants end in `-e3p` (from the target's states) and `-e3d` (drafting)."""
-    name = (shape_key(model) + _hidden_suffix(hidden_at) + _head_suffix(model, project)
+def package_path(model: nn.Module, hidden_at: tuple[int, ...] | None = None, project: bool | None = None,
+                 tree: bool = False) -> Path:
+    """`<cache>/aot/<shape key>[-h<layers>][-t].pt2`, with the weights' fingerprint appended
+    where they are inside; `-h<layers>` for the variant that also returns those layers' states,
+    `-t` for token trees (slots and a mask); an EAGLE-3 head's variants end in `-e3p` (from the
+    target's states) and `-e3d` (drafting; `-e3d-...-t` for tree depths)."""
+    name = (_prefix(model, hidden_at, project, tree)
             + (f"-{_fingerprint(model, project)}" if _embeds_weights(model) else ""))
     return aot_dir() / f"{name}.pt2"
+
+
+def _prefix(model: nn.Module, hidden_at, project, tree: bool) -> str:
+    return shape_key(model) + _hidden_suffix(hidden_at) + _head_suffix(model, project) + ("-t" if tree else "")
 
 
 def _is_head(model: nn.Module) -> bool:
@@ -150,6 +158,16 @@ class _Step(nn.Module):
         return self.model(input_ids, positions, cache, kv_len=key_pos.shape[0], hidden_at=self.hidden_at)
 
 
+class _TreeStep(_Step):
+    """A token-tree step: where each query's k/v goes (slots) and which keys it reads (the mask,
+    whose length is the key length)."""
+
+    def forward(self, input_ids, positions, slots, attn_mask, ks, vs):
+        cache = CacheView(list(ks), list(vs), ks[0].shape[2] - 1)
+        return self.model(input_ids, positions, cache, kv_len=attn_mask.shape[-1], slots=slots, attn_mask=attn_mask,
+                          hidden_at=self.hidden_at)
+
+
 class _HeadStep(nn.Module):
     """An EAGLE-3 head's exported signature. The target's embedding, which the head reads but
     does not own, is registered here so the package takes it at load time like the head's
@@ -166,6 +184,16 @@ class _HeadStep(nn.Module):
         return self.head(input_ids, hidden, positions, cache, kv_len=key_pos.shape[0], project=self.project)
 
 
+class _HeadTreeStep(_HeadStep):
+    """An EAGLE-3 head's tree depth: drafting from its own output (project=False) with slots and
+    a mask."""
+
+    def forward(self, input_ids, hidden, positions, slots, attn_mask, k, v):
+        cache = CacheView([k], [v], k.shape[2] - 1)
+        return self.head(input_ids, hidden, positions, cache, kv_len=attn_mask.shape[-1], slots=slots,
+                         attn_mask=attn_mask, project=False)
+
+
 def _constants(step: nn.Module) -> dict[str, torch.Tensor]:
     named = dict(step.named_parameters(remove_duplicate=False))
     named.update(step.named_buffers(remove_duplicate=False))
@@ -173,11 +201,14 @@ def _constants(step: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None,
-          project: bool | None = None) -> Path:
+          project: bool | None = None, tree: bool = False) -> Path:
     """Export and compile `model`'s decode/verify forward into a package (once per shape); with
     `hidden_at`, the forward that also returns those layers' states (Transformer.forward). For
     an EAGLE-3 head, `project` picks the variant: reading the target's states (True) or its own
-    previous output (False)."""
+    previous output (False). `tree`: the step with slots and an attention mask (token trees;
+    for a head, drafting only)."""
+    if tree and _is_head(model) and project:
+        raise QuickdraftError("an EAGLE-3 head's tree package drafts from its own output (project=False)")
     reason = unsupported(model)
     if reason:
         raise QuickdraftError(reason)
@@ -186,7 +217,7 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
     from .cache import KVCache
 
     head = _is_head(model)
-    path = path or package_path(model, hidden_at, project)
+    path = path or package_path(model, hidden_at, project, tree)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     # example sizes: all > 1 and distinct, so none is specialised
@@ -198,16 +229,19 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
     B, T = Dim("batch", max=_MAX_ROWS), Dim("query", max=_MAX_QUERY)
     S, R, C = Dim("keys", min=2, max=_MAX_SLOTS), Dim("rows", max=_MAX_ROWS), Dim("slots", min=3, max=_MAX_SLOTS)
     per_layer = [{0: R, 2: C}] * len(cache.k)
-    if head:  # (input_ids, hidden, positions, key_pos, k, v): one layer
+    # a tree step takes (slots, mask) where a chain step takes the key length
+    keys = ((positions.clone(), torch.ones(2, 2, 9, dtype=torch.bool)) if tree else (key_pos,))
+    key_dims = ({0: B, 1: T}, {0: B, 1: T, 2: S}) if tree else ({0: S},)
+    if head:  # (input_ids, hidden, positions, key_pos | slots + mask, k, v): one layer
         width = (len(model.aux_layers) * model.head_config.target_hidden_size if project
                  else model.config.hidden_size)
-        step = _HeadStep(model, bool(project)).eval()
-        args = (ids, torch.zeros(2, 2, width, dtype=model.dtype), positions, key_pos, cache.k[0], cache.v[0])
-        dims = ({0: B, 1: T}, {0: B, 1: T}, {0: B, 1: T}, {0: S}, {0: R, 2: C}, {0: R, 2: C})
+        step = (_HeadTreeStep(model, False) if tree else _HeadStep(model, bool(project))).eval()
+        args = (ids, torch.zeros(2, 2, width, dtype=model.dtype), positions, *keys, cache.k[0], cache.v[0])
+        dims = ({0: B, 1: T}, {0: B, 1: T}, {0: B, 1: T}, *key_dims, {0: R, 2: C}, {0: R, 2: C})
     else:
-        step = _Step(model, hidden_at).eval()
-        args = (ids, positions, key_pos, cache.k, cache.v)
-        dims = ({0: B, 1: T}, {0: B, 1: T}, {0: S}, per_layer, per_layer)
+        step = (_TreeStep if tree else _Step)(model, hidden_at).eval()
+        args = (ids, positions, *keys, cache.k, cache.v)
+        dims = ({0: B, 1: T}, {0: B, 1: T}, *key_dims, per_layer, per_layer)
     with torch.no_grad(), quant.kernels_only():
         program = export(step, args, dynamic_shapes=dims, strict=False)
         tmp = path.with_suffix(".tmp.pt2")
@@ -226,19 +260,29 @@ class AOTStep:
     """A drop-in for calling the model in the decode / verify / draft paths: the package runs
     `model(input_ids, positions, cache, kv_len=...)`; every other call goes to the model."""
 
-    def __init__(self, model: nn.Module, runner, path: Path, hidden_at: tuple[int, ...] | None = None):
+    def __init__(self, model: nn.Module, runner, path: Path, hidden_at: tuple[int, ...] | None = None,
+                 tree: tuple | None = None):
         self.model = model
         self.runner = runner
         self.path = path
         self.hidden_at = hidden_at  # the states this package returns with the logits (None: logits only)
-        quantised = any(isinstance(m, FastLinear) and m.fmt in ("int8", "int4") for m in model.modules())
-        self.max_rows = DENSE_ROWS if quantised else _MAX_ROWS  # beyond: the eager dense path
+        self.tree_runner, self.tree_path = tree or (None, None)  # token trees' package, if loaded
+        self.max_rows = _max_rows(model)
         self._key_pos = torch.arange(0)
 
     def __call__(self, input_ids, positions=None, cache: CacheView | None = None, *, kv_len=None,
                  slots=None, attn_mask=None, logits_at=None, hidden_at=None):
         B, T = input_ids.shape
-        if (cache is None or positions is None or slots is not None or attn_mask is not None
+        if slots is not None or attn_mask is not None:
+            if (self.tree_runner is not None and _tree_call_fits(positions, cache, kv_len, slots, attn_mask, B * T,
+                                                                 self.max_rows)
+                    and logits_at is None and hidden_at == self.hidden_at):
+                out = self.tree_runner(input_ids.contiguous(), positions.contiguous(), slots.contiguous(),
+                                       attn_mask.contiguous(), cache.k, cache.v)
+                return out if self.hidden_at is None else tuple(out)
+            return self.model(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
+                              logits_at=logits_at, hidden_at=hidden_at)
+        if (cache is None or positions is None
                 or logits_at is not None or hidden_at != self.hidden_at or B * T > self.max_rows or T > _MAX_QUERY
                 or not cache.k[0].is_contiguous()):
             return self.model(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
@@ -254,19 +298,42 @@ class AOTStep:
         return out if self.hidden_at is None else tuple(out)
 
     def __repr__(self) -> str:
-        return f"AOTStep({self.path.name})"
+        return f"AOTStep({self.path.name}{'' if self.tree_path is None else ', ' + self.tree_path.name})"
 
 
-def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None):
+def _max_rows(model: nn.Module) -> int:
+    """Rows a package call may have: int8 / int4 matmuls switch to their dense path past
+    DENSE_ROWS rows in eager mode (which the package, built on the kernels, leaves out), unless
+    the model is row-invariant (kernels at every row count, like the package)."""
+    switching = any(isinstance(m, FastLinear) and m.fmt in ("int8", "int4") and m.dense_rows is not None
+                    for m in model.modules())
+    return DENSE_ROWS if switching else _MAX_ROWS
+
+
+def _tree_call_fits(positions, cache, kv_len, slots, attn_mask, rows: int, max_rows: int) -> bool:
+    """Whether a call with slots and a mask is one the tree package takes."""
+    return (cache is not None and positions is not None and slots is not None and attn_mask is not None
+            and attn_mask.dtype == torch.bool and attn_mask.dim() == 3 and attn_mask.shape[-1] >= 2
+            and (kv_len is None or kv_len == attn_mask.shape[-1]) and rows <= max_rows
+            and positions.shape[1] <= _MAX_QUERY and cache.k[0].is_contiguous())
+
+
+def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None, trees: bool = False):
     """The model's cached package as a step, or None (no package, or not loadable here). For an
-    EAGLE-3 head: a HeadAOTStep over its two variants, or None unless both are cached."""
+    EAGLE-3 head: a HeadAOTStep over its two variants, or None unless both are cached. `trees`:
+    with the token-tree package too where it is cached (tree steps run eagerly otherwise)."""
     if unsupported(model):
         return None
     if _is_head(model):
         runners = {p: _runner(model, None, None, p) for p in (True, False)}
-        return HeadAOTStep(model, runners) if all(runners.values()) else None
+        if not all(runners.values()):
+            return None
+        return HeadAOTStep(model, runners, _runner(model, None, None, False, tree=True) if trees else None)
     runner = _runner(model, path, hidden_at, None)
-    return None if runner is None else AOTStep(model, runner[0], runner[1], hidden_at)
+    if runner is None:
+        return None
+    tree = _runner(model, None, hidden_at, None, tree=True) if trees and path is None else None
+    return AOTStep(model, runner[0], runner[1], hidden_at, tree)
 
 
 class _DirectRunner:
@@ -307,13 +374,15 @@ def _direct(compiled):
         return compiled
 
 
-def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | None, project: bool | None):
+def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | None, project: bool | None,
+            tree: bool = False):
     """(the loaded package, its path), its weights handed over from the model; or None."""
     if path is None:
-        pattern = f"{shape_key(model)}{_hidden_suffix(hidden_at)}{_head_suffix(model, project)}*.pt2"
-        if not any(aot_dir().glob(pattern)):
+        prefix = _prefix(model, hidden_at, project, tree)
+        if not any(p.name == f"{prefix}.pt2" or (_embeds_weights(model) and p.name.startswith(prefix + "-"))
+                   for p in aot_dir().glob(f"{prefix}*.pt2")):
             return None  # (before fingerprinting an int4 model's weights)
-        path = package_path(model, hidden_at, project)
+        path = package_path(model, hidden_at, project, tree)
     if not path.exists():
         return None
     try:
@@ -335,37 +404,53 @@ def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | No
     return runner, path
 
 
-def load_or_build(model: nn.Module, hidden_at: tuple[int, ...] | None = None):
-    """The cached step, built first when missing (None where packages are unsupported)."""
+def load_or_build(model: nn.Module, hidden_at: tuple[int, ...] | None = None, trees: bool = False):
+    """The cached step, built first when missing (None where packages are unsupported); with
+    `trees`, the token-tree package too."""
     reason = unsupported(model)
     if reason:
         log.warning("quickdraft: %s; running eagerly", reason)
         return None
-    step = load(model, hidden_at=hidden_at)
-    if step is None:
-        for project in ((True, False) if _is_head(model) else (None,)):
-            if _runner(model, None, hidden_at, project) is None:
-                build(model, hidden_at=hidden_at, project=project)
-        step = load(model, hidden_at=hidden_at)
+    wanted = [(p, False) for p in ((True, False) if _is_head(model) else (None,))]
+    if trees:
+        wanted.append((False if _is_head(model) else None, True))
+    step = load(model, hidden_at=hidden_at, trees=trees)
+    if step is None or (trees and step.tree_runner is None):
+        for project, tree in wanted:
+            if _runner(model, None, hidden_at, project, tree) is None:
+                build(model, hidden_at=hidden_at, project=project, tree=tree)
+        step = load(model, hidden_at=hidden_at, trees=trees)
     return step
 
 
 class HeadAOTStep:
     """A drop-in for calling an EAGLE-3 head: chains and catch-ups run its packages (one per
-    `project` variant); token trees (slots, a mask) and oversized calls run the head eagerly."""
+    `project` variant), tree depths (slots, a mask) the tree package where loaded; other and
+    oversized calls run the head eagerly."""
 
-    def __init__(self, head: nn.Module, runners: dict):
+    def __init__(self, head: nn.Module, runners: dict, tree: tuple | None = None):
         self.head = head
         self.runners = {p: r[0] for p, r in runners.items()}
         self.paths = [r[1] for r in runners.values()]
-        quantised = any(isinstance(m, FastLinear) and m.fmt in ("int8", "int4") for m in head.modules())
-        self.max_rows = DENSE_ROWS if quantised else _MAX_ROWS  # beyond: the eager dense path
+        self.tree_runner = None
+        if tree is not None:
+            self.tree_runner = tree[0]
+            self.paths.append(tree[1])
+        self.max_rows = _max_rows(head)
         self._key_pos = torch.arange(0)
 
     def __call__(self, input_ids, hidden, positions, cache: CacheView | None = None, kv_len=None, slots=None,
                  attn_mask=None, project: bool = True):
         B, T = input_ids.shape
-        if (cache is None or slots is not None or attn_mask is not None or B * T > self.max_rows
+        if slots is not None or attn_mask is not None:
+            if (self.tree_runner is not None and not project
+                    and _tree_call_fits(positions, cache, kv_len, slots, attn_mask, B * T, self.max_rows)):
+                return tuple(self.tree_runner(input_ids.contiguous(), hidden.to(self.head.dtype).contiguous(),
+                                              positions.contiguous(), slots.contiguous(), attn_mask.contiguous(),
+                                              cache.k[0], cache.v[0]))
+            return self.head(input_ids, hidden, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
+                             project=project)
+        if (cache is None or B * T > self.max_rows
                 or T > _MAX_QUERY or not cache.k[0].is_contiguous()):
             return self.head(input_ids, hidden, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
                              project=project)

@@ -174,7 +174,8 @@ class Engine:
 
             make = aot.load_or_build if config.compile == "aot" else aot.load
             # a proposer reading hidden states gets the package that returns them with the logits
-            self._forward = make(target, hidden_at=self._hidden_layers) or target
+            trees = proposer is not None and self.k > 0 and proposer.may_draft_trees(self.k)
+            self._forward = make(target, hidden_at=self._hidden_layers, trees=trees) or target
             if proposer is not None:
                 proposer.use_forward(make)
         # cache room past a request's last token for one step's draft nodes

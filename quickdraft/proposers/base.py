@@ -146,9 +146,10 @@ class Proposer:
         """Compile this proposer's steps for the shapes drafting k tokens uses (after compile())."""
 
     def use_forward(self, make) -> None:
-        """Run this proposer's model forward through `make(model)` where that returns a step
-        (an ahead-of-time compiled one, quickdraft.aot) rather than None. Proposers without a
-        model ignore it."""
+        """Run this proposer's model forward through `make(model, trees=...)` where that returns
+        a step (an ahead-of-time compiled one, quickdraft.aot) rather than None; `trees`: the
+        proposer calls its model with slots and a mask (token trees). Proposers without a model
+        ignore it."""
 
     def compile(self, make_step) -> None:
         """Compile this proposer's model steps: `make_step(model, name)` returns a callable

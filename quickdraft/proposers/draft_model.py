@@ -79,7 +79,7 @@ class DraftModelProposer(Proposer):
         return set() if self._chains is None else self._chains.ready
 
     def use_forward(self, make) -> None:
-        step = make(self.model)
+        step = make(self.model, trees=self.tree_width > 1)
         if step is not None:
             self._step = step
 

@@ -64,7 +64,7 @@ class Eagle3Proposer(Proposer):
         return cls(draft, target.config.vocab_size, **options)
 
     def use_forward(self, make) -> None:
-        step = make(self.head)
+        step = make(self.head, trees=self.tree_width > 1)
         if step is not None:
             self._head = step
 
@@ -166,7 +166,7 @@ class Eagle3Proposer(Proposer):
     def _tree(self, logits: torch.Tensor, state: torch.Tensor, lengths: torch.Tensor, kv_len: int, k: int) -> Draft:
         """EAGLE-2's dynamic tree (module doc). Nodes are numbered depth by depth, w per depth;
         node i of row b, once fed, has its key in the head's scratch slot L_b - 1 + i."""
-        head, w, V = self.head, self.tree_width, self.vocab_size
+        head, w, V = self._head, self.tree_width, self.vocab_size  # the head or its packages
         B, device = logits.shape[0], logits.device
         n_max = w * k
         need = kv_len + n_max

@@ -153,8 +153,53 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
     prompts = [[3, 17, 42, 9], [5, 6, 7]]
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
     tree = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
-               dtype="float32", spec_options={"tree_width": 2, "tree_nodes": 5})  # trees: the head eagerly
+               dtype="float32", spec_options={"tree_width": 2, "tree_nodes": 5})
+    # trees: the target's tree verify and the head's tree depths run their own packages
+    forward, head_step = tree.engine._forward, tree.engine.proposer._head
+    assert forward.tree_runner is not None and forward.tree_path.name.endswith("-t.pt2")
+    assert head_step.tree_runner is not None and head_step.paths[-1].name.endswith("-t.pt2")
+    calls = {"target": 0, "head": 0}
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    forward.tree_runner = counted("target", forward.tree_runner)
+    head_step.tree_runner = counted("head", head_step.tree_runner)
     assert [o.token_ids for o in tree.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+    assert calls["target"] > 0 and calls["head"] > 0
+
+
+def test_tree_package_equals_eager(target_step):
+    """The token-tree variant (slots and a mask): logits and the cache slots it writes equal
+    the eager forward's, for a two-row batch of different trees."""
+    model, _ = target_step
+    step = aot.load_or_build(model, trees=True)
+    assert step.tree_runner is not None and aot.load(model, trees=True).tree_runner is not None
+    assert aot.load(model).tree_runner is None  # only asked for
+    prompt = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(2))
+    nodes = torch.randint(3, 100, (2, 4), generator=torch.Generator().manual_seed(3))
+    # row 0: a chain of 4; row 1: two branches of 2 (nodes 0 -> 1, 2 -> 3); node i at slot 6 + i
+    anc = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]],
+                        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(2, 4, 6, dtype=torch.bool), anc], 2)  # (B, T, kv_len = 10)
+    slots = torch.arange(6, 10).expand(2, 4)
+    positions = torch.tensor([[6, 7, 8, 9], [6, 7, 6, 7]])
+    with torch.inference_mode():
+        caches = [KVCache.for_model(model, 2, 16) for _ in range(2)]
+        for cache in caches:
+            model(prompt, torch.arange(6).expand(2, 6), cache.rows(0, 2), kv_len=6)
+        want = model(nodes, positions, caches[0].rows(0, 2), kv_len=10, slots=slots, attn_mask=mask)
+        calls = []
+        runner = step.tree_runner
+        step.tree_runner = lambda *a: calls.append(1) or runner(*a)
+        got = step(nodes, positions, caches[1].rows(0, 2), kv_len=10, slots=slots, attn_mask=mask)
+    assert calls
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_head_packages_equal_the_eager_head(tmp_path, target_step):
@@ -183,6 +228,19 @@ def test_head_packages_equal_the_eager_head(tmp_path, target_step):
         pos = torch.tensor([[4], [3]])
         want = head(ids[:, :1], own, pos, caches[0].rows(0, 2), kv_len=5, project=False)
         got = step(ids[:, :1], own, pos, caches[1].rows(0, 2), kv_len=5, project=False)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].k[0], caches[0].k[0], rtol=1e-4, atol=1e-4)
+        # a tree depth: two nodes per row fed their own states, each reading the context and itself
+        tree_step = aot.load_or_build(head, trees=True)
+        assert tree_step.tree_runner is not None
+        ids2, own2 = ids[:, :2], torch.cat([own, own * 0.5], 1)
+        pos = torch.tensor([[5, 5], [4, 4]])
+        slots = torch.tensor([[6, 7], [5, 6]])
+        keys = torch.arange(8)
+        mask = (keys < torch.tensor([[5], [4]]))[:, None, :] | (keys == slots[..., None])
+        want = head(ids2, own2, pos, caches[0].rows(0, 2), kv_len=8, slots=slots, attn_mask=mask, project=False)
+        got = tree_step(ids2, own2, pos, caches[1].rows(0, 2), kv_len=8, slots=slots, attn_mask=mask, project=False)
         for a, b in zip(want, got):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(caches[1].k[0], caches[0].k[0], rtol=1e-4, atol=1e-4)
