@@ -108,6 +108,9 @@ def train_eagle3_command(
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint.pt and OUT/sequences.json."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: PyTorch's)."),
     seed: int = typer.Option(0, "--seed"),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16",
+                                        help="The head's forward and backward under bfloat16 autocast (default: "
+                                             "where bfloat16 matmuls are fast: CUDA, AVX512-BF16 / AMX CPUs)."),
 ) -> None:
     """Train an EAGLE-3 head for a target (its own text, training-time test); use it with
     `--method eagle3 --draft OUT`."""
@@ -120,7 +123,7 @@ def train_eagle3_command(
     train_eagle3(target or _bundled_target(), out, prompts=prompts, new_tokens=new_tokens, epochs=epochs,
                  batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
                  chat=chat, seed=seed, corpus_windows=corpus_windows, resume=resume,
-                 log=lambda entry: opts.err.print(entry), progress=True)
+                 log=lambda entry: opts.err.print(entry), progress=True, bf16=bf16)
 
 
 def _bundled_target():

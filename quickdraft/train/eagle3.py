@@ -92,7 +92,7 @@ def ttt_loss(head: Eagle3Head, target, ids: torch.Tensor, steps: int = 3, decay:
     """Loss and per-step top-1 agreement with the target on sequences ids (B, T); `features`:
     `target_features(head, target, ids)` when the caller has them already."""
     B, T = ids.shape
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):  # the target in its own precision
         feats, final = target_features(head, target, ids) if features is None else features
         # the target's distribution renormalised on the draft vocabulary: its logits there only
         w = target.lm_head.weight[head.draft_to_target].float()
@@ -129,13 +129,17 @@ def ttt_loss(head: Eagle3Head, target, ids: torch.Tensor, steps: int = 3, decay:
 def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epochs: int = 1, batch_size: int = 8,
                seq_len: int = 128, lr: float = 3e-3, steps: int = 3, decay: float = 0.8, seed: int = 0,
                log=None, checkpoint: Path | None = None, cache_limit_bytes: int = 12 << 30,
-               progress=None) -> list[dict]:
+               progress=None, bf16: bool | None = None) -> list[dict]:
     """Train `head` (in place, float32) on windows of `sequences`; returns the log per epoch.
     With `checkpoint`, the head, optimiser and schedule are saved there after every epoch and,
     when the file exists, training resumes after its last epoch. The target's states for every
     window are computed once and kept (float32, 16 h bytes per token) when that fits in
     `cache_limit_bytes` (0: recompute them for every batch, every epoch). `progress(done, total,
-    loss, tokens_per_s)` is called after every optimiser step (done / total: steps of the run)."""
+    loss, tokens_per_s)` is called after every optimiser step (done / total: steps of the run).
+    `bf16`: the head's forward and backward under bfloat16 autocast (float32 weights, optimiser
+    and loss; the target's states and distributions stay float32); default: where bfloat16
+    matmuls are fast (CUDA, CPUs with AVX512-BF16 / AMX: 2.3x faster per step for SmolLM2's
+    head here)."""
     g = torch.Generator().manual_seed(seed)
     windows = [s[i:i + seq_len] for s in sequences for i in range(0, max(len(s) - 1, 1), seq_len)
                if len(s[i:i + seq_len]) >= steps + 2]
@@ -158,6 +162,8 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
         if log is not None:
             log({"resumed_after_epoch": first - 1})
     device = head.device
+    if bf16 is None:
+        bf16 = _fast_bf16(device)
     features = None
     if cache_limit_bytes and sum(map(len, windows)) * 4 * 4 * target.config.hidden_size <= cache_limit_bytes:
         features = cache_features(head, target, windows, log=log)
@@ -171,7 +177,8 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
             ids = torch.tensor([c[:width] for c in chunk], device=device)
             feats = None if features is None else tuple(
                 torch.stack([features[i][part][:width] for i in order[b:b + batch_size]]) for part in (0, 1))
-            loss, agree = ttt_loss(head, target, ids, steps, decay, feats)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss, agree = ttt_loss(head, target, ids, steps, decay, feats)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -187,7 +194,7 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
         entry = {"epoch": epoch, "loss": sum(losses) / len(losses),
                  "agreement_per_step": [round(sum(a[j] for a in agrees if len(a) > j) / len(agrees), 4)
                                         for j in range(steps)],
-                 "seconds": round(seconds, 1), "windows": len(windows),
+                 "seconds": round(seconds, 1), "windows": len(windows), "bf16_autocast": bf16,
                  "tokens_per_s": round(sum(len(w) for w in windows) / seconds, 1)}
         history.append(entry)
         if checkpoint is not None:
@@ -199,6 +206,14 @@ def train_head(head: Eagle3Head, target, sequences: Sequence[list[int]], *, epoc
             log(entry)
     head.eval()
     return history
+
+
+def _fast_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    from ..model.quant import onednn_bf16_supported
+
+    return device.type == "cpu" and onednn_bf16_supported()
 
 
 def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens: int = 64,
@@ -228,7 +243,7 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
                  batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, ttt_steps: int = 3,
                  draft_vocab: int | None = None, chat: bool | None = None, eval_prompts: int = 16, seed: int = 0,
                  corpus_windows: int = 64, resume: bool = False, save_bf16: bool = True, log=print,
-                 progress: bool = False) -> dict:
+                 progress: bool = False, bf16: bool | None = None) -> dict:
     """Train and save an EAGLE-3 head for `target_path` on its own text: its answers to the
     instructions in `instructions.py` for a chat target (one with a chat template; `chat`
     overrides), else its continuations of corpus openings; greedy and sampled at T = 1 in
@@ -237,7 +252,8 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
     (rate, mean acceptance length, by position) is measured before and after. The generated
     text (`sequences.json`) and a checkpoint after every epoch (`checkpoint.pt`) are kept in
     `out_dir`; `resume` continues from them. The head is saved in bfloat16 (`save_bf16`),
-    float32 otherwise; it loads in the target's dtype. `progress`: rich progress bars (on
+    float32 otherwise; it loads in the target's dtype. `bf16`: autocast for the head's training
+    (`train_head`). `progress`: rich progress bars (on
     stderr) for the generation (sequences, tokens) and the training (steps, loss, tokens/s)."""
     from ..errors import QuickdraftError
     from ..model.loader import checkpoint_dir, load_model
@@ -268,7 +284,7 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
         return _train_eagle3(target, target_path, tok, chat, eos, seeds, held, out, bars, log, new_tokens=new_tokens,
                              epochs=epochs, batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps,
                              draft_vocab=draft_vocab, seed=seed, corpus_windows=corpus_windows, resume=resume,
-                             save_bf16=save_bf16)
+                             save_bf16=save_bf16, bf16=bf16)
 
 
 @contextlib.contextmanager
@@ -288,7 +304,8 @@ def _bars(enabled: bool):
 
 
 def _train_eagle3(target, target_path, tok, chat, eos, seeds, held, out: Path, bars, log, *, new_tokens, epochs,
-                  batch_size, seq_len, lr, ttt_steps, draft_vocab, seed, corpus_windows, resume, save_bf16) -> dict:
+                  batch_size, seq_len, lr, ttt_steps, draft_vocab, seed, corpus_windows, resume, save_bf16,
+                  bf16) -> dict:
     import json
 
     from ..model.eagle3 import new_head, save_eagle3
@@ -338,7 +355,7 @@ def _train_eagle3(target, target_path, tok, chat, eos, seeds, held, out: Path, b
 
     history = train_head(head, target, sequences, epochs=epochs, batch_size=batch_size, seq_len=seq_len, lr=lr,
                          steps=ttt_steps, seed=seed, log=log, checkpoint=checkpoint,
-                         progress=None if train_bar is None else step_done)
+                         progress=None if train_bar is None else step_done, bf16=bf16)
     after = measure_head(target, head, held, **measure)
     report = {"target": str(target_path), "kind": "chat answers" if chat else "code continuations",
               "sequences": len(sequences), "new_tokens": new_tokens, "generate_seconds": round(gen_s, 1),
