@@ -1,10 +1,11 @@
 """EAGLE-3 heads on this CPU: the shipped heads against plain decoding (and the bundled draft
-model), paired, batch 1, greedy (issue 14).
+model), paired, batch 1, greedy and sampled (issue 14).
 
 Models: the bundled code target with `target-eagle3` (code openings from the corpus' held-out
 files, raw text) and SmolLM2-135M-Instruct with `smollm2-eagle3` (quickdraft's chat requests
 through the chat template). Rows: plain decoding; eagle3 chains at each --ks; an EAGLE-2
-dynamic tree (width 3, 8 nodes, depth 4); for the bundled target also its draft model (k 5).
+dynamic trees (--trees, default width 3, 8 nodes, depth 4); for the bundled target also its
+draft model (--draft-ks, default k 5).
 Every row runs with compile="aot" (the AOT packages, built before timing; eagle3 rows use the
 package variant that returns the target's hidden states), float32, eos ignored, fixed k.
 
@@ -37,7 +38,8 @@ from quickdraft.metrics import SpecStats
 from quickdraft.train.corpus import load_corpus
 
 
-def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | None = None) -> dict[str, dict]:
+def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | None = None,
+             trees: list[str] = ("3x8x4",), draft_ks: list[int] = (5,)) -> dict[str, dict]:
     """Rows of one model's block. eagle3-k<k>: the head as the engine loads it by default (int8 on
     a CPU with quickdraft's kernels); eagle3-k<k>-<q>head: with draft_quantization=q ("none": the
     head's weights as stored)."""
@@ -51,10 +53,14 @@ def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | 
         for k in ks:
             rows[f"eagle3-k{k}-{q}head"] = {**base, "method": "eagle3", "draft": head, "num_speculative_tokens": k,
                                             "draft_quantization": q}
-    rows["eagle3-tree3x8"] = {**base, "method": "eagle3", "draft": head, "num_speculative_tokens": 4,
-                              "spec_options": {"tree_width": 3, "tree_nodes": 8}}
+    for tree in trees:  # width x nodes x depth
+        w, nodes, depth = map(int, tree.split("x"))
+        rows[f"eagle3-tree{w}x{nodes}d{depth}"] = {**base, "method": "eagle3", "draft": head,
+                                                 "num_speculative_tokens": depth,
+                                                 "spec_options": {"tree_width": w, "tree_nodes": nodes}}
     if model == "bundled":
-        rows["draft-k5"] = {**base, "method": "draft", "draft": str(draft), "num_speculative_tokens": 5}
+        for k in draft_ks:
+            rows[f"draft-k{k}"] = {**base, "method": "draft", "draft": str(draft), "num_speculative_tokens": k}
     return rows
 
 
@@ -64,8 +70,8 @@ def prompts_for(model: str, llm: LLM, n: int) -> list[list[int]]:
     return [llm.encode_chat(c) for c in chat_requests(n)]
 
 
-def run(llm: LLM, prompt: list[int], n: int) -> tuple[float, list[int], SpecStats]:
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+def run(llm: LLM, prompt: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> tuple[float, list[int], SpecStats]:
+    params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=seed)
     first = final = None
     for out in llm.stream(prompt, params):
         if first is None:
@@ -75,7 +81,8 @@ def run(llm: LLM, prompt: list[int], n: int) -> tuple[float, list[int], SpecStat
     return time.perf_counter() - first, list(final.token_ids), final.stats
 
 
-def block(llms: dict[str, LLM], prompts: list[list[int]], n: int, threads: int, repeats: int) -> dict:
+def block(llms: dict[str, LLM], prompts: list[list[int]], n: int, threads: int, repeats: int,
+          temperature: float = 0.0) -> dict:
     torch.set_num_threads(threads)
     names = list(llms)
     for name in names:
@@ -87,9 +94,9 @@ def block(llms: dict[str, LLM], prompts: list[list[int]], n: int, threads: int, 
     for r in range(repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         secs = {name: 0.0 for name in names}
-        for p in prompts:
+        for i, p in enumerate(prompts):
             for name in order:
-                s, ids, st = run(llms[name], p, n)
+                s, ids, st = run(llms[name], p, n, temperature, seed=i)
                 secs[name] += s
                 if r == 0:
                     outputs[name].append(ids)
@@ -105,8 +112,9 @@ def block(llms: dict[str, LLM], prompts: list[list[int]], n: int, threads: int, 
                         "speedup_median": statistics.median(ratios), "speedup_min": min(ratios),
                         "speedup_max": max(ratios), "acceptance_rate": st.acceptance_rate if st.num_drafts else None,
                         "mean_acceptance_length": st.mean_acceptance_length if st.num_drafts else None,
-                        "identical_to_plain": outputs[name] == outputs["plain"]}
-    return {"threads": threads, "rows": result, "seconds": wall,
+                        # sampled rows: the same seed, yet speculation draws other random numbers
+                        "identical_to_plain": outputs[name] == outputs["plain"] if temperature == 0 else None}
+    return {"threads": threads, "temperature": temperature, "rows": result, "seconds": wall,
             "machine": {"loadavg_1m_before": load0, "loadavg_1m_after": os.getloadavg()[0],
                         "other_cpu_share": other_cpu_share(cpu0, cpu_seconds(), wall)}}
 
@@ -119,6 +127,10 @@ def main() -> None:
     ap.add_argument("--head-quantization", nargs="*", default=[], choices=["none", "int8", "int4"],
                     help="also rows with the head's weights so (eagle3-k<k>-<q>head; none: as stored)")
     ap.add_argument("--head", default=None, help="a head folder or name instead of the model's shipped head")
+    ap.add_argument("--trees", nargs="*", default=["3x8x4"], help="EAGLE-2 trees: width x nodes x depth")
+    ap.add_argument("--draft-ks", nargs="*", type=int, default=[5], help="the bundled draft model's rows")
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0],
+                    help="blocks per temperature (sampled: seeded per prompt; every row gets the same seeds)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -128,20 +140,20 @@ def main() -> None:
     results = []
     for model in args.models:
         llms = {}
-        for name, kw in rows_for(model, args.ks, args.head_quantization, args.head).items():
+        for name, kw in rows_for(model, args.ks, args.head_quantization, args.head, args.trees, args.draft_ks).items():
             start = time.perf_counter()
             llms[name] = LLM(**kw)
             print(f"{model} {name}: loaded in {time.perf_counter() - start:.1f} s "
                   f"({type(llms[name].engine._forward).__name__})", flush=True)
         prompts = prompts_for(model, llms["plain"], args.prompts)
-        for threads in args.threads:
-            b = block(llms, prompts, args.new_tokens, threads, args.repeats)
+        for threads, temperature in [(t, T) for t in args.threads for T in args.temperatures]:
+            b = block(llms, prompts, args.new_tokens, threads, args.repeats, temperature)
             b.update(model=model, prompt_tokens=[len(p) for p in prompts])
             results.append(b)
             for name, r in b["rows"].items():
                 acc = "" if r["acceptance_rate"] is None else (f", acceptance {r['acceptance_rate']:.2f}, "
                                                                f"MAL {r['mean_acceptance_length']:.2f}")
-                print(f"{model} {threads}t {name}: {r['tokens_per_s']:.1f} tok/s, {r['speedup_median']:.2f}x plain"
+                print(f"{model} {threads}t T={temperature} {name}: {r['tokens_per_s']:.1f} tok/s, {r['speedup_median']:.2f}x plain"
                       f"{acc}, identical {r['identical_to_plain']}", flush=True)
         del llms
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu": cpu_model(), "cores": os.cpu_count(),
@@ -152,11 +164,12 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "blocks": results}, indent=2))
     md = [f"# EAGLE-3 heads vs plain decoding ({meta['cpu']}, {meta['cores']} cores)", "",
-          f"{meta['date']}, torch {meta['torch']}. Batch 1, greedy, {args.new_tokens} new tokens (eos ignored), "
+          f"{meta['date']}, torch {meta['torch']}. Batch 1, {args.new_tokens} new tokens (eos ignored), "
           f"{args.prompts} prompts, {args.repeats} repeats, compile=aot, float32. Speedup: median of per-repeat "
-          "ratios to plain decoding in the same block (min - max). MAL: mean acceptance length.", "",
-          "| model | threads | row | tok/s | speedup | acceptance | MAL | identical to plain | other CPU |",
-          "|---|---:|---|---:|---:|---:|---:|---|---:|"]
+          "ratios to plain decoding in the same block (min - max). MAL: mean acceptance length. T: temperature "
+          "(0: greedy; sampled requests seeded per prompt, so 'identical' applies to greedy only).", "",
+          "| model | threads | T | row | tok/s | speedup | acceptance | MAL | identical to plain | other CPU |",
+          "|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
     for b in results:
         other = b["machine"]["other_cpu_share"]
         for name, r in b["rows"].items():
@@ -164,9 +177,11 @@ def main() -> None:
             acc = "-" if acc is None else f"{acc:.2f}"
             mal = "-" if mal is None else f"{mal:.2f}"
             share = "-" if other is None else f"{100 * other:.0f}%"
-            md.append(f"| {b['model']} | {b['threads']} | {name} | {r['tokens_per_s']:.1f} | {r['speedup_median']:.2f}x "
+            ident = "-" if r["identical_to_plain"] is None else r["identical_to_plain"]
+            md.append(f"| {b['model']} | {b['threads']} | {b['temperature']:g} | {name} | {r['tokens_per_s']:.1f} | "
+                      f"{r['speedup_median']:.2f}x "
                       f"({r['speedup_min']:.2f} - {r['speedup_max']:.2f}) | {acc} | {mal} | "
-                      f"{r['identical_to_plain']} | {share} |")
+                      f"{ident} | {share} |")
     md += ["", f"Command: `{meta['command']}`", ""]
     (args.out_dir / f"{args.name}.md").write_text("\n".join(md))
 
