@@ -287,9 +287,31 @@ def train_eagle3(target_path, out_dir, *, prompts: int = 256, new_tokens: int = 
                              save_bf16=save_bf16, bf16=bf16)
 
 
+class _Lines:
+    """Progress as a line per task at most every `every` seconds (and at its end), for a stderr
+    that is not a terminal (a log file), where a live bar would print nothing until the end."""
+
+    def __init__(self, console, every: float = 60.0):
+        self.console, self.every, self.tasks = console, every, []
+
+    def add_task(self, name: str, total: int, info: str = "") -> int:
+        self.tasks.append({"name": name, "total": total, "last": time.perf_counter(), "start": time.perf_counter()})
+        return len(self.tasks) - 1
+
+    def update(self, task: int, completed: int, info: str = "", total: int | None = None) -> None:
+        t = self.tasks[task]
+        if total is not None:
+            t["total"] = total
+        now = time.perf_counter()
+        if now - t["last"] >= self.every or completed >= t["total"]:
+            t["last"] = now
+            self.console.print(f"{t['name']} {completed}/{t['total']} {info} ({now - t['start']:.0f} s)",
+                               highlight=False)
+
+
 @contextlib.contextmanager
 def _bars(enabled: bool):
-    """A rich Progress on stderr (None when not `enabled`)."""
+    """A rich Progress on stderr (None when not `enabled`; lines when stderr is no terminal)."""
     if not enabled:
         yield None
         return
@@ -297,9 +319,13 @@ def _bars(enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield _Lines(console)
+        return
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                  console=Console(stderr=True)) as bars:
+                  console=console) as bars:
         yield bars
 
 
