@@ -119,6 +119,16 @@ bool has_avx512() {
   return yes;
 }
 
+// One row reads four blocks at once (four streams) on Intel: 4-8% faster than two there (the
+// Emerald Rapids Xeon, SmolLM2's and the bundled target's shapes). On an AMD EPYC (Zen 4) one
+// row took 30-50% longer with four streams than two rows with two (SmolLM2's 576 x 49152
+// lm_head 4489 vs 2942 us, 1 thread), so there a row gets two. Either way the same FMAs in the
+// same order per output: the bits do not change.
+bool four_streams() {
+  static const bool yes = !__builtin_cpu_is("amd");
+  return yes;
+}
+
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
 // M, six rows at a time). Only the combinations that fit the registers are instantiated.
 template <typename W, int NBLK>
@@ -336,9 +346,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optiona
       return;
     }
     // Several blocks at a time: more read streams, more sums in flight (measured on SmolLM2's and
-    // the bundled target's shapes: one row 4-8% faster with four streams than with two; two
-    // streams for 2-3 rows; 4+ rows gain nothing from a second stream).
-    if (M == 1)
+    // the bundled target's shapes: one row 4-8% faster with four streams than with two on Intel,
+    // slower on AMD: four_streams; two streams for 2-3 rows; 4+ rows gain nothing from a second).
+    if (M == 1 && four_streams())
       for (; b + 3 < b1; b += 4)
         run_rows<W, 4>(xp, ldx, M, wp + b * K * NB, K, at_block(sptr, b), at_block(bptr, b), yp + b * NB, n,
                        std::min(4 * NB, n - b * NB));
@@ -397,7 +407,7 @@ at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const 
                               std::min(NB, n - b * NB));
       return;
     }
-    if (M == 1)
+    if (M == 1 && four_streams())
       for (; b + 3 < b1; b += 4)
         run_rows_q4<4>(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
                        std::min(4 * NB, n - b * NB));

@@ -345,11 +345,14 @@ def _train_eagle3(target, target_path, tok, chat, eos, seeds, held, out: Path, b
         task = bars.add_task(name, total=total, info="")
         return lambda done, info, total=None: bars.update(task, completed=done, info=info, total=total)
 
-    cached = out / "sequences.json"
+    cached, timing = out / "sequences.json", out / "sequences_seconds.txt"
     start = time.perf_counter()
+    gen_s = None
     if resume and cached.exists():
         sequences = json.loads(cached.read_text())
         log({"reused_sequences": len(sequences), "from": str(cached)})
+        if timing.exists():  # the generation's own time, not the reload's
+            gen_s = float(timing.read_text())
     else:
         greedy = [i % 2 == 0 for i in range(len(seeds))]
         gen_bar = bar("generate", len(seeds))
@@ -361,9 +364,9 @@ def _train_eagle3(target, target_path, tok, chat, eos, seeds, held, out: Path, b
             text = [t for doc in corpus.train[: corpus_windows * 4] for t in tok.encode(doc[1])]
             sequences += [text[i:i + seq_len] for i in range(0, len(text) - seq_len, seq_len)][:corpus_windows]
         cached.write_text(json.dumps(sequences))
-        log({"sequences": len(sequences), "tokens": sum(map(len, sequences)),
-             "seconds": round(time.perf_counter() - start, 1)})
-    gen_s = time.perf_counter() - start
+        gen_s = time.perf_counter() - start
+        timing.write_text(f"{gen_s:.1f}")
+        log({"sequences": len(sequences), "tokens": sum(map(len, sequences)), "seconds": round(gen_s, 1)})
     vocab = None
     if draft_vocab is not None and draft_vocab < target.config.vocab_size:  # the most frequent target tokens
         counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=target.config.vocab_size)
@@ -384,7 +387,7 @@ def _train_eagle3(target, target_path, tok, chat, eos, seeds, held, out: Path, b
                          progress=None if train_bar is None else step_done, bf16=bf16)
     after = measure_head(target, head, held, **measure)
     report = {"target": str(target_path), "kind": "chat answers" if chat else "code continuations",
-              "sequences": len(sequences), "new_tokens": new_tokens, "generate_seconds": round(gen_s, 1),
+              "sequences": len(sequences), "new_tokens": new_tokens, "generate_seconds": None if gen_s is None else round(gen_s, 1),
               "epochs": history, "acceptance_before": before, "acceptance_after": after,
               "eval": f"{len(held)} held-out {'instructions' if chat else 'openings'}",
               "draft_vocab_size": head.head_config.draft_vocab_size, "ttt_steps": ttt_steps, "lr": lr,
