@@ -37,6 +37,7 @@ from torch import nn
 from ..cache import CacheView
 from ..config import ModelConfig
 from ..errors import QuickdraftError, UnsupportedModelError
+from . import compressed
 from .transformer import MLP, Attention, RMSNorm, attention_inputs, rope_inv_freq
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
@@ -206,11 +207,13 @@ def _head_name(name: str) -> str:
     return name
 
 
-def _read_weights(file: Path):
-    """(name, tensor) pairs of a .safetensors file, or of a PyTorch .bin (EAGLE's own heads ship
-    as pytorch_model.bin), read with weights_only: tensors, never code."""
+def _read_weights(file: Path, quantised: compressed.Int8Scheme | None = None):
+    """(name, tensor) pairs of a .safetensors file (int8 weights dequantised to float32), or of a
+    PyTorch .bin (EAGLE's own heads ship as pytorch_model.bin), read with weights_only: tensors,
+    never code."""
     if file.suffix == ".safetensors":
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            f = compressed.open_weights(handle, file, quantised)
             for name in f.keys():
                 yield name, f.get_tensor(name)
         return
@@ -237,8 +240,9 @@ def load_eagle3(path: str | Path, target, dtype: torch.dtype | None = None) -> E
     expected = dict(head.named_parameters())
     expected["d2t"] = head.d2t
     state: dict[str, torch.Tensor] = {}
+    quantised = compressed.scheme(json.loads((path / "config.json").read_text()))
     for file in files:
-        for name, tensor in _read_weights(file):
+        for name, tensor in _read_weights(file, quantised):
             key = _head_name(name)
             if key in ("embed_tokens.weight", "t2d") or key.endswith("rotary_emb.inv_freq") \
                     or key.startswith(("verifier_", "model.embed_tokens")):

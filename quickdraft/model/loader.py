@@ -1,7 +1,8 @@
 """Local Hugging Face checkpoint folder (or GGUF file) -> Transformer.
 
 Reads config.json, then weights from `model.safetensors` or a sharded
-`model.safetensors.index.json`. Every tensor must be consumed and every parameter
+`model.safetensors.index.json` (float, or int8 with scales in the compressed-tensors layout:
+quickdraft.model.compressed). Every tensor must be consumed and every parameter
 filled: a missing or unexpected tensor is an error naming it.
 
 A `.gguf` file stands for a folder too: `checkpoint_dir` turns it into a small metadata folder
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..errors import QuickdraftError
+from . import compressed
 from .transformer import Transformer
 
 _DTYPES = {
@@ -117,10 +119,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, cfg, dev)
 
+    quantised = compressed.scheme(json.loads((path / "config.json").read_text()))
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                f = compressed.open_weights(handle, file, quantised)
                 for name in f.keys():
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue

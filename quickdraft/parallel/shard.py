@@ -22,6 +22,7 @@ range from each row's blocks that it covers when it falls on block boundaries.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import QuickdraftError
+from ..model import compressed
 from ..model.gguf import GGUFWeights, gguf_source, is_gguf_file
 from ..model.loader import assemble, resolve_dtype, weight_files
 from ..model.transformer import Transformer
@@ -152,9 +154,11 @@ def load_shard(path: Path, plan: ShardPlan, dtype: str | torch.dtype | None, dev
     source = gguf_source(path)
     int4: dict[str, tuple[torch.Tensor, ...]] | None = {} if source is not None and quantization == "int4" else None
     head_groups = None
+    quantised = None if source is not None else compressed.scheme(json.loads((path / "config.json").read_text()))
     for file in [source] if source is not None else weight_files(path):
         try:
-            with _open(file, cfg) as f:
+            with _open(file, cfg) as handle:
+                f = compressed.open_weights(handle, file, quantised)
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq"):
                         continue

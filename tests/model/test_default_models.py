@@ -1,11 +1,13 @@
 """The bundled default pair: present, within its size limits, loadable by quickdraft and
-transformers, used by LLM() and the CLI with no model arguments, and lossless."""
+transformers, used by LLM() and the CLI with no model arguments, and lossless; and the tracked
+tree small enough for the GPU machine (which receives the working tree only up to 64 MiB)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,21 +29,38 @@ def test_pair_is_bundled_within_limits():
             assert (folder / name).exists(), folder / name
         assert json.loads((folder / "config.json").read_text())["torch_dtype"] in ("bfloat16", "float16")
         assert "Reproduce" in (folder / "README.md").read_text()
+        assert json.loads((folder / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
     size = sum((f / "model.safetensors").stat().st_size for f in (TARGET, DRAFT))
-    assert size <= 100 * 2**20
+    assert size <= 40 * 2**20
     t, d = n_params(TARGET), n_params(DRAFT)
     assert 15e6 <= t <= 40e6 and d <= t / 10
     assert (TARGET / "tokenizer.json").read_bytes() == (DRAFT / "tokenizer.json").read_bytes()
 
 
+def test_tracked_tree_fits_the_gpu_machine():
+    """The tracked files stay under 48 MiB (the GPU machine takes the tree up to 64 MiB, shared/
+    and untracked files included): weights that are not shipped never enter git."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout.split(b"\0")
+    total = sum((root / f.decode()).stat().st_size for f in files if f and (root / f.decode()).is_file())
+    assert total <= 48 * 2**20, f"the tracked tree is {total / 2**20:.1f} MiB"
+
+
 @pytest.mark.parametrize("folder", [TARGET, DRAFT], ids=["target", "draft"])
 def test_transformers_loads_the_same_model(folder):
+    """transformers reads the bundled int8 (compressed-tensors) folders too, dequantising them."""
+    pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
 
     ids = torch.tensor([[0, 100, 200, 300, 400]])
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                               quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
     with torch.no_grad():
-        assert (load_model(folder)(ids) - ref(ids).logits).abs().max().item() <= 1e-3
+        # transformers multiplies int8 by the float16 scales in float16; quickdraft in float32
+        assert (load_model(folder)(ids) - ref(ids).logits).abs().max().item() <= 1e-2
 
 
 def test_default_llm_is_the_bundled_pair_and_lossless():

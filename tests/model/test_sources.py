@@ -3,6 +3,8 @@ resolve_model's order, and the Hub path (snapshot_download faked, except for HF_
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import os
@@ -162,15 +164,17 @@ def test_local_paths_are_returned_as_they_are(tmp_path):
 
 
 def test_default_draft_is_bundled_package_data(tmp_path, monkeypatch):
+    """A catalogue entry's draft is package data: missing from this installation, a clear error."""
     monkeypatch.setattr(sources, "BUNDLED_DIR", tmp_path)
-    assert CATALOGUE["smollm2"].default_draft == "smollm2-eagle3"
-    with pytest.raises(QuickdraftError, match="smollm2-eagle3 is not bundled with this quickdraft yet"):
-        default_draft("smollm2")
+    assert default_draft("smollm2") is None  # SmolLM2's head does not pay: not shipped
+    entry = dataclasses.replace(CATALOGUE["smollm2"], name="withdraft", default_draft="withdraft-head")
+    monkeypatch.setitem(CATALOGUE, "withdraft", entry)
+    with pytest.raises(QuickdraftError, match="withdraft-head is not bundled with this quickdraft yet"):
+        default_draft("withdraft")
     with pytest.raises(QuickdraftError, match="not bundled"):
-        resolve_model("smollm2-eagle3")
-    (tmp_path / "smollm2-eagle3").mkdir()
-    assert default_draft("smollm2") == resolve_model("smollm2-eagle3") == tmp_path / "smollm2-eagle3"
-
+        resolve_model("withdraft-head")
+    (tmp_path / "withdraft-head").mkdir()
+    assert default_draft("withdraft") == resolve_model("withdraft-head") == tmp_path / "withdraft-head"
 
 # --- Hugging Face Hub ----------------------------------------------------------------------------
 

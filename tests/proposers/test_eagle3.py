@@ -276,33 +276,6 @@ def test_tune_measures_the_heads_propose_time(target_dir, trained_head, temperat
     assert len(times) == 2 and all(len(row) == 2 and all(t > 0 for t in row) for row in times)
 
 
-@pytest.mark.smollm2
-@pytest.mark.slow
-def test_shipped_head_for_smollm2():
-    """SmolLM2's shipped head: bfloat16, at most 1/4 of the target's parameters, picked up by
-    LLM(target="smollm2", method="eagle3") (not by default: it does not pay yet), greedy chat
-    output identical to plain decoding."""
-    from quickdraft.model.sources import default_draft, resolve_model
-
-    folder = default_draft("smollm2")
-    cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["torch_dtype"] == "bfloat16" and "Reproduce" in (folder / "README.md").read_text()
-    try:
-        resolve_model("smollm2", progress=False)
-    except QuickdraftError as exc:
-        pytest.skip(f"smollm2 is not reachable: {exc}")
-    assert LLM(target="smollm2", compile=False).engine.config.spec.method == "none"  # the head is not the default
-    llm = LLM(target="smollm2", method="eagle3", compile=False)
-    assert llm.engine.config.spec.method == "eagle3"
-    head_params = sum(p.numel() for p in llm.draft.parameters())
-    assert head_params * 4 <= sum(p.numel() for p in llm.target.parameters())
-    params = SamplingParams(temperature=0, max_tokens=48)
-    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
-    plain = LLM(target="smollm2", method="none", compile=False)
-    assert llm.chat(messages, params)[0].token_ids == plain.chat(messages, params)[0].token_ids
-    assert llm.stats.acceptance_rate > 0.05  # a weak head (see its README), but a trained one: random ones get ~0
-
-
 def test_training_resumes_from_its_checkpoint(tmp_path, target):
     """A run stopped after its first epoch and resumed from checkpoint.pt ends with the very
     weights of an uninterrupted run (optimiser, schedule and data order restored)."""
