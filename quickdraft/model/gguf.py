@@ -41,6 +41,7 @@ import torch
 
 from ..config import ModelConfig, RopeConfig
 from ..errors import QuickdraftError, UnsupportedModelError
+from .build import assemble, resolve_device, resolve_dtype
 from .sources import cache_dir
 from .transformer import Transformer, rope_inv_freq
 
@@ -566,7 +567,6 @@ def load_gguf_model(path: str | Path, dtype: str | torch.dtype | None = None,
     """Load a GGUF's weights, dequantised into `dtype`. `model(input_ids)` (B, T) -> logits (B, T, vocab).
     With quantization="int4", each Q4_0 / Q4_1 / Q4_K matrix also keeps its own blocks (the
     parameter's `gguf_int4` attribute), which `quant.prepare` packs as they are."""
-    from .loader import assemble, resolve_device, resolve_dtype
 
     g = read_gguf(path)
     cfg = ModelConfig.from_hf(hf_config(g))
@@ -659,7 +659,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str | torch.
     generation_config.json, tokenizer.json, tokenizer_config.json. Returns `out_dir`."""
     from safetensors.torch import save_file
 
-    from .loader import resolve_dtype
 
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -78,3 +78,75 @@ def test_commands_never_import_the_cli_package():
 def test_config_imports_only_errors():
     units = {unit for unit, _ in _imports(PACKAGE / "config.py")}
     assert units <= {"errors"}, units
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The quickdraft modules `path` imports (dotted, relative to the package; late imports
+    included): `from . import x` names module x when it exists, else the package itself."""
+    module = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    package = module[:-1]
+    found = set()
+
+    def add(parts: list[str], names: list[str] = ()) -> None:
+        for name in names:
+            if (PACKAGE.joinpath(*parts, name + ".py")).exists() or (PACKAGE.joinpath(*parts, name)).is_dir():
+                found.add(".".join(parts + [name]))
+                break
+        else:
+            found.add(".".join(parts) or "__init__")
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                parts = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "quickdraft":
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            if node.module is None:
+                for alias in node.names:
+                    add(parts, [alias.name])
+            else:
+                add(parts)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "quickdraft":
+                    add(alias.name.split(".")[1:])
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports; a package stands for its __init__."""
+    def name(p: Path) -> str:
+        parts = list(p.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        return ".".join(parts) or "__init__"
+
+    nodes = {name(p): p for p in MODULES}
+    return {n: {m for m in _module_imports(p) if m in nodes and m != n} for n, p in nodes.items()}
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or around a circle, same-layer ones included
+    (a package's __init__ re-exporting its own modules excepted: that edge points into it)."""
+    graph = _graph()
+    for pkg in graph:  # `pkg/__init__` importing its own submodules is how a package re-exports
+        graph[pkg] = {m for m in graph[pkg] if not (m.startswith(pkg + ".") or pkg == "__init__")}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(n: str, stack: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m):] + [m] if m in stack else [n, m])
+            elif m not in state:
+                visit(m, stack + [m])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
