@@ -125,29 +125,57 @@ def write_outputs(result: dict, out_dir: Path, name: str) -> list[Path]:
 
         md += ["", "## Peers", ""] + (markdown(peers) if "methods" in peers else [f"Skipped: {peers['skipped']}."])
     paths[1].write_text("\n".join(md) + "\n")
+    png = out_dir / f"{name}.png"
+    return paths + ([png] if plot_bench(result, png) else [])
+
+
+def plot_bench(result: dict, png: Path) -> bool:
+    """PNG of a bench result: a row per temperature; per method a panel of measured speedup over
+    plain decoding vs k, one line per batch size (a sequential colour scale, the predicted
+    speedup dashed in the same colour), and a last panel of acceptance by draft position at
+    batch 1 (one line per method, its largest k). The machine in the title. False without
+    matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return paths
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    keys = sorted({(r["temperature"], r["method"], r["batch_size"]) for r in result["runs"]})
-    for key in keys:
-        rows = sorted((r for r in result["runs"] if (r["temperature"], r["method"], r["batch_size"]) == key),
-                      key=lambda r: r["k"])
-        label = f"{key[1]} B={key[2]} T={key[0]}"
-        ax1.plot([r["k"] for r in rows], [r["speedup"] for r in rows], marker="o", label=label)
-        best = max(rows, key=lambda r: r["k"])
-        ax2.plot(range(1, len(best["accepted_per_pos"]) + 1), best["accepted_per_pos"], marker="o",
-                 label=f"{label} k={best['k']}")
-    ax1.axhline(1.0, color="grey", ls="--", lw=0.8)
-    ax1.set(xlabel="k", ylabel="speedup over plain decoding", title="speedup vs k")
-    ax2.set(xlabel="draft position", ylabel="fraction of drafting steps accepted", title="acceptance per position")
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
+        return False
+    runs = result["runs"]
+    temps = sorted({r["temperature"] for r in runs})
+    methods = sorted({r["method"] for r in runs})
+    batches = sorted({r["batch_size"] for r in runs})
+    colors = dict(zip(batches, plt.cm.viridis([i / max(1, len(batches) - 1) * 0.9 for i in range(len(batches))])))
+    fig, axes = plt.subplots(len(temps), len(methods) + 1, figsize=(4.2 * (len(methods) + 1), 3.4 * len(temps)),
+                             squeeze=False)
+    for row, temp in zip(axes, temps):
+        for ax, method in zip(row, methods):
+            for b in batches:
+                pts = sorted((r for r in runs if (r["temperature"], r["method"], r["batch_size"]) == (temp, method, b)),
+                             key=lambda r: r["k"])
+                if not pts:
+                    continue
+                ks = [r["k"] for r in pts]
+                ax.plot(ks, [r["speedup"] for r in pts], marker="o", color=colors[b], label=f"B={b}")
+                ax.plot(ks, [r["predicted_speedup"] for r in pts], ls="--", lw=0.9, color=colors[b])
+            ax.axhline(1.0, color="grey", ls=":", lw=0.8)
+            ax.set(title=f"{method}, T={temp}", xlabel="k (draft tokens per step)", ylabel="speedup over plain")
+            ax.legend(fontsize=7, title="measured (dashed: predicted)", title_fontsize=6, loc="best")
+        ax = row[-1]
+        for method in methods:
+            pts = [r for r in runs if (r["temperature"], r["method"], r["batch_size"]) == (temp, method, batches[0])]
+            if pts:
+                best = max(pts, key=lambda r: r["k"])
+                acc = best["accepted_per_pos"]
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{method} k={best['k']}")
+        ax.set(title=f"acceptance by position, B={batches[0]}, T={temp}", xlabel="draft position",
+               ylabel="fraction of steps accepted", ylim=(0, 1.02))
+        ax.legend(fontsize=7)
+    s = result["setup"]
+    fig.suptitle(f"quickdraft bench · {s.get('hardware', '?')} · torch {s.get('torch', '?')} · {s.get('date', '')}",
+                 fontsize=9)
     fig.tight_layout()
-    png = out_dir / f"{name}.png"
-    fig.savefig(png, dpi=120)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
     plt.close(fig)
-    return paths + [png]
+    return True
