@@ -124,6 +124,8 @@ def test_bench_command_end_to_end(target_dir, draft_dir, tmp_path):
     for x in data["runs"]:
         assert x["tokens_per_s"] > 0 and x["speedup"] > 0 and x["predicted_speedup"] > 0
     assert "| draft |" in (tmp_path / "b.md").read_text()
+    if HAS_MPL:  # the figure: one panel per method plus acceptance by position
+        assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _bench_app():
