@@ -35,7 +35,7 @@ from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify_host, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepOutcome:
     """What one verify step decided, per row, read back from the device in one sync."""
     tokens: list[list[int]]  # the tokens to commit: accepted drafts, then the recovered or bonus token
@@ -80,7 +80,7 @@ def _token_logprob(packed: list[float], token: int, n: int) -> TokenLogprob:
                         tuple((int(i), v) for v, i in zip(packed[2:2 + n], packed[2 + width:2 + width + n])))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -134,10 +134,13 @@ class _Request:
         hold = 0 if self.finished else max((len(s) - 1 for s in self.params.stop), default=0)
         visible = max(self.sent_text, len(self.text) - hold)
         lps = self.logprobs
-        out = RequestOutput(self.id, self.prompt, list(self.output), self.text, self.finished, self.finish_reason,
-                            self.stats, self.output[self.sent_ids:], self.text[self.sent_text:visible],
-                            None if lps is None else list(lps), None if lps is None else lps[self.sent_ids:],
-                            self.prompt_logprobs)
+        out = RequestOutput(request_id=self.id, prompt_token_ids=self.prompt, token_ids=list(self.output),
+                            text=self.text, finished=self.finished, finish_reason=self.finish_reason,
+                            stats=self.stats, new_token_ids=self.output[self.sent_ids:],
+                            new_text=self.text[self.sent_text:visible],
+                            logprobs=None if lps is None else list(lps),
+                            new_logprobs=None if lps is None else lps[self.sent_ids:],
+                            prompt_logprobs=self.prompt_logprobs)
         self.sent_ids, self.sent_text = len(self.output), visible
         return out
 
@@ -502,8 +505,9 @@ class Engine:
         lps = self._logprobs(self.running, raw, out)  # emitted token j came from position j
         host = _read_back(tokens=out, num_accepted=num_accepted[:, None], num_drafted=drafted[:, None],
                           target_tokens=argmax if self._wants_target_tokens else None)
-        return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
-                           None, host["target_tokens"], hidden, lps)
+        return StepOutcome(tokens=host["tokens"], num_accepted=[n for n, in host["num_accepted"]],
+                           num_drafted=[d for d, in host["num_drafted"]], accepted_nodes=None,
+                           target_tokens=host["target_tokens"], hidden=hidden, logprobs=lps)
 
     def _greedy_chain(self, draft_tokens: torch.Tensor, argmax: torch.Tensor, raw: torch.Tensor,
                       hidden: torch.Tensor | None) -> StepOutcome:
@@ -519,8 +523,8 @@ class Engine:
         if any(r.params.logprobs is not None for r in self.running):
             out = torch.tensor([t + [-1] * (k + 1 - len(t)) for t in tokens], device=argmax.device)
             lps = self._logprobs(self.running, raw, out)  # emitted token j came from position j
-        return StepOutcome(tokens, num_accepted, num_drafted, None,
-                           target if self._wants_target_tokens else None, hidden, lps)
+        return StepOutcome(tokens=tokens, num_accepted=num_accepted, num_drafted=num_drafted, accepted_nodes=None,
+                           target_tokens=target if self._wants_target_tokens else None, hidden=hidden, logprobs=lps)
 
     def _verify_tree(self, draft, last, lengths, sampling, rnd: StepRandom) -> StepOutcome:
         """Target forward over [last, nodes...] with tree attention, verify, then move the
@@ -560,8 +564,10 @@ class Engine:
             lps = self._logprobs(self.running, raw.gather(1, at[..., None].expand(-1, -1, raw.shape[-1])), out)
         host = _read_back(tokens=out, path=path, num_accepted=num_accepted[:, None], num_drafted=valid.sum(1)[:, None],
                           target_tokens=argmax if self._wants_target_tokens else None)
-        return StepOutcome(host["tokens"], [n for n, in host["num_accepted"]], [d for d, in host["num_drafted"]],
-                           [[i for i in row if i >= 0] for row in host["path"]], host["target_tokens"], hidden, lps)
+        return StepOutcome(tokens=host["tokens"], num_accepted=[n for n, in host["num_accepted"]],
+                           num_drafted=[d for d, in host["num_drafted"]],
+                           accepted_nodes=[[i for i in row if i >= 0] for row in host["path"]],
+                           target_tokens=host["target_tokens"], hidden=hidden, logprobs=lps)
 
     def _append(self, r: _Request, tokens: list[int], logprobs: list[list[float]] | None = None) -> None:
         """Commit emitted tokens (with their packed logprobs when asked), cutting at eos, a stop
