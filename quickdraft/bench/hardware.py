@@ -137,13 +137,14 @@ def git_commit(folder: Path | str | None = None) -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def provenance(device: torch.device | str | None = None, threads: int | None = None,
+def provenance(device: torch.device | str | None = None, threads: int | list[int] | None = None,
                argv: list[str] | None = None, load_before: list[float] | None = None) -> dict:
     """Where a result came from: commit, date, the exact command, the machine (CPU model and
     features, cores, torch, threads, the GPU when one was used) and the machine's load before
     and now. Every benchmark result file carries this record ("provenance" in JSON, a
     provenance_line in text). device: the one measured (default: cuda when torch was asked to
-    initialise it); threads: torch's CPU threads used (default: torch's current count);
+    initialise it); threads: torch's CPU threads used, or the list a run went through (default:
+    torch's current count);
     load_before: a loadavg() taken before the work (default: when this module was imported)."""
     import datetime
     import shlex
@@ -181,5 +182,9 @@ def provenance_line(record: dict) -> str:
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
     return (f"Provenance: commit {record['commit'] or 'unknown'}, {record['date']}, "
             f"{m['cpu']} ({'/'.join(m['cpu_features']) or 'no listed features'}, {m['cores']} cores, "
-            f"{m['threads']} threads){gpu}, torch {m['torch']}, load {load(record['loadavg_before'])} -> "
+            f"{_threads(m['threads'])} threads){gpu}, torch {m['torch']}, load {load(record['loadavg_before'])} -> "
             f"{load(record['loadavg_after'])}; command: `{record['command']}`")
+
+
+def _threads(threads: int | list[int]) -> str:
+    return "/".join(map(str, threads)) if isinstance(threads, list) else str(threads)
