@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line
 
 # Model shape: ~25.2M parameters (12.6M in the untied embedding + lm_head, 12.6M in 8 layers).
 MODEL = dict(
@@ -63,12 +63,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--name", default="ar_vs_transformers_cpu", help="result files NAME.json and NAME.md")
     args = ap.parse_args()
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    load_before = os.getloadavg()  # other processes on the machine add noise; record how busy it was
+    load_before = loadavg()  # other processes on the machine add noise; record how busy it was
 
     import transformers
     from transformers import AutoModelForCausalLM
@@ -131,8 +132,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in [sys.executable.replace(os.getcwd() + "/", ""), *sys.argv]),
         "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
-                     "torch_threads": threads, "loadavg_1m_before": load_before[0],
-                     "loadavg_1m_after": os.getloadavg()[0]},
+                     "torch_threads": threads},
         "software": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "model": {**MODEL, "num_parameters": n_params, "num_parameters_quickdraft": n_params_qd,
@@ -151,11 +151,14 @@ def main() -> None:
         "greedy_identical": identical,
         "first_difference_at": first_diff,
         "eos_in_output": any(t in eos_ids for t in ours_tokens),
+        "provenance": provenance("cpu", threads, load_before=load_before),
     }
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "ar_vs_transformers_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = f"""# Plain decoding: quickdraft vs transformers (CPU, float32, batch 1)
+
+{provenance_line(result['provenance'])}
 
 Random Llama, {n_params / 1e6:.1f}M parameters ({MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, \
 {MODEL['num_attention_heads']} heads / {MODEL['num_key_value_heads']} kv heads, vocab {MODEL['vocab_size']}), \
@@ -172,15 +175,13 @@ interleaved (order alternating).
 **{statistics.median(ratios):.3f}** median of per-repeat ratios (per repeat: {", ".join(f"{r:.3f}" for r in ratios)})
 - greedy outputs token-identical: **{"yes" if identical else f"no (first difference at token {first_diff})"}**
 
-Hardware: {cpu_model()}, {os.cpu_count()} logical cores, torch threads {threads} \
-(1-minute load average {load_before[0]:.2f} before, {result['hardware']['loadavg_1m_after']:.2f} after: \
-other processes shared the machine). \
+Hardware: {cpu_model()}, {os.cpu_count()} logical cores, torch threads {threads}. \
 torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}. \
 Date {result['date']}.
 
 Command: `{result['command']}`
 """
-    (args.out_dir / "ar_vs_transformers_cpu.md").write_text(md)
+    (args.out_dir / f"{args.name}.md").write_text(md)
     print(md)
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quickdraft import kernels  # noqa: E402
-from quickdraft.bench.hardware import cpu_model, cpu_seconds, other_cpu_share  # noqa: E402
+from quickdraft.bench.hardware import cpu_model, cpu_seconds, other_cpu_share, provenance  # noqa: E402
 
 MODELS = {"bundled": (8, 4, 64, 8), "smollm2": (9, 3, 64, 30)}  # heads, kv heads, head dim, layers
 
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 9])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="the JSON file to write (default: print only)")
     args = ap.parse_args()
     if not kernels.available():
         raise SystemExit("quickdraft's kernel library is not available here")
@@ -101,7 +101,8 @@ def main() -> None:
            "hardware": {"cpu": cpu_model(), "cores": os.cpu_count()},
            "torch": torch.__version__, "repeats": args.repeats, "calls": args.calls,
            "other_cpu_share": other_cpu_share(c0, cpu_seconds(), wall), "results": results,
-           "command": "python benchmarks/attention.py " + " ".join(sys.argv[1:])}
+           "command": "python benchmarks/attention.py " + " ".join(sys.argv[1:]),
+           "provenance": provenance("cpu", list(args.threads))}
     print(f"other CPU during the run: {out['other_cpu_share']:.1%}")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))

@@ -11,6 +11,7 @@ Greedy outputs are checked equal to plain-eager decoding. Memory: weights and ca
 each pair at batch 1 and 32, full context (quickdraft.bench.memory.footprint).
 
     python benchmarks/compiled.py --prompts 8 --repeats 3
+    python benchmarks/compiled.py --configs draft-eager --prompts 1 --new-tokens 4 --repeats 1  # smoke test
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams, SpecStats
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, provenance, provenance_line
 from quickdraft.bench.memory import footprint
 from quickdraft.bench.workloads import code_completion
 from quickdraft.llm import default_model_dirs
@@ -125,13 +126,13 @@ def main() -> None:
         "k": args.k, "dtype": str(llms[args.configs[0]].target.dtype).removeprefix("torch."),
         "draft_dtype": args.draft_dtype, "prompts": len(prompts), "new_tokens": args.new_tokens, "repeats": args.repeats, "batch": 1,
         "threads": torch.get_num_threads(), "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-        "python": platform.python_version(), "load_before": os.getloadavg(),
+        "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python benchmarks/compiled.py " + " ".join(sys.argv[1:])}}
+        "command": "python benchmarks/compiled.py " + " ".join(sys.argv[1:])}, "provenance": provenance()}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     s = result["setup"]
-    md = [f"# Compiled vs eager steps, full vs int8 draft ({s['cpu']}, {s['threads']} threads)", "",
+    md = [f"# Compiled vs eager steps, full vs int8 draft ({s['cpu']}, {s['threads']} threads)", "", provenance_line(result["provenance"]), "",
           f"Default pair, batch 1, greedy, k={args.k}, {len(prompts)} held-out code prompts x {args.new_tokens} "
           f"tokens, {args.repeats} repeats (medians; speedups paired per repeat), {s['dtype']}, "
           f"torch {s['torch']}, {s['date']}.", "",

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from quickdraft.bench.hardware import median_seconds as timed, read_bandwidth
+from quickdraft.bench.hardware import loadavg, median_seconds as timed, provenance, provenance_line, read_bandwidth
 
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+TINY = [(192, 64), (64, 64), (256, 64), (64, 128)] * 2 + [(384, 64)]  # --tiny: a smoke test's shapes
 
 
-def model_rooflines(bandwidth: float) -> dict:
+def model_rooflines(bandwidth: float, smollm2: bool = True) -> dict:
     """Per model and precision: weight bytes one decode step reads (quickdraft's own formats) and
-    the least time per token at `bandwidth` bytes/s."""
+    the least time per token at `bandwidth` bytes/s (SmolLM2's only with `smollm2`: it may download)."""
     from quickdraft.llm import default_model_dirs
     from quickdraft.model.loader import checkpoint_dir, load_model
     from quickdraft.model.quant import bytes_read_per_token, prepare
@@ -36,6 +36,8 @@ def model_rooflines(bandwidth: float) -> dict:
 
     models = {"bundled target": default_model_dirs()[0]}
     try:
+        if not smollm2:
+            raise RuntimeError("left out (--tiny)")
         models["SmolLM2-135M-Instruct"] = checkpoint_dir(resolve_model("smollm2"))
     except Exception as e:  # offline and not cached
         print(f"smollm2 unavailable: {e}")
@@ -119,6 +121,7 @@ def candidates():
 def markdown(results: dict) -> str:
     """The JSON results as tables: rooflines per model and precision, then kernels per thread count."""
     lines = [f"# CPU matmul paths and the memory roofline ({results['shapes']})", "",
+             provenance_line(results["provenance"]), "",
              f"torch {results['torch']}; load average before {results['load_before'][0]:.2f}, "
              f"after {results['load_after'][0]:.2f}. Medians of repeats; one decode step's linear layers.", ""]
     for threads, r in results["threads"].items():
@@ -145,20 +148,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--only", nargs="*", default=None, help="substrings of candidate names")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="the JSON file to write, and its .md beside it")
+    ap.add_argument("--tiny", action="store_true", help="small shapes, a 16 MiB bandwidth probe, no SmolLM2 "
+                    "roofline (a smoke test)")
     args = ap.parse_args()
-    shapes = SMOLLM2
-    results = {"shapes": "SmolLM2-135M (fused qkv, gate/up) x30 + lm_head", "load_before": os.getloadavg(),
+    shapes = TINY if args.tiny else SMOLLM2
+    results = {"shapes": "tiny (--tiny)" if args.tiny else "SmolLM2-135M (fused qkv, gate/up) x30 + lm_head",
+               "load_before": loadavg(),
                "torch": torch.__version__, "threads": {}}
     base = [torch.randn(o, i) / i ** 0.5 for o, i in shapes]
     for threads in args.threads:
         torch.set_num_threads(threads)
-        probes = read_bandwidth(args.repeats)
+        probes = read_bandwidth(args.repeats, 1 << 24 if args.tiny else 1 << 30)
         bw = max(probes.values())
         print(f"threads={threads}: read bandwidth {bw / 1e9:.1f} GB/s "
               f"({', '.join(f'{k} {v / 1e9:.1f}' for k, v in probes.items())})")
         rows = {"read_bandwidth_GBps": bw / 1e9, "probes_GBps": {k: v / 1e9 for k, v in probes.items()},
-                "rooflines": model_rooflines(bw), "kernels": {}}
+                "rooflines": model_rooflines(bw, smollm2=not args.tiny), "kernels": {}}
         for name, r in rows["rooflines"].items():
             print(f"  roofline {name:36s} {r['bytes_per_token'] / 1e6:7.1f} MB/token  {r['min_ms_per_token']:6.2f} ms/token")
         for name, (prep, run, dt, bpe) in candidates().items():
@@ -169,7 +175,7 @@ def main() -> None:
                 nbytes = sum(o * i for o, i in shapes) * bpe
                 entry = {}
                 for m in args.rows:
-                    xs = {i: torch.randn(m, i).to(dt) for i in (576, 1536)}
+                    xs = {i: torch.randn(m, i).to(dt) for i in {i for _, i in shapes}}
                     t = timed(lambda: [run(xs[i], p) for (o, i), p in zip(shapes, packed)], args.repeats)
                     entry[f"M={m}_ms"] = t * 1e3
                 t1 = entry["M=1_ms"] / 1e3
@@ -185,8 +191,10 @@ def main() -> None:
                 rows["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:200]}
                 print(f"  {name:48s} unavailable: {str(e)[:100]}")
         results["threads"][str(threads)] = rows
-    results["load_after"] = os.getloadavg()
+    results["load_after"] = loadavg()
+    results["provenance"] = provenance("cpu", list(args.threads), load_before=results["load_before"])
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
         args.out.with_suffix(".md").write_text(markdown(results))
 

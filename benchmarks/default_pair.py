@@ -13,6 +13,7 @@ tokens (k draft steps, including its sampling). The usual form k * T_draft is pr
 
     python benchmarks/default_pair.py                      # bundled pair
     python benchmarks/default_pair.py --target DIR --draft DIR --prompts 16 --repeats 3
+    python benchmarks/default_pair.py --prompts 1 --new-tokens 4 --repeats 1 --iters 1 --out-dir /tmp/x  # a smoke test
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ import torch
 
 import quickdraft
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import cpu_model, median_seconds
+from quickdraft.bench.hardware import cpu_model, median_seconds, provenance, provenance_line
 from quickdraft.cache import KVCache
 from quickdraft.llm import default_model_dirs
 from quickdraft.model.transformer import forward_chunks
 from quickdraft.proposers.base import ProposeBatch
-from quickdraft.sampling import BatchSampling, make_generator
+from quickdraft.sampling import BatchSampling, StepRandom, seed_key
 from quickdraft.train.corpus import load_corpus
 from quickdraft.train.prompts import opening_prompts
 
@@ -78,15 +79,15 @@ def step_times(llm: LLM, k: int, context: int, iters: int) -> dict[str, float]:
     proposer = llm.engine.proposer
     proposer.reserve(1, context + k + 2)
     tokens = ctx + [7]
-    gen = [make_generator(0, dev)]
+    rnd = StepRandom([seed_key(0)], [len(tokens)], dev)  # the draws of a request seeded 0 at this position
     for temp in (0.0, 0.8):
         sampling = BatchSampling.build([SamplingParams(temperature=temp)], dev)
         proposer.start(0, tokens)
-        proposer.propose(ProposeBatch([tokens], k, sampling, gen))  # prefill the draft's cache
+        proposer.propose(ProposeBatch([tokens], k, sampling, rnd))  # prefill the draft's cache
 
         def propose():
             proposer.cached[0] = len(tokens) - 1  # as after a step: one token pending
-            proposer.propose(ProposeBatch([tokens], k, sampling, gen))
+            proposer.propose(ProposeBatch([tokens], k, sampling, rnd))
 
         out[f"T_propose_k_t{temp}"] = median_time(propose)
     return out
@@ -171,7 +172,7 @@ def main() -> None:
         run["E"] = E
         run["alpha_iid"] = lo
         a = run["acceptance_rate"]
-        run["E_from_acceptance_rate_naive"] = (1 - a ** (k + 1)) / (1 - a)
+        run["E_from_acceptance_rate_naive"] = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
         run["predicted_speedup"] = E * t1 / (t_prop + tk1)
         run["predicted_speedup_k_T_draft"] = E * t1 / (k * parts["T_draft"] + tk1)
         run["measured_over_predicted"] = run["speedup_median"] / run["predicted_speedup"]
@@ -198,10 +199,11 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/default_pair.py " + " ".join(sys.argv[1:]),
     }
+    results["provenance"] = provenance()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
     md = [f"# Default pair: speculative vs plain decoding ({results['setup']['cpu']}, "
-          f"{results['setup']['threads']} threads)", "",
+          f"{results['setup']['threads']} threads)", "", provenance_line(results["provenance"]), "",
           f"Target {results['models']['target_params']:,} parameters, draft {results['models']['draft_params']:,}; "
           f"held-out loss target {results['models']['target_heldout_loss']}, draft "
           f"{results['models']['draft_heldout_loss']}. {len(prompts)} held-out prompts (function/class openings), "

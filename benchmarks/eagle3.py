@@ -6,7 +6,7 @@ files, raw text) and SmolLM2-135M-Instruct with `smollm2-eagle3` (quickdraft's c
 through the chat template). Rows: plain decoding; eagle3 chains at each --ks; an EAGLE-2
 dynamic trees (--trees, default width 3, 8 nodes, depth 4); for the bundled target also its
 draft model (--draft-ks, default k 5).
-Every row runs with compile="aot" (the AOT packages, built before timing; eagle3 rows use the
+Every row runs with compile="aot" by default (the AOT packages, built before timing; eagle3 rows use the
 package variant that returns the target's hidden states), float32, eos ignored, fixed k.
 
 Each (model, threads) block: one warm-up per row, then --repeats repeats; in a repeat every row
@@ -16,6 +16,8 @@ max), acceptance rate and mean acceptance length, and whether every output equal
 decoding's. The machine's load: other processes' CPU share during the block.
 
     python benchmarks/eagle3.py --out-dir benchmarks/results --threads 1 2
+    python benchmarks/eagle3.py --models bundled --threads 1 --ks 2 --trees 2x4x2 --draft-ks 2 --prompts 1 \
+        --new-tokens 4 --repeats 1 --compile eager --out-dir /tmp/x   # a smoke test
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import cpu_model, cpu_seconds, other_cpu_share
+from quickdraft.bench.hardware import cpu_model, cpu_seconds, loadavg, other_cpu_share, provenance, provenance_line
 from quickdraft.bench.workloads import chat_requests, code_completion
 from quickdraft.llm import default_model_dirs
 from quickdraft.metrics import SpecStats
@@ -39,12 +41,12 @@ from quickdraft.train.corpus import load_corpus
 
 
 def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | None = None,
-             trees: list[str] = ("3x8x4",), draft_ks: list[int] = (5,)) -> dict[str, dict]:
+             trees: list[str] = ("3x8x4",), draft_ks: list[int] = (5,), compile: str | bool = "aot") -> dict[str, dict]:
     """Rows of one model's block. eagle3-k<k>: the head as the engine loads it by default (int8 on
     a CPU with quickdraft's kernels); eagle3-k<k>-<q>head: with draft_quantization=q ("none": the
-    head's weights as stored)."""
+    head's weights as stored). compile: every row's LLM(compile=...)."""
     target, draft = default_model_dirs()
-    base = {"target": str(target) if model == "bundled" else "smollm2", "dtype": "float32", "compile": "aot"}
+    base = {"target": str(target) if model == "bundled" else "smollm2", "dtype": "float32", "compile": compile}
     head = head or ("target-eagle3" if model == "bundled" else "smollm2-eagle3")
     rows = {"plain": {**base, "method": "none"}}
     for k in ks:
@@ -87,7 +89,7 @@ def block(llms: dict[str, LLM], prompts: list[list[int]], n: int, threads: int, 
     names = list(llms)
     for name in names:
         run(llms[name], prompts[0], 16)  # warm-up
-    cpu0, t0, load0 = cpu_seconds(), time.perf_counter(), os.getloadavg()[0]
+    cpu0, t0, load0 = cpu_seconds(), time.perf_counter(), loadavg()
     per = {name: [] for name in names}
     outputs = {name: [] for name in names}
     stats = {name: SpecStats() for name in names}
@@ -115,7 +117,7 @@ def block(llms: dict[str, LLM], prompts: list[list[int]], n: int, threads: int, 
                         # sampled rows: the same seed, yet speculation draws other random numbers
                         "identical_to_plain": outputs[name] == outputs["plain"] if temperature == 0 else None}
     return {"threads": threads, "temperature": temperature, "rows": result, "seconds": wall,
-            "machine": {"loadavg_1m_before": load0, "loadavg_1m_after": os.getloadavg()[0],
+            "machine": {"loadavg_1m_before": load0 and load0[0], "loadavg_1m_after": (loadavg() or [None])[0],
                         "other_cpu_share": other_cpu_share(cpu0, cpu_seconds(), wall)}}
 
 
@@ -136,11 +138,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--name", default="eagle3_cpu")
+    ap.add_argument("--compile", choices=["aot", "eager"], default="aot",
+                    help="every row's steps: AOT packages (built before timing) or eager (smoke tests)")
     args = ap.parse_args()
     results = []
     for model in args.models:
         llms = {}
-        for name, kw in rows_for(model, args.ks, args.head_quantization, args.head, args.trees, args.draft_ks).items():
+        for name, kw in rows_for(model, args.ks, args.head_quantization, args.head, args.trees, args.draft_ks,
+                                 "aot" if args.compile == "aot" else False).items():
             start = time.perf_counter()
             llms[name] = LLM(**kw)
             print(f"{model} {name}: loaded in {time.perf_counter() - start:.1f} s "
@@ -161,11 +166,12 @@ def main() -> None:
             "command": "python benchmarks/eagle3.py " + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                 for k, v in vars(args).items())}
+    prov = provenance("cpu", list(args.threads))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "blocks": results}, indent=2))
-    md = [f"# EAGLE-3 heads vs plain decoding ({meta['cpu']}, {meta['cores']} cores)", "",
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "blocks": results, "provenance": prov}, indent=2))
+    md = [f"# EAGLE-3 heads vs plain decoding ({meta['cpu']}, {meta['cores']} cores)", "", provenance_line(prov), "",
           f"{meta['date']}, torch {meta['torch']}. Batch 1, {args.new_tokens} new tokens (eos ignored), "
-          f"{args.prompts} prompts, {args.repeats} repeats, compile=aot, float32. Speedup: median of per-repeat "
+          f"{args.prompts} prompts, {args.repeats} repeats, compile={args.compile}, float32. Speedup: median of per-repeat "
           "ratios to plain decoding in the same block (min - max). MAL: mean acceptance length. T: temperature "
           "(0: greedy; sampled requests seeded per prompt, so 'identical' applies to greedy only).", "",
           "| model | threads | T | row | tok/s | speedup | acceptance | MAL | identical to plain | other CPU |",

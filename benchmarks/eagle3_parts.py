@@ -6,70 +6,75 @@ with k = 1 runs), the head's catch-up over 2 pairs and one draft step, through t
 packages (what the engine runs: quickdraft.aot.HeadAOTStep) and eagerly.
 
     python benchmarks/eagle3_parts.py --model smollm2 --out benchmarks/results/eagle3_parts_smollm2.json
+    python benchmarks/eagle3_parts.py --model bundled --tiny --out /tmp/x.json   # a smoke test (eager, 3 calls)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
-from cpu_kernels import timed  # benchmarks/cpu_kernels.py: median seconds of repeated calls
 
 from quickdraft import LLM, aot
+from quickdraft.bench.hardware import loadavg, median_seconds as timed, provenance
 from quickdraft.cache import KVCache
 from quickdraft.llm import default_model_dirs
 from quickdraft.model.quant import weight_bytes
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["bundled", "smollm2"], default="smollm2")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-quantization", choices=["none", "int8", "int4"], default="none",
                     help="the head's weights (the target stays float32)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tiny", action="store_true", help="eager steps (no AOT build), a 32-token context, "
+                    "medians of 3 calls (a smoke test)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = loadavg()
+    ctx, calls = (32, 3) if args.tiny else (400, 15)
     target = "smollm2" if args.model == "smollm2" else default_model_dirs()[0]
     head_name = "smollm2-eagle3" if args.model == "smollm2" else "target-eagle3"
-    llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1, compile="aot", dtype="float32",
+    llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1,
+              compile=False if args.tiny else "aot", dtype="float32",
               draft_quantization=args.draft_quantization)  # "none": the head as stored
     tgt, step_h, head = llm.target, llm.engine._forward, llm.draft
     head_step = llm.engine.proposer._head  # the head's AOT packages (quickdraft.aot.HeadAOTStep) where built
-    step_p = aot.load_or_build(tgt)  # the plain package (built once when missing)
+    step_p = tgt if args.tiny else aot.load_or_build(tgt)  # the plain package (built once when missing)
+    hidden_at = llm.engine._hidden_layers  # the target layers the head reads
     cache = KVCache.for_model(tgt, 1, 600)
-    ids = torch.randint(0, 1000, (1, 400), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, min(1000, tgt.config.vocab_size), (1, ctx), generator=torch.Generator().manual_seed(0))
     out = {}
     with torch.inference_mode():
-        tgt(ids, torch.arange(400)[None], cache.rows(0, 1), kv_len=400)
+        tgt(ids, torch.arange(ctx)[None], cache.rows(0, 1), kv_len=ctx)
         view = cache.rows(0, 1)
 
         def med(fn):
-            return round(timed(fn, 15) * 1e3, 2)
+            return round(timed(fn, calls) * 1e3, 2)
 
-        out["target_T1_ms"] = med(lambda: step_p(ids[:, :1], torch.tensor([[400]]), view, kv_len=401))
-        out["target_T2_ms"] = med(lambda: step_p(ids[:, :2], torch.tensor([[400, 401]]), view, kv_len=402))
-        out["target_T2_with_hidden_ms"] = med(lambda: step_h(ids[:, :2], torch.tensor([[400, 401]]), view, kv_len=402,
-                                                             hidden_at=step_h.hidden_at))
+        out["target_T1_ms"] = med(lambda: step_p(ids[:, :1], torch.tensor([[ctx]]), view, kv_len=ctx + 1))
+        out["target_T2_ms"] = med(lambda: step_p(ids[:, :2], torch.tensor([[ctx, ctx + 1]]), view, kv_len=ctx + 2))
+        out["target_T2_with_hidden_ms"] = med(lambda: step_h(ids[:, :2], torch.tensor([[ctx, ctx + 1]]), view,
+                                                             kv_len=ctx + 2, hidden_at=hidden_at))
         hc = KVCache(1, 1, head.config.num_key_value_heads, 600, head.config.head_dim, torch.float32, "cpu")
         width = 3 * tgt.config.hidden_size
         feats = torch.randn(1, 2, width)
         own = torch.randn(1, 1, tgt.config.hidden_size)
         for tag, fn in (("", head_step), ("_eager", head)):
-            out[f"head_catch_up_2_pairs{tag}_ms"] = med(lambda: fn(ids[:, :2], feats, torch.tensor([[398, 399]]),
-                                                                   hc.rows(0, 1), kv_len=400))
-            out[f"head_draft_step{tag}_ms"] = med(lambda: fn(ids[:, :1], own, torch.tensor([[400]]), hc.rows(0, 1),
-                                                             kv_len=401, project=False))
+            out[f"head_catch_up_2_pairs{tag}_ms"] = med(lambda: fn(ids[:, :2], feats, torch.tensor([[ctx - 2, ctx - 1]]),
+                                                                   hc.rows(0, 1), kv_len=ctx))
+            out[f"head_draft_step{tag}_ms"] = med(lambda: fn(ids[:, :1], own, torch.tensor([[ctx]]), hc.rows(0, 1),
+                                                             kv_len=ctx + 1, project=False))
     out["head_step"] = type(head_step).__name__
     out["head_draft_step_over_target_step"] = round(out["head_draft_step_ms"] / out["target_T1_ms"], 3)
     out["head_draft_step_eager_over_target_step"] = round(out["head_draft_step_eager_ms"] / out["target_T1_ms"], 3)
-    out.update(model=args.model, head_quantization=args.draft_quantization, threads=args.threads, loadavg_1m=os.getloadavg()[0],
+    out.update(model=args.model, head_quantization=args.draft_quantization, threads=args.threads, context=ctx, calls=calls,
                head_weight_bytes=weight_bytes(head), target_weight_bytes=weight_bytes(tgt), torch=torch.__version__,
-               command=f"python benchmarks/eagle3_parts.py --model {args.model} --threads {args.threads} "
-                       f"--draft-quantization {args.draft_quantization} --out {args.out}")
+               provenance=provenance("cpu", args.threads, load_before=load_before))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))

@@ -139,12 +139,7 @@ def hardware(device: torch.device) -> dict:
             info["nvidia_smi"] = (r.stdout + r.stderr).strip()
         except (OSError, subprocess.SubprocessError) as exc:
             info["nvidia_smi"] = f"unavailable: {exc}"
-    try:
-        info["quickdraft_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                                   timeout=10, cwd=Path(__file__).parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["quickdraft_commit"] = None
-    return info
+    return info  # commit, command, CPU features and load: the report's "provenance"
 
 
 def bandwidth(device: torch.device, s: Settings) -> dict:
@@ -275,7 +270,7 @@ def bench_default_pair(device: torch.device, out: Path, s: Settings) -> dict:
                        "command": "benchmarks/gpu_check.py (part e): run_bench(methods draft, ngram; batch sizes "
                                   f"{list(s.bench_batch_sizes)}; ks {list(s.bench_ks)}; T 0; {s.bench_prompts} prompts; "
                                   f"{s.bench_new_tokens} new tokens; {s.bench_repeats} repeats; float32)"}
-    paths = write_outputs(result, out, "bench_default_pair")
+    paths = write_outputs(result, out, "bench_default_pair", device.type)
     summary = {"files": [str(p) for p in paths],
                "runs": [{k: r[k] for k in ("batch_size", "method", "k", "tokens_per_s", "plain_tokens_per_s", "speedup",
                                            "predicted_speedup", "tokens_per_step")} for r in result["runs"]]}
@@ -412,6 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gpu_check.json"
     start = time.perf_counter()
+    from quickdraft.bench.hardware import loadavg, provenance
+
+    load_before = loadavg()
+
+    def write() -> None:
+        report["provenance"] = provenance(device, argv=None if argv is None else [sys.argv[0], *argv],
+                                          load_before=load_before)
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     report: dict = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "command": " ".join(["python", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),
                     "small": args.small, "device": str(device), "budget_s": budget, "settings": asdict(s),
@@ -430,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # one part failing must not lose the others
                 report[key] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "traceback": traceback.format_exc()}
             report["seconds"][key] = time.perf_counter() - t0
-        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write()
         print(f"[{time.perf_counter() - start:6.1f} s] {key}: "
               + ("ok" if "error" not in report[key] and "skipped" not in report[key]
                  else report[key].get("error") or report[key]["skipped"]), flush=True)
@@ -469,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     report["total_seconds"] = time.perf_counter() - start
     if device.type == "cuda":
         report["cuda_max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write()
     print(f"wrote {path} in {report['total_seconds']:.0f} s")
     return 0
 

@@ -88,7 +88,8 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import cpu_model, cpu_seconds, other_cpu_share, read_bandwidth
+from quickdraft.bench.hardware import (cpu_model, cpu_seconds, loadavg, other_cpu_share, provenance, provenance_line,
+                                       read_bandwidth)
 from quickdraft.bench.workloads import (chat_requests, code_completion, code_requests, editing,
                                         editing_requests)
 from quickdraft.errors import QuickdraftError
@@ -715,6 +716,7 @@ def _ms(x: float | None) -> str:
 def markdown(result: dict, model: dict) -> list[str]:
     s, h = result["setup"], result["hardware"]
     md = [f"# quickdraft vs llama.cpp, {model['model']} ({h['cpu_model']})", "",
+          *([provenance_line(result["provenance"]), ""] if "provenance" in result else []),
           f"{result['date']}. llama.cpp {result['llama_cpp']['version']} (vendored in llama-cpp-python=="
           f"{LLAMA_CPP_PYTHON}, built with {' '.join(result['llama_cpp']['cmake_flags'])}). Batch 1, greedy, "
           f"{s['new_tokens']} new tokens (eos ignored), {s['prompts']} prompt(s) per workload, {s['repeats']} "
@@ -746,8 +748,9 @@ def markdown(result: dict, model: dict) -> list[str]:
         md.append(f"- {cname}: skipped, {reason}.")
     md += ["", "llama.cpp command per configuration:", ""]
     md += [f"- {c}: `{cmd}`" for c, cmd in model["peer_commands"].items()]
-    md += ["", f"Hardware: {h['cpu_model']}, {h['logical_cores']} logical cores; load average "
-           f"{h['loadavg_1m_before']:.2f} before, {h['loadavg_1m_after']:.2f} after. torch "
+    load = (f"; load average {h['loadavg_1m_before']:.2f} before, {h['loadavg_1m_after']:.2f} after"
+            if "loadavg_1m_before" in h else "")  # (newer results: in the provenance line)
+    md += ["", f"Hardware: {h['cpu_model']}, {h['logical_cores']} logical cores{load}. torch "
            f"{result['software']['torch']}, Python {result['software']['python']}. 'other CPU': CPU time of other "
            f"processes during the block, as "
            f"a share of all cores (above ~10% the timings are unreliable). Roofline: the target's weight "
@@ -797,7 +800,7 @@ def main() -> None:
     if min(args.repeats, args.new_tokens, args.prompts, *args.threads) < 1:
         ap.error("--repeats, --new-tokens, --prompts and --threads must be >= 1")
 
-    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    started, load_before = time.perf_counter(), loadavg()
     try:
         llama = ensure_llama_cpp()
         log(f"llama.cpp: {llama.root} ({llama.version()})")
@@ -812,8 +815,8 @@ def main() -> None:
                       "cmake_flags": list(llama.cmake_flags)},
         "setup": {"threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
                   "prompts": args.prompts, "quick": args.quick, "batch": 1, "temperature": 0, "ignore_eos": True},
-        "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
-                     "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]},
+        "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count()},
+        "provenance": provenance("cpu", args.threads, load_before=load_before),
         "software": {"python": platform.python_version(), "torch": torch.__version__},
         "seconds": time.perf_counter() - started,
     }

@@ -9,7 +9,7 @@ Two questions:
 Rows: plain decoding and speculative decoding (the bundled pair: draft model, k 5) on the bundled
 target (vocabulary 4096), and plain decoding on SmolLM2-135M (vocabulary 49152: logprobs and
 penalties work over the whole vocabulary, so this is where they cost most). float32,
-compile="aot", batch 1, greedy, eos ignored.
+compile="aot" (--compile eager: eager steps), batch 1, greedy, eos ignored.
 
 Each (model, row) block: a warm-up, then --repeats repeats; in a repeat every variant runs every
 prompt, in an order rotated per repeat. Reported: decode tok/s (first token to last) as the
@@ -21,6 +21,8 @@ per-step overhead does not. The machine's load (load average, other processes' C
 recorded.
 
     python benchmarks/openai_fields.py --baseline c136b05 --threads 1 --out-dir benchmarks/results
+    python benchmarks/openai_fields.py --baseline '' --models bundled --prompts 1 --new-tokens 4 \
+        --repeats 1 --compile eager --out-dir /tmp/x   # a smoke test
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ class Worker:
 
 # ---- the driver ------------------------------------------------------------------------------
 
-def rows_for(model: str) -> dict[str, dict]:
-    base = {"dtype": "float32", "compile": "aot"}
+def rows_for(model: str, compile: str | bool = "aot") -> dict[str, dict]:
+    base = {"dtype": "float32", "compile": compile}
     if model == "bundled":
         target, draft = ROOT / "quickdraft/default_models/target", ROOT / "quickdraft/default_models/draft"
         return {"plain": {**base, "target": str(target), "method": "none"},
@@ -132,11 +134,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--name", default="openai_fields_cpu")
+    ap.add_argument("--compile", choices=["aot", "eager"], default="aot",
+                    help="every row's steps: AOT packages or eager (smoke tests)")
     args = ap.parse_args()
     if args.worker:
         return worker(args.threads)
     sys.path.insert(0, str(ROOT))
-    from quickdraft.bench.hardware import cpu_model, cpu_seconds, other_cpu_share
+    from quickdraft.bench.hardware import cpu_model, cpu_seconds, loadavg, other_cpu_share, provenance, provenance_line
 
     tmp = None
     workers = {"new": Worker(ROOT, args.threads)}
@@ -149,7 +153,7 @@ def main() -> None:
     try:
         for model in args.models:
             texts, chat = texts_for(model, args.prompts)
-            for row, kwargs in rows_for(model).items():
+            for row, kwargs in rows_for(model, "aot" if args.compile == "aot" else False).items():
                 key = f"{model}/{row}"
                 for w in workers.values():
                     w.ask(op="load", name=key, kwargs=kwargs)
@@ -157,7 +161,7 @@ def main() -> None:
                 variants = [("new", f) for f in FIELDS] + ([("old", "none")] if "old" in workers else [])
                 for who, f in variants:  # warm-up
                     workers[who].ask(op="run", name=key, prompt=prompts[0], n=8, fields=FIELDS[f])
-                cpu0, t0, load0 = cpu_seconds(), time.perf_counter(), os.getloadavg()[0]
+                cpu0, t0, load0 = cpu_seconds(), time.perf_counter(), loadavg()
                 secs = {v: [] for v in variants}
                 steps = {v: 0 for v in variants}
                 ids = {v: [] for v in variants}
@@ -188,7 +192,7 @@ def main() -> None:
                         "ms_per_step": statistics.median(secs[v]) / steps[v] * 1e3,
                         "greedy_tokens_equal_reference": ids[v] == ids[ref] if FIELDS[v[1]].keys() <= {"logprobs"} else None}
                 block = {"model": model, "row": row, "threads": args.threads, "rows": result, "seconds": wall,
-                         "machine": {"loadavg_1m_before": load0, "loadavg_1m_after": os.getloadavg()[0],
+                         "machine": {"loadavg_1m_before": load0 and load0[0], "loadavg_1m_after": (loadavg() or [None])[0],
                                      "other_cpu_share": other_cpu_share(cpu0, cpu_seconds(), wall)}}
                 blocks.append(block)
                 for name, r in result.items():
@@ -206,9 +210,10 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu": cpu_model(), "cores": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
             "command": "python benchmarks/openai_fields.py " + " ".join(sys.argv[1:])}
+    prov = provenance("cpu", args.threads)  # the driver's machine; the workers run on it too
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "blocks": blocks}, indent=1))
-    lines = [f"# {args.name}", "", f"`{meta['command']}`; {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}, "
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "blocks": blocks, "provenance": prov}, indent=1))
+    lines = [f"# {args.name}", "", provenance_line(prov), "", f"`{meta['command']}`; {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}, "
              f"{args.threads} thread(s), {args.new_tokens} new tokens, {args.prompts} prompts, {args.repeats} repeats.", "",
              "| model | row | variant | tok/s | speed vs reference (min-max) | reference | steps/run | ms/step | "
              "overhead ms/step | load |",

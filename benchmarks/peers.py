@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line
 from quickdraft.bench.peers import markdown, run_peers, transformers_missing
 from quickdraft.bench.workloads import code_completion
 from quickdraft.llm import default_model_dirs
@@ -62,7 +62,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    load_before = os.getloadavg()[0]
+    load_before = loadavg()
 
     target_dir, draft_dir = default_model_dirs()
     kw = {"dtype": "float32", "device": "cpu", "compile": args.compile}
@@ -88,20 +88,19 @@ def main() -> None:
         "command": cmd,
         "ours_compiled": args.compile,
         "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
-                     "torch_threads": threads, "loadavg_1m_before": load_before,
-                     "loadavg_1m_after": os.getloadavg()[0]},
+                     "torch_threads": threads},
         "software": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": peers["transformers"]},
         **peers,
+        "provenance": provenance("cpu", threads, load_before=load_before),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     h = result["hardware"]
     md = [f"# quickdraft{' (compiled steps)' if args.compile else ''} vs transformers on the default pair "
-          f"({h['cpu_model']}, {threads} threads)", ""]
+          f"({h['cpu_model']}, {threads} threads)", "", provenance_line(result["provenance"]), ""]
     md += markdown(peers)
-    md += ["", f"Hardware: {h['cpu_model']}, {h['logical_cores']} logical cores, torch threads {threads} "
-               f"(1-minute load average {h['loadavg_1m_before']:.2f} before, {h['loadavg_1m_after']:.2f} after). "
+    md += ["", f"Hardware: {h['cpu_model']}, {h['logical_cores']} logical cores, torch threads {threads}. "
                f"torch {torch.__version__}, transformers {peers['transformers']}, "
                f"Python {platform.python_version()}. Date {result['date']}.", "",
            f"Command: `{cmd}`", ""]

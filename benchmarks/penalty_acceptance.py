@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, provenance
 from quickdraft.bench.workloads import code_completion
 from quickdraft.llm import default_model_dirs
 from quickdraft.sampling import BatchSampling, PenaltyState, process_logits
@@ -95,7 +95,7 @@ def main() -> None:
             "command": f"python benchmarks/penalty_acceptance.py --prompts {args.prompts} --new-tokens "
                        f"{args.new_tokens} --temperatures {' '.join(map(str, args.temperatures))} --out {args.out}"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "provenance": provenance("cpu", 1)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line
 from quickdraft.bench.workloads import code_completion
 from quickdraft.llm import default_model_dirs
 from quickdraft.train.corpus import load_corpus
@@ -69,7 +68,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     names = list(configs)
     results, best_fixed = {}, {}
-    load_before = os.getloadavg()[0]
+    load_before = loadavg()
     for B in args.batch_sizes:
         batch = prompts[:B]
         for llm in configs.values():
@@ -103,14 +102,14 @@ def main() -> None:
         print(f"B={B}: " + ", ".join(f"{n} {results[str(B)][n]['vs_plain']:.2f}x" for n in names)
               + f"; goodput / {best} {best_fixed[str(B)]['goodput_vs_best_fixed']:.2f}x", flush=True)
     setup = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-             "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
              "new_tokens": args.new_tokens, "repeats": args.repeats, "k": args.k, "profile": str(args.profile),
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "command": "python benchmarks/policies.py " + " ".join(sys.argv[1:])}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"setup": setup, "results": results, "goodput_vs_best_fixed": best_fixed}
+    data = {"setup": setup, "results": results, "goodput_vs_best_fixed": best_fixed,
+            "provenance": provenance("cpu", load_before=load_before)}
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(data, indent=2) + "\n")
-    md = [f"# Speculation-length policies by batch size ({setup['cpu']}, {setup['threads']} threads)", "",
+    md = [f"# Speculation-length policies by batch size ({setup['cpu']}, {setup['threads']} threads)", "", provenance_line(data["provenance"]), "",
           f"Bundled pair, greedy, {args.new_tokens} new tokens per request, B held-out code prompts at once, "
           f"{args.repeats} repeats (medians; ratio to plain decoding paired per repeat), {setup['date']}.", "",
           "| batch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams, SpecStats
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, provenance, provenance_line
 from quickdraft.bench.workloads import code_completion, editing
 from quickdraft.llm import default_model_dirs
 from quickdraft.proposers import PROPOSERS
@@ -71,13 +71,12 @@ def propose_cost(llms: dict, tokens: list[int], context: int, k: int, iters: int
     from quickdraft.cache import KVCache
     from quickdraft.model.transformer import forward_chunks
     from quickdraft.proposers.base import ProposeBatch
-    from quickdraft.sampling import BatchSampling, make_generator
+    from quickdraft.sampling import BatchSampling, StepRandom, seed_key
 
     out = {}
     plain = llms["none"]
     dev = plain.target.device
     sampling = BatchSampling.build([SamplingParams(temperature=0)], dev)
-    gens = [make_generator(0, dev)]
     for name in ("ngram", "suffix"):
         if name not in llms:
             continue
@@ -89,7 +88,7 @@ def propose_cost(llms: dict, tokens: list[int], context: int, k: int, iters: int
         for i in range(iters):
             ctx.append(tokens[context + i])
             t0 = time.perf_counter()
-            proposer.propose(ProposeBatch([ctx], k, sampling, gens))
+            proposer.propose(ProposeBatch([ctx], k, sampling, StepRandom([seed_key(0)], [len(ctx)], dev)))
             times.append(time.perf_counter() - t0)
         out[f"propose_{name}_s"] = statistics.median(times)
     target = plain.target
@@ -123,6 +122,8 @@ def main() -> None:
                     help="editing: file excerpt length (the bundled target was trained on 256-token windows)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cost-context", type=int, default=4096, help="context of the propose-cost timing")
+    ap.add_argument("--cost-iters", type=int, default=50, help="timed propose() calls per proposer")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--name", default="proposers_cpu")
     args = ap.parse_args()
@@ -206,11 +207,11 @@ def main() -> None:
     stream = []
     for _, text in docs:
         stream += tok.encode(text)
-        if len(stream) > 4096 + 100:
+        if len(stream) > args.cost_context + args.cost_iters + 64:
             break
-    cost = propose_cost(llms, stream, 4096, args.k)
+    cost = propose_cost(llms, stream, args.cost_context, args.k, args.cost_iters)
     results["propose_cost"] = cost
-    print("propose cost at a 4096-token context: " + ", ".join(f"{n} {v * 1e6:.0f} us" for n, v in cost.items()
+    print(f"propose cost at a {args.cost_context}-token context: " + ", ".join(f"{n} {v * 1e6:.0f} us" for n, v in cost.items()
                                                               if n.startswith("propose_") and n.endswith("_s")))
     results["setup"] = {
         "k": args.k, "tree_width": args.tree_width, "new_tokens": args.new_tokens, "temperature": args.temperature,
@@ -220,10 +221,11 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/proposers.py " + " ".join(sys.argv[1:]),
     }
+    results["provenance"] = provenance()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
     s = results["setup"]
-    md = [f"# Proposers on the default pair ({s['cpu']}, {s['threads']} threads)", "",
+    md = [f"# Proposers on the default pair ({s['cpu']}, {s['threads']} threads)", "", provenance_line(results["provenance"]), "",
           f"Batch 1, {args.new_tokens} new tokens, temperature {args.temperature}, k={args.k} "
           f"(draft-tree width {args.tree_width}), {args.repeats} repeats (medians; speedup paired per repeat), "
           f"float32, torch {torch.__version__}, {s['date']}.", ""]

@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from quickdraft import LLM, SamplingParams, SpecStats
-from quickdraft.bench.hardware import cpu_model, cpu_seconds, other_cpu_share
+from quickdraft.bench.hardware import cpu_model, cpu_seconds, loadavg, other_cpu_share, provenance, provenance_line
 from quickdraft.bench.measure import measure_propose, measure_target_steps
 from quickdraft.bench.peers import load_hf, transformers_missing
 from quickdraft.bench.workloads import chat_requests, code_requests, copied_lines, editing_requests
@@ -222,6 +222,7 @@ def markdown(result: dict) -> list[str]:
     s, h = result["setup"], result["hardware"]
     threads = ", ".join(map(str, s["threads"]))
     md = [f"# quickdraft vs transformers on SmolLM2-135M-Instruct ({h['cpu_model']}, threads {threads})", "",
+          *([provenance_line(result["provenance"]), ""] if "provenance" in result else []),
           f"{result['date']}. Model `{MODEL}` ({result['model']['gguf']}), float32 on CPU for both libraries "
           f"(ours dequantised from the GGUF, transformers from a float32 folder converted from it). Batch 1, "
           f"{s['new_tokens']} new tokens per prompt (eos ignored), k = {s['k']}, temperatures {s['temperatures']}, "
@@ -262,8 +263,9 @@ def markdown(result: dict) -> list[str]:
         for t, c in result["draft_costs"].items():
             md.append(f"| {t} | {c['T1_s'] * 1e3:.2f} | {c['Tk1_over_T1']:.2f} | {c['T_draft_over_T1']:.2f} |")
         md.append("")
-    md += [f"Hardware: {h['cpu_model']}, {h['logical_cores']} logical cores; load average "
-           f"{h['loadavg_1m_before']:.2f} before, {h['loadavg_1m_after']:.2f} after the run. "
+    load = (f"; load average {h['loadavg_1m_before']:.2f} before, {h['loadavg_1m_after']:.2f} after the run"
+            if "loadavg_1m_before" in h else "")  # (newer results: in the provenance line)
+    md += [f"Hardware: {h['cpu_model']}, {h['logical_cores']} logical cores{load}. "
            f"torch {result['software']['torch']}, transformers {result['software']['transformers']}, "
            f"Python {result['software']['python']}. Total {result['seconds']:.0f} s.", "",
            "Copied lines (editing): the share of the output's non-blank lines that are lines of the renamed file.",
@@ -310,7 +312,7 @@ def main() -> None:
             sys.exit(f"error: {missing}")
         import transformers
         transformers.logging.set_verbosity_error()  # generate() warns about flags set on purpose
-    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    started, load_before = time.perf_counter(), loadavg()
 
     try:
         gguf = resolve_model(MODEL)
@@ -408,8 +410,8 @@ def main() -> None:
                   "timing": "wall time of all prompts' generate calls, one prompt per call",
                   "seeds": "prompt i of a block uses seed i (ours: SamplingParams.seed; transformers: "
                            "torch.manual_seed)"},
-        "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
-                     "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]},
+        "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count()},
+        "provenance": provenance("cpu", args.threads, load_before=load_before),
         "software": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": hf_version},
         "blocks": blocks,

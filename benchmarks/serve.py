@@ -13,6 +13,8 @@ stops paying (its median TPOT reaches plain decoding's).
     python benchmarks/serve.py --rates 1,2,4,8,16,32,64 --num-requests 48 --max-tokens 48 --max-model-len 1024
     python benchmarks/serve.py --rates 1,2,4,8,16,32,64 --num-requests 48 --max-tokens 48 \
         --name serve_cpu_dynamic_cache
+    python benchmarks/serve.py --rates 4 --num-requests 2 --max-tokens 4 --warmup 0 --max-num-seqs 2 \
+        --profile PROFILE.json --out-dir /tmp/x       # a smoke test
 
 (--max-model-len makes the servers preallocate their caches for --max-num-seqs requests;
 without it a server sizes its cache for the requests waiting when it was last idle, and
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line
 from quickdraft.bench.serve_load.client import LoadConfig, bench, check_server, load_prompts, run_name
 from quickdraft.bench.serve_load.stats import crossover
 from quickdraft.cli.common import parse_values
@@ -155,6 +157,7 @@ def write(result: dict, out_dir: Path, name: str) -> list[Path]:
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     plain = {r["request_rate"]: r for r in result["configs"][0]["runs"]}
     md = [f"# Serving under Poisson load: plain vs speculative decoding ({s['hardware']})", "",
+          *([provenance_line(result["provenance"]), ""] if "provenance" in result else []),
           f"{s['date']}. Bundled model pair, one `quickdraft serve` process per configuration on this machine "
           f"({s['cpus']} CPUs, shared with the load generator; idle servers sleep; at each rate the "
           "configurations run one after another in a rotating order), "
@@ -240,7 +243,7 @@ def main() -> None:
                (f"draft goodput k<={args.goodput_k}", ["--method", "draft", "-k", str(args.goodput_k),
                                                          "--policy", "goodput", "--profile", str(args.profile)])]
     prompts, described = load_prompts("code", None, args.num_requests)
-    t0 = time.monotonic()
+    t0, load_before = time.monotonic(), loadavg()
     extra = ["--max-num-seqs", str(args.max_num_seqs)]
     if args.max_model_len is not None:
         extra += ["--max-model-len", str(args.max_model_len)]
@@ -288,7 +291,9 @@ def main() -> None:
                         "token_sources": sorted({t for c in out for r in c["runs"] for t in r["token_sources"]}),
                         "wall_s": time.monotonic() - t0, "note": args.note,
                         "command": "python benchmarks/serve.py " + " ".join(sys.argv[1:])},
-              "configs": out}
+              "configs": out,
+              # the servers inherit this environment, so torch's thread count here is theirs
+              "provenance": provenance("cpu", torch.get_num_threads(), load_before=load_before)}
     for p in write(result, args.out_dir, args.name):
         print(f"wrote {p}")
     print((args.out_dir / f"{args.name}.md").read_text())

@@ -12,6 +12,7 @@ Measures, side by side and as medians over repeats:
   k = 5) at 1 and 2 ranks, the outputs checked identical.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--repeats 7] [--out-dir benchmarks/results]
+    .venv/bin/python benchmarks/tensor_parallel.py --repeats 1 --iters 1 --new-tokens 4 --out-dir /tmp/x  # smoke test
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import cpu_model
+from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line
 from quickdraft.cache import KVCache
 
 HIDDEN, LAYERS, VOCAB = 512, 8, 8192  # the bundled target's shape
@@ -103,9 +104,9 @@ def time_forward(llm: LLM, T: int, threads: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def time_generate(llm: LLM, prompts: list[str], threads: int) -> tuple[float, list[list[int]]]:
+def time_generate(llm: LLM, prompts: list[str], threads: int, new_tokens: int = 64) -> tuple[float, list[list[int]]]:
     torch.set_num_threads(threads)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -113,12 +114,14 @@ def time_generate(llm: LLM, prompts: list[str], threads: int) -> tuple[float, li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per generate timing")
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--name", default="tensor_parallel_cpu", help="result files NAME.json and NAME.md")
     args = ap.parse_args()
-    load_before = os.getloadavg()
+    load_before = loadavg()
     started = time.perf_counter()
 
     comm = measure_comm(args.iters * 3)
@@ -137,7 +140,7 @@ def main() -> None:
             for T in (1, 6):
                 fwd[c][T].append(time_forward(llms["none"], T, threads, args.iters))
             for m in ("none", "draft"):
-                tps, toks = time_generate(llms[m], prompts, threads)
+                tps, toks = time_generate(llms[m], prompts, threads, args.new_tokens)
                 gen[c][m].append(tps)
                 outputs[(c, m)] = toks
     identical = len({json.dumps(v) for v in outputs.values()}) == 1
@@ -158,7 +161,6 @@ def main() -> None:
                      "8192 vocab, float32), gloo on CPU",
         "setup": {"hardware": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                   "python": platform.python_version(), "repeats": args.repeats, "iters": args.iters,
-                  "load_average_before": load_before, "load_average_after": os.getloadavg(),
                   "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   "command": shlex.join([sys.executable.split("/")[-1], *sys.argv]),
                   "wall_s": round(time.perf_counter() - started, 1)},
@@ -176,12 +178,13 @@ def main() -> None:
                 3),
         },
         "greedy_outputs_identical_across_configs": identical,
+        "provenance": provenance("cpu", [2, 1], load_before=load_before),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "tensor_parallel_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# {result['benchmark']}", "", f"Hardware: {result['setup']['hardware']} ({os.cpu_count()} cores), "
-             f"torch {torch.__version__}; load average before {load_before[0]:.2f}, after "
-             f"{result['setup']['load_average_after'][0]:.2f}; medians of {args.repeats} repeats.", "",
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# {result['benchmark']}", "", provenance_line(result["provenance"]), "",
+             f"Hardware: {result['setup']['hardware']} ({os.cpu_count()} cores), "
+             f"torch {torch.__version__}; medians of {args.repeats} repeats.", "",
              "## Collectives of one step (2 gloo ranks, µs)", "", "| T | header + inputs | 16 all-reduces | "
              "vocab gather |", "| --- | --- | --- | --- |"]
     for T, parts in result["comm_per_step_us"].items():
@@ -191,13 +194,13 @@ def main() -> None:
         lines.append(f"| {c} | {per['T=1']} | {per['T=6']} |")
     h = result["forward_ms_vocab_parallel_head"]
     lines.append(f"| 2 ranks, vocab-parallel lm_head | {h['T=1']} | {h['T=6']} |")
-    lines += ["", "## Greedy generation (64 tokens, tokens/s)", "", "| config | plain | draft k=5 |",
+    lines += ["", f"## Greedy generation ({args.new_tokens} tokens, tokens/s)", "", "| config | plain | draft k=5 |",
               "| --- | --- | --- |"]
     for c, per in result["generate_tokens_per_s"].items():
         lines.append(f"| {c} | {per['none']} | {per['draft']} |")
     lines += ["", "Ratios (medians of per-repeat ratios): " + "; ".join(f"{k}: {v}" for k, v in result["ratios"].items()),
               "", f"Greedy outputs identical across configs: {identical}.", "", f"Command: `{result['setup']['command']}`"]
-    (args.out_dir / "tensor_parallel_cpu.md").write_text("\n".join(lines) + "\n")
+    (args.out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

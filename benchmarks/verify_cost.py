@@ -13,6 +13,7 @@ timed) and, with --eager, the eager forward too. Also records greedy output iden
 the two formats (64 tokens, plain decoding).
 
     python benchmarks/verify_cost.py --model smollm2 --threads 1 --out benchmarks/results/verify_cost_smollm2_cpu.json
+    python benchmarks/verify_cost.py --model bundled --tiny --rounds 1 --out /tmp/x.json   # a smoke test
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ QUERY = (1, 2, 3, 4, 5, 6, 8)
 CONTEXT = 400
 
 
-def worker(fmt: str, model: str, threads: int, eager: bool, quantization: str, conn) -> None:
+def worker(fmt: str, model: str, threads: int, eager: bool, quantization: str, conn, tiny: bool = False) -> None:
+    """One format's process: with `tiny`, eager steps only (no AOT build), a 32-token context and
+    8 greedy tokens (a smoke test)."""
     if fmt != "blocked":
         os.environ["QUICKDRAFT_KERNELS"] = "0"
     import torch
@@ -40,23 +43,24 @@ def worker(fmt: str, model: str, threads: int, eager: bool, quantization: str, c
 
     torch.set_num_threads(threads)
     target = "smollm2" if model == "smollm2" else default_model_dirs()[0]
-    llm = LLM(target, method="none", compile="aot", dtype="float32",
+    context, new_tokens = (32, 8) if tiny else (CONTEXT, 64)
+    llm = LLM(target, method="none", compile=False if tiny else "aot", dtype="float32",
               quantization=None if quantization == "none" else quantization)
     tgt = llm.target
     formats = sorted({m.fmt for m in tgt.modules() if hasattr(m, "fmt")})
-    steps = {"aot": llm.engine._forward}
-    if eager:
+    steps = {} if tiny else {"aot": llm.engine._forward}
+    if eager or tiny:
         steps["eager"] = tgt
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-    tokens = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0))[0].token_ids
-    cache = KVCache.for_model(tgt, 1, CONTEXT + 16)
-    ids = torch.randint(0, 1000, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    tokens = llm.generate([prompt], SamplingParams(max_tokens=new_tokens, temperature=0))[0].token_ids
+    cache = KVCache.for_model(tgt, 1, context + 16)
+    ids = torch.randint(0, 1000, (1, context), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        tgt(ids, torch.arange(CONTEXT)[None], cache.rows(0, 1), kv_len=CONTEXT)
+        tgt(ids, torch.arange(context)[None], cache.rows(0, 1), kv_len=context)
         view = cache.rows(0, 1)
 
         def call(step, t):
-            return step(ids[:, :t], torch.arange(CONTEXT, CONTEXT + t)[None], view, kv_len=CONTEXT + t)
+            return step(ids[:, :t], torch.arange(context, context + t)[None], view, kv_len=context + t)
 
         conn.send({"formats": formats, "steps": {k: type(v).__name__ for k, v in steps.items()}, "tokens": tokens})
         while conn.recv() == "round":
@@ -82,25 +86,28 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["bundled", "smollm2"], default="smollm2")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--eager", action="store_true", help="also time the eager forward")
     ap.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tiny", action="store_true", help="eager steps only, a 32-token context, 8 greedy tokens "
+                    "(a smoke test; use with --model bundled --rounds 1)")
     args = ap.parse_args()
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from quickdraft.bench.hardware import cpu_seconds, other_cpu_share
+    from quickdraft.bench.hardware import cpu_seconds, loadavg, other_cpu_share, provenance
 
     ctx = mp.get_context("spawn")
     workers = {}
     other_side = "transposed" if args.quantization == "none" else "pytorch"
     for fmt in ("blocked", other_side):
         here, there = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(fmt, args.model, args.threads, args.eager, args.quantization, there),
+        proc = ctx.Process(target=worker, args=(fmt, args.model, args.threads, args.eager, args.quantization, there,
+                                                 args.tiny),
                            daemon=True)
         proc.start()
         workers[fmt] = (proc, here)
@@ -108,7 +115,7 @@ def main() -> None:
     times = {fmt: {} for fmt in workers}
     before, wall0 = cpu_seconds(), time.perf_counter()
     workers_before = sum(process_cpu_seconds(p.pid) for p, _ in workers.values())
-    load_before = os.getloadavg()[0]
+    load_before = loadavg()
     for r in range(args.rounds):
         for fmt, (_, conn) in (list(workers.items()) if r % 2 == 0 else list(workers.items())[::-1]):
             conn.send("round")
@@ -130,16 +137,15 @@ def main() -> None:
     same = info["blocked"]["tokens"] == info[other_side]["tokens"]
     import torch
 
-    out = {"model": args.model, "quantization": args.quantization, "threads": args.threads, "context": CONTEXT, "rounds": args.rounds,
-           "loadavg_1m_before": load_before, "other_cpu_share": other, "torch": torch.__version__,
-           "greedy_64_identical_across_formats": same, "results": rows,
+    out = {"model": args.model, "quantization": args.quantization, "threads": args.threads,
+           "context": 32 if args.tiny else CONTEXT, "rounds": args.rounds, "other_cpu_share": other, "torch": torch.__version__,
+           "greedy_identical_across_formats": same, "greedy_tokens": 8 if args.tiny else 64, "results": rows,
            f"blocked_over_{other_side}": {k: round(rows["blocked"]["median_ms"][k] / rows[other_side]["median_ms"][k], 3)
                                           for k in rows["blocked"]["median_ms"]},
-           "command": f"python benchmarks/verify_cost.py --model {args.model} --threads {args.threads} "
-                      f"--rounds {args.rounds} --quantization {args.quantization}{' --eager' if args.eager else ''} --out {args.out}"}
+           "provenance": provenance("cpu", args.threads, load_before=load_before)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
-    print(json.dumps({k: out[k] for k in ("greedy_64_identical_across_formats", f"blocked_over_{other_side}",
+    print(json.dumps({k: out[k] for k in ("greedy_identical_across_formats", f"blocked_over_{other_side}",
                                           "other_cpu_share")}, indent=1))
     for fmt, row in rows.items():
         print(fmt, row["ratios"])

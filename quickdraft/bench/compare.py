@@ -106,12 +106,21 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
     return result
 
 
-def write_outputs(result: dict, out_dir: Path, name: str) -> list[Path]:
+def write_outputs(result: dict, out_dir: Path, name: str, device: str | None = None) -> list[Path]:
+    """JSON, markdown and PNG of a run_bench result (with its "setup"), the JSON and markdown
+    with the provenance record (hardware.provenance; device: the one measured, default cuda when
+    torch initialised it)."""
+    from .hardware import provenance_line
+
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    if "provenance" not in result:
+        from .hardware import provenance
+
+        result["provenance"] = provenance(device)
     paths[0].write_text(json.dumps(result, indent=2) + "\n")
     s = result["setup"]
-    md = [f"# quickdraft bench ({s['hardware']}, torch {s['torch']})", "", f"{s['date']}; `{s['command']}`", "",
+    md = [f"# quickdraft bench ({s['hardware']}, torch {s['torch']})", "", provenance_line(result["provenance"]), "",
           "| T | batch | method | k | tok/s | ms/token | speedup | predicted | acceptance | tokens/step | "
           "c | T(k+1)/T(1) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:

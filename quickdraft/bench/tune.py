@@ -60,7 +60,7 @@ def tune(config: TuneConfig, console=None):
     from ..llm import LLM, default_model_dirs
     from .. import proposers
     from ..sampling import SamplingParams
-    from .hardware import device_name
+    from .hardware import device_name, provenance
     from ..policy.costs import Profile, save_profile
     from .measure import measure_acceptance, measure_propose, measure_target_steps
     from .workloads import read_prompts
@@ -133,7 +133,8 @@ def tune(config: TuneConfig, console=None):
     profile = Profile.from_dict(data)
     profile.best_k_by_batch = profile.best_k_table()
     config.out.parent.mkdir(parents=True, exist_ok=True)
-    save_profile(config.out, profile)
+    # the provenance record rides along in the JSON (load_profile ignores keys it does not know)
+    save_profile(config.out, {**profile.to_dict(), "provenance": provenance(target.device)})
     if config.plot is not None:
         plot_profile(profile, config.plot)
     return profile

@@ -65,6 +65,8 @@ def test_tune_end_to_end(target_dir, draft_dir, tmp_path):
     assert p.methods["draft"].ks == [1, 2, 3] and p.methods["draft"].verify_q == [2, 3, 4]
     assert p.best_k_by_batch == p.best_k_table() and set(p.best_k_by_batch["ngram"]) == {"1", "2"}
     assert p.dtype == "float32" and p.device == "cpu" and p.target == str(target_dir)
+    prov = json.loads(out.read_text())["provenance"]  # commit, command and machine ride along
+    assert prov["machine"]["cpu"] and prov["machine"]["threads"] >= 1 and prov["date"] and prov["command"]
     if HAS_MPL:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -123,7 +125,8 @@ def test_bench_command_end_to_end(target_dir, draft_dir, tmp_path):
         {("draft", 1, 2), ("draft", 2, 2), ("ngram", 1, 2), ("ngram", 2, 2)}
     for x in data["runs"]:
         assert x["tokens_per_s"] > 0 and x["speedup"] > 0 and x["predicted_speedup"] > 0
-    assert "| draft |" in (tmp_path / "b.md").read_text()
+    assert data["provenance"]["machine"]["cpu"] and data["provenance"]["command"]
+    assert "| draft |" in (tmp_path / "b.md").read_text() and "Provenance: commit" in (tmp_path / "b.md").read_text()
     if HAS_MPL:  # the figure: one panel per method plus acceptance by position
         assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

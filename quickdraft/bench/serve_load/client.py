@@ -250,11 +250,19 @@ def markdown(result: dict) -> str:
              f"temperature {s['temperature']}, ignore_eos {s['ignore_eos']}, prompts: {s['prompts']}"
              + (f"; goodput SLO: {slo}" if slo else "") + ".", "",
              f"`{s['command']}`", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    if "provenance" in result:  # the client's machine (the server's may be another)
+        from ..hardware import provenance_line
+
+        lines[2:2] = [provenance_line(result["provenance"]) + " (the load generator's machine)", ""]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
     return "\n".join(lines) + "\n"
 
 
 def write_outputs(result: dict, out_dir: Path, name: str) -> list[Path]:
+    if "provenance" not in result:
+        from ..hardware import provenance
+
+        result["provenance"] = provenance("cpu")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
     paths[0].write_text(json.dumps(result, indent=2) + "\n")

