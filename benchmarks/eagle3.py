@@ -2,8 +2,8 @@
 model), paired, batch 1, greedy and sampled (issue 14).
 
 Models: the bundled code target with `target-eagle3` (code openings from the corpus' held-out
-files, raw text) and SmolLM2-135M-Instruct with `smollm2-eagle3` (quickdraft's chat requests
-through the chat template). Rows: plain decoding; eagle3 chains at each --ks; an EAGLE-2
+files, raw text) and SmolLM2-135M-Instruct with a head given by --head (none ships: train one
+with `quickdraft train-eagle3`; quickdraft's chat requests through the chat template). Rows: plain decoding; eagle3 chains at each --ks; an EAGLE-2
 dynamic trees (--trees, default width 3, 8 nodes, depth 4); for the bundled target also its
 draft model (--draft-ks, default k 5).
 Every row runs with compile="aot" by default (the AOT packages, built before timing; eagle3 rows use the
@@ -47,7 +47,10 @@ def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | 
     head's weights as stored). compile: every row's LLM(compile=...)."""
     target, draft = default_model_dirs()
     base = {"target": str(target) if model == "bundled" else "smollm2", "dtype": "float32", "compile": compile}
-    head = head or ("target-eagle3" if model == "bundled" else "smollm2-eagle3")
+    if head is None and model != "bundled":  # only the bundled target's head ships
+        raise SystemExit(f"--models {model} needs --head DIR: a head trained with `quickdraft train-eagle3` "
+                         "(docs/eagle3-and-training.md has the command for SmolLM2's)")
+    head = head or "target-eagle3"
     rows = {"plain": {**base, "method": "none"}}
     for k in ks:
         rows[f"eagle3-k{k}"] = {**base, "method": "eagle3", "draft": head, "num_speculative_tokens": k}
@@ -123,7 +126,7 @@ def block(llms: dict[str, LLM], prompts: list[list[int]], n: int, threads: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["bundled", "smollm2"])
+    ap.add_argument("--models", nargs="+", default=["bundled"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3])
     ap.add_argument("--head-quantization", nargs="*", default=[], choices=["none", "int8", "int4"],

@@ -5,7 +5,7 @@ tokens, its step at 2 tokens that also returns the head's hidden states (what an
 with k = 1 runs), the head's catch-up over 2 pairs and one draft step, through the head's AOT
 packages (what the engine runs: quickdraft.aot.HeadAOTStep) and eagerly.
 
-    python benchmarks/eagle3_parts.py --model smollm2 --out benchmarks/results/eagle3_parts_smollm2.json
+    python benchmarks/eagle3_parts.py --model smollm2 --head DIR --out benchmarks/results/eagle3_parts_smollm2.json
     python benchmarks/eagle3_parts.py --model bundled --tiny --out /tmp/x.json   # a smoke test (eager, 3 calls)
 """
 
@@ -26,7 +26,8 @@ from quickdraft.model.quant import weight_bytes
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["bundled", "smollm2"], default="smollm2")
+    ap.add_argument("--model", choices=["bundled", "smollm2"], default="bundled")
+    ap.add_argument("--head", default=None, help="a head folder (SmolLM2 ships none)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-quantization", choices=["none", "int8", "int4"], default="none",
                     help="the head's weights (the target stays float32)")
@@ -38,7 +39,10 @@ def main() -> None:
     load_before = loadavg()
     ctx, calls = (32, 3) if args.tiny else (400, 15)
     target = "smollm2" if args.model == "smollm2" else default_model_dirs()[0]
-    head_name = "smollm2-eagle3" if args.model == "smollm2" else "target-eagle3"
+    if args.model == "smollm2" and args.head is None:  # only the bundled target's head ships
+        raise SystemExit("--model smollm2 needs --head DIR: a head trained with `quickdraft train-eagle3` "
+                         "(docs/eagle3-and-training.md has the command for SmolLM2's)")
+    head_name = args.head or "target-eagle3"
     llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1,
               compile=False if args.tiny else "aot", dtype="float32",
               draft_quantization=args.draft_quantization)  # "none": the head as stored
@@ -58,8 +62,8 @@ def main() -> None:
 
         out["target_T1_ms"] = med(lambda: step_p(ids[:, :1], torch.tensor([[ctx]]), view, kv_len=ctx + 1))
         out["target_T2_ms"] = med(lambda: step_p(ids[:, :2], torch.tensor([[ctx, ctx + 1]]), view, kv_len=ctx + 2))
-        out["target_T2_with_hidden_ms"] = med(lambda: step_h(ids[:, :2], torch.tensor([[ctx, ctx + 1]]), view,
-                                                             kv_len=ctx + 2, hidden_at=hidden_at))
+        out["target_T2_with_hidden_ms"] = med(lambda: step_h.forward_hidden(ids[:, :2], torch.tensor([[ctx, ctx + 1]]), view,
+                                                                            kv_len=ctx + 2, hidden_at=hidden_at))
         hc = KVCache(1, 1, head.config.num_key_value_heads, 600, head.config.head_dim, torch.float32, "cpu")
         width = 3 * tgt.config.hidden_size
         feats = torch.randn(1, 2, width)

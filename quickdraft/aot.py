@@ -155,7 +155,13 @@ class _Step(nn.Module):
 
     def forward(self, input_ids, positions, key_pos, ks, vs):
         cache = CacheView(list(ks), list(vs), ks[0].shape[2] - 1)
-        return self.model(input_ids, positions, cache, kv_len=key_pos.shape[0], hidden_at=self.hidden_at)
+        return self.call(input_ids, positions, cache, kv_len=key_pos.shape[0])
+
+    def call(self, *args, **kwargs):
+        """The model's forward, or with hidden_at its forward_hidden (a tuple)."""
+        if self.hidden_at is None:
+            return self.model(*args, **kwargs)
+        return self.model.forward_hidden(*args, **kwargs, hidden_at=self.hidden_at)
 
 
 class _TreeStep(_Step):
@@ -164,8 +170,7 @@ class _TreeStep(_Step):
 
     def forward(self, input_ids, positions, slots, attn_mask, ks, vs):
         cache = CacheView(list(ks), list(vs), ks[0].shape[2] - 1)
-        return self.model(input_ids, positions, cache, kv_len=attn_mask.shape[-1], slots=slots, attn_mask=attn_mask,
-                          hidden_at=self.hidden_at)
+        return self.call(input_ids, positions, cache, kv_len=attn_mask.shape[-1], slots=slots, attn_mask=attn_mask)
 
 
 class _HeadStep(nn.Module):
@@ -203,7 +208,7 @@ def _constants(step: nn.Module) -> dict[str, torch.Tensor]:
 def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None,
           project: bool | None = None, tree: bool = False) -> Path:
     """Export and compile `model`'s decode/verify forward into a package (once per shape); with
-    `hidden_at`, the forward that also returns those layers' states (Transformer.forward). For
+    `hidden_at`, the forward that also returns those layers' states (Transformer.forward_hidden). For
     an EAGLE-3 head, `project` picks the variant: reading the target's states (True) or its own
     previous output (False). `tree`: the step with slots and an attention mask (token trees;
     for a head, drafting only)."""
@@ -271,31 +276,48 @@ class AOTStep:
         self._key_pos = torch.arange(0)
 
     def __call__(self, input_ids, positions=None, cache: CacheView | None = None, *, kv_len=None,
-                 slots=None, attn_mask=None, logits_at=None, hidden_at=None):
+                 slots=None, attn_mask=None, logits_at=None) -> torch.Tensor:
+        """The model's forward: logits (from the package when it returns logits only and fits)."""
+        if self.hidden_at is None:
+            out = self._package(input_ids, positions, cache, kv_len, slots, attn_mask, logits_at)
+            if out is not None:
+                return out
+        return self.model(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
+                          logits_at=logits_at)
+
+    def forward_hidden(self, input_ids, positions=None, cache: CacheView | None = None, *, kv_len=None,
+                       slots=None, attn_mask=None, logits_at=None, hidden_at) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward_hidden: (logits, hidden), from the package when it returns these
+        layers' states and fits."""
+        if tuple(hidden_at) == self.hidden_at:
+            out = self._package(input_ids, positions, cache, kv_len, slots, attn_mask, logits_at)
+            if out is not None:
+                return tuple(out)
+        return self.model.forward_hidden(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
+                                         logits_at=logits_at, hidden_at=hidden_at)
+
+    def _package(self, input_ids, positions, cache, kv_len, slots, attn_mask, logits_at):
+        """The package's output for a call it serves, else None (then the model runs)."""
         B, T = input_ids.shape
         if slots is not None or attn_mask is not None:
             if (self.tree_runner is not None and _tree_call_fits(positions, cache, kv_len, slots, attn_mask, B * T,
                                                                  self.max_rows)
-                    and logits_at is None and hidden_at == self.hidden_at):
-                out = self.tree_runner(input_ids.contiguous(), positions.contiguous(), slots.contiguous(),
-                                       attn_mask.contiguous(), cache.k, cache.v)
-                return out if self.hidden_at is None else tuple(out)
-            return self.model(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
-                              logits_at=logits_at, hidden_at=hidden_at)
+                    and logits_at is None):
+                return self.tree_runner(input_ids.contiguous(), positions.contiguous(), slots.contiguous(),
+                                        attn_mask.contiguous(), cache.k, cache.v)
+            return None
         if (cache is None or positions is None
-                or logits_at is not None or hidden_at != self.hidden_at or B * T > self.max_rows or T > _MAX_QUERY
+                or logits_at is not None or B * T > self.max_rows or T > _MAX_QUERY
                 or not cache.k[0].is_contiguous()):
-            return self.model(input_ids, positions, cache, kv_len=kv_len, slots=slots, attn_mask=attn_mask,
-                              logits_at=logits_at, hidden_at=hidden_at)
+            return None
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         if self._key_pos.shape[0] < kv_len:
             self._key_pos = torch.arange(max(kv_len, 2 * self._key_pos.shape[0]))
         # the package assumes the strides it was traced with (contiguous): an expanded view
         # (stride 0) would be read as if it were not
-        out = self.runner(input_ids.contiguous(), positions.contiguous(), self._key_pos[:max(kv_len, 2)],
-                          cache.k, cache.v)
-        return out if self.hidden_at is None else tuple(out)
+        return self.runner(input_ids.contiguous(), positions.contiguous(), self._key_pos[:max(kv_len, 2)],
+                           cache.k, cache.v)
 
     def __repr__(self) -> str:
         return f"AOTStep({self.path.name}{'' if self.tree_path is None else ', ' + self.tree_path.name})"

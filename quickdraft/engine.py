@@ -477,7 +477,7 @@ class Engine:
         if self._hidden_layers is None:
             return self._forward(*args, **kwargs), None
         forward = self.target if self.config.compile is True else self._forward  # an AOT step or the model
-        return forward(*args, **kwargs, hidden_at=self._hidden_layers)
+        return forward.forward_hidden(*args, **kwargs, hidden_at=self._hidden_layers)
 
     def _verify_chain(self, draft, last, lengths, sampling, rnd: StepRandom) -> StepOutcome:
         """Target forward over [last, d_1..d_k] at positions L-1..L-1+k, then verify."""

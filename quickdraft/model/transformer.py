@@ -204,7 +204,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, logits_at: torch.Tensor | None = None,
                 kv_len: int | None = None, slots: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None, hidden_at: tuple[int, ...] | None = None):
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V), or (B, n, V) at the indices `logits_at` (B, n).
 
         positions (B, T): absolute positions, -1 for padding; default 0..T-1.
@@ -212,11 +212,21 @@ class Transformer(nn.Module):
         (max position + 1), saving a device sync when the caller already knows it.
         slots (B, T) and attn_mask (B, T, kv_len), with a cache only: where each token's k/v
         is written (-1 = nowhere) and which cache slots each query may read (token trees).
-        hidden_at: layer indices; then (logits, hidden) where hidden (B, T, len * hidden_size)
-        concatenates the residual stream entering each of those layers (index
-        num_hidden_layers: leaving the last, before the final norm), at every position: what
-        an EAGLE-3 head reads, from the same forward.
         """
+        return self._run(input_ids, positions, cache, logits_at, kv_len, slots, attn_mask, None)[0]
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                       cache: CacheView | None = None, logits_at: torch.Tensor | None = None,
+                       kv_len: int | None = None, slots: torch.Tensor | None = None,
+                       attn_mask: torch.Tensor | None = None, *,
+                       hidden_at: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward (same arguments) that also returns hidden states: (logits, hidden), hidden
+        (B, T, len(hidden_at) * hidden_size) concatenating the residual stream entering each layer
+        in `hidden_at` (index num_hidden_layers: leaving the last, before the final norm), at
+        every position: what an EAGLE-3 head reads, from the same forward."""
+        return self._run(input_ids, positions, cache, logits_at, kv_len, slots, attn_mask, tuple(hidden_at))
+
+    def _run(self, input_ids, positions, cache, logits_at, kv_len, slots, attn_mask, hidden_at):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -236,7 +246,7 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(self.model.norm(x))
-        return logits if hidden_at is None else (logits, hidden)
+        return logits, (hidden if hidden_at is not None else None)
 
 
 def attention_inputs(inv_freq: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor, cache: CacheView | None,
@@ -282,7 +292,7 @@ def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int
     token, (B, V) (meaningless for an empty run, which feeds nothing). Used for prefill and
     for a draft catching up with accepted tokens.
     `step` (a compiled StepFunction) is used instead of the model when given. With
-    `hidden_at`, (logits, hidden (B, T, ...)) at every fed position (Transformer.forward)."""
+    `hidden_at`, (logits, hidden (B, T, ...)) at every fed position (Transformer.forward_hidden)."""
     B, T = len(chunks), max(len(c) for c in chunks)
     device = model.device
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -293,8 +303,8 @@ def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int
     last = torch.tensor([max(len(c) - 1, 0) for c in chunks], dtype=torch.long)[:, None]
     kv_len = max(s + len(c) for s, c in zip(starts, chunks))
     if hidden_at is not None:
-        logits, hidden = model(to_device(ids, device), to_device(positions, device), cache,
-                               logits_at=to_device(last, device), kv_len=kv_len, hidden_at=hidden_at)
+        logits, hidden = model.forward_hidden(to_device(ids, device), to_device(positions, device), cache,
+                                              logits_at=to_device(last, device), kv_len=kv_len, hidden_at=hidden_at)
         return logits[:, 0], hidden
     logits = (step or model)(to_device(ids, device), to_device(positions, device), cache,
                              logits_at=to_device(last, device), kv_len=kv_len)

@@ -141,7 +141,14 @@ class TensorParallelTarget(nn.Module):
             raise RankFailure(self.broken) from exc
 
     def forward(self, input_ids, positions=None, cache=None, logits_at=None, kv_len=None, slots=None,
-                attn_mask=None, hidden_at=None):
+                attn_mask=None):
+        return self._forward(input_ids, positions, cache, logits_at, kv_len, slots, attn_mask, None)
+
+    def forward_hidden(self, input_ids, positions=None, cache=None, logits_at=None, kv_len=None, slots=None,
+                       attn_mask=None, *, hidden_at):
+        return self._forward(input_ids, positions, cache, logits_at, kv_len, slots, attn_mask, tuple(hidden_at))
+
+    def _forward(self, input_ids, positions, cache, logits_at, kv_len, slots, attn_mask, hidden_at):
         given = dict(input_ids=input_ids, positions=positions, logits_at=logits_at, slots=slots, attn_mask=attn_mask)
         names = [n for n in _FORWARD_TENSORS if given[n] is not None]
         rows = None
@@ -149,8 +156,8 @@ class TensorParallelTarget(nn.Module):
             rows = (cache.parent.cache_id, cache.start, cache.start + cache.k[0].shape[0])
         meta = dict(rows=rows, kv_len=kv_len, hidden_at=hidden_at, names=names)
         return self._call("forward", meta, [given[n] for n in names],
-                          lambda: self.step(input_ids, positions, cache, logits_at=logits_at, kv_len=kv_len,
-                                            slots=slots, attn_mask=attn_mask, hidden_at=hidden_at))
+                          lambda: _run_step(self.step, self.shard, input_ids, positions, cache, logits_at, kv_len,
+                                            slots, attn_mask, hidden_at))
 
     def new_kv_cache(self, max_slots: int, capacity: int) -> ShardedKVCache:
         """KVCache.for_model's hook: a cache of this rank's KV heads, mirrored on every rank."""
@@ -235,9 +242,8 @@ def follow(shard: nn.Module, group: TPGroup, step=None) -> None:
                 if meta["rows"] is not None:
                     cid, start, end = meta["rows"]
                     cache = caches[cid].rows(start, end)
-                step(given["input_ids"], given.get("positions"), cache, logits_at=given.get("logits_at"),
-                     kv_len=meta["kv_len"], slots=given.get("slots"), attn_mask=given.get("attn_mask"),
-                     hidden_at=meta["hidden_at"])
+                _run_step(step, shard, given["input_ids"], given.get("positions"), cache, given.get("logits_at"),
+                          meta["kv_len"], given.get("slots"), given.get("attn_mask"), meta["hidden_at"])
             elif op == "new_cache":
                 caches[meta["cache"]] = KVCache(*_local_cache(plan, dtype, device, meta["slots"], meta["capacity"]))
             elif op == "move_row":
@@ -269,6 +275,15 @@ def _load_all(spec: LoadSpec, group: TPGroup) -> nn.Module:
         error = str(exc) if isinstance(exc, QuickdraftError) else f"{type(exc).__name__}: {exc}"
     check_all(group, error)
     return shard
+
+
+def _run_step(step, shard, input_ids, positions, cache, logits_at, kv_len, slots, attn_mask, hidden_at):
+    """A rank's forward: its step (the shard or its compiled step) for logits; with hidden_at the
+    shard's forward_hidden (compiled steps return logits only)."""
+    if hidden_at is None:
+        return step(input_ids, positions, cache, logits_at=logits_at, kv_len=kv_len, slots=slots, attn_mask=attn_mask)
+    return shard.forward_hidden(input_ids, positions, cache, logits_at=logits_at, kv_len=kv_len, slots=slots,
+                                attn_mask=attn_mask, hidden_at=tuple(hidden_at))
 
 
 def _step(shard: nn.Module, spec: LoadSpec):

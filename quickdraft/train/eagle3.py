@@ -58,7 +58,7 @@ def target_features(head: Eagle3Head, target, ids: torch.Tensor) -> tuple[torch.
     """What training reads from the target for sequences ids (B, T): the head's input states
     (B, T, 3h) and the target's final normed states (B, T, h), both float32."""
     L = target.config.num_hidden_layers
-    _, hidden = target(ids, hidden_at=(*head.aux_layers, L), logits_at=ids.new_zeros(ids.shape[0], 1))
+    _, hidden = target.forward_hidden(ids, hidden_at=(*head.aux_layers, L), logits_at=ids.new_zeros(ids.shape[0], 1))
     h = target.config.hidden_size
     return hidden[..., :-h].float(), target.model.norm(hidden[..., -h:]).float()
 

@@ -135,8 +135,8 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
         for cache in (cache_a, cache_b):
             model(prompt, torch.arange(5).expand(2, 5), cache.rows(0, 2), kv_len=5)
         pos = torch.arange(5, 8).expand(2, 3)
-        want = model(prompt[:, :3], pos, cache_a.rows(0, 2), kv_len=8, hidden_at=layers)
-        got = step(prompt[:, :3], pos, cache_b.rows(0, 2), kv_len=8, hidden_at=layers)
+        want = model.forward_hidden(prompt[:, :3], pos, cache_a.rows(0, 2), kv_len=8, hidden_at=layers)
+        got = step.forward_hidden(prompt[:, :3], pos, cache_b.rows(0, 2), kv_len=8, hidden_at=layers)
     assert isinstance(got, tuple) and len(got) == 2
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
