@@ -115,3 +115,16 @@ def test_max_num_seqs_check_is_the_library_one():
     message = _library_message(max_num_seqs=0)
     r = run("serve", "--max-num-seqs", 0)
     assert r.returncode == 2 and r.stderr.strip() == f"error: {message}"
+
+
+@pytest.mark.parametrize("k", [0, 65, True, 2.0, None])
+def test_spec_config_and_llm_share_the_k_check(k):
+    from quickdraft.config import check_num_speculative_tokens
+
+    with pytest.raises(QuickdraftError) as one:
+        check_num_speculative_tokens(k)
+    for method in ("draft", "none"):  # one rule, whatever the method
+        with pytest.raises(QuickdraftError) as spec:
+            SpecConfig(method=method, num_speculative_tokens=k)
+        assert str(spec.value) == str(one.value)
+    assert _library_message(num_speculative_tokens=k) == str(one.value)
