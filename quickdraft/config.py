@@ -155,10 +155,37 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
+# ---- one default and one check per shared setting (the library, the CLI, the server and deploy use these) --
+
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5  # k: draft tokens proposed per step (per request, at most)
+MAX_NUM_SPECULATIVE_TOKENS = 64  # the longest speculation any configuration may ask for
+DEFAULT_MAX_NUM_SEQS = 64  # rows of the running batch (KV-cache slots; a server preallocates them all)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_num_speculative_tokens(value: Any) -> int:
+    """k, the draft tokens proposed per step: an integer in [1, MAX_NUM_SPECULATIVE_TOKENS].
+    The one check (and message) behind LLM, SpecConfig and every command's -k."""
+    if not _is_int(value) or not 1 <= value <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise QuickdraftError(f"num_speculative_tokens must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], "
+                              f"got {value!r}")
+    return value
+
+
+def check_max_num_seqs(value: Any) -> int:
+    """Rows of the running batch: an integer >= 1 (LLM, EngineConfig, --max-num-seqs)."""
+    if not _is_int(value) or value < 1:
+        raise QuickdraftError(f"max_num_seqs must be an integer >= 1, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "draft"  # "none" = plain decoding, or a registered proposer (quickdraft.proposers)
-    num_speculative_tokens: int = 5  # k: the most draft tokens any path proposes per step
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # k: the most draft tokens any path proposes per step
     options: Mapping[str, Any] = field(default_factory=dict)  # the proposer's own options
     policy: str = "fixed"  # speculation length per request and step: fixed | acceptance | goodput
     profile: str | None = None  # cost profile JSON from `quickdraft tune` (the goodput policy)
@@ -166,11 +193,7 @@ class SpecConfig:
     def __post_init__(self) -> None:
         # The method and policy names are checked by their registries (quickdraft.proposers.get,
         # quickdraft.policy.check_policy) when an engine is built: config imports neither.
-        if not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool):
-            raise QuickdraftError("num_speculative_tokens must be an integer")
-        if self.method != "none" and not 1 <= self.num_speculative_tokens <= 64:
-            raise QuickdraftError(
-                f"num_speculative_tokens must be between 1 and 64, got {self.num_speculative_tokens}")
+        check_num_speculative_tokens(self.num_speculative_tokens)  # checked for "none" too: one rule
         if self.method == "none" and self.options:
             raise QuickdraftError("method 'none' takes no speculation options")
 
@@ -182,7 +205,7 @@ class SpecConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
-    max_num_seqs: int = 64  # rows of the running batch (KV-cache slots)
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # rows of the running batch (KV-cache slots)
     max_model_len: int | None = None  # cache length per slot; None = the target's context length
     # The decode / verify / draft steps: False eager; True torch.compile (quickdraft.compile); "aot"
     # ahead-of-time compiled packages on CPU, built when missing; "auto" such packages when cached
@@ -191,10 +214,8 @@ class EngineConfig:
     preallocate: bool = False  # caches for max_num_seqs x max_model_len at once (a server); else sized per batch
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise QuickdraftError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check_max_num_seqs(self.max_num_seqs)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise QuickdraftError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.compile not in (False, True, "aot", "auto"):
             raise QuickdraftError(f"compile must be True, False, 'aot' or 'auto', got {self.compile!r}")
-

@@ -24,6 +24,7 @@ try:
 except ImportError as exc:  # the extra is not installed
     raise ImportError('Ray Serve replicas need the ray extra: pip install -e ".[ray]"') from exc
 
+from .config import DEFAULT_MAX_NUM_SEQS
 from .errors import QuickdraftError
 
 DEPLOYMENT = "quickdraft"
@@ -75,12 +76,14 @@ class QuickdraftReplica:
 
 def deployment(llm_kwargs: dict[str, Any], replicas: int, served_model_name: str = "quickdraft-default",
                max_queue: int = 256, cpus_per_replica: float | None = None, gpus_per_replica: float = 0,
-               api_key: str | None = None, allowed_origins: list[str] | None = None, chat_template: str | None = None):
+               api_key: str | None = None, allowed_origins: list[str] | None = None, chat_template: str | None = None,
+               threads: int | None = None):
     """The Ray Serve application: `replicas` engines over `llm_kwargs` (LLM's arguments), each
-    serving with `quickdraft serve`'s options (served name, queue, API key, CORS, chat template)."""
+    serving with `quickdraft serve`'s options (served name, queue, API key, CORS, chat template).
+    threads: torch's CPU threads in each replica (default: on CPUs, the replica's share of the cores)."""
     if replicas < 1:
         raise QuickdraftError(f"--replicas must be >= 1, got {replicas}")
-    max_num_seqs = int(llm_kwargs.get("max_num_seqs", 64))
+    max_num_seqs = int(llm_kwargs.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
     tp = int(llm_kwargs.get("tensor_parallel_size", 1))
     if gpus_per_replica == 0 and llm_kwargs.get("device") in ("cuda", "auto", None):
         import torch
@@ -88,7 +91,8 @@ def deployment(llm_kwargs: dict[str, Any], replicas: int, served_model_name: str
         gpus_per_replica = tp if torch.cuda.is_available() else 0  # one GPU per tensor-parallel rank
     if cpus_per_replica is None:  # share this machine's cores
         cpus_per_replica = max(1, (os.cpu_count() or 1) // replicas)
-    threads = max(1, int(cpus_per_replica)) if not gpus_per_replica else None
+    if threads is None and not gpus_per_replica:
+        threads = max(1, int(cpus_per_replica))
     return serve.deployment(
         QuickdraftReplica, name=DEPLOYMENT, num_replicas=replicas,
         # a replica takes up to a full batch plus its own queue; beyond that the router holds requests
@@ -111,10 +115,10 @@ def _value(text: str):
 def build(args: dict[str, str]):
     """`serve run quickdraft.deploy:build replicas=2 target=... method=...`: LLM's keyword
     arguments as key=value (numbers and true/false parsed), plus replicas, served_model_name,
-    max_queue, cpus_per_replica, gpus_per_replica."""
+    max_queue, cpus_per_replica, gpus_per_replica, threads."""
     kwargs = {k: _value(str(v)) for k, v in args.items()}
     own = {k: kwargs.pop(k) for k in ("replicas", "served_model_name", "max_queue", "cpus_per_replica",
-                                      "gpus_per_replica") if k in kwargs}
+                                      "gpus_per_replica", "threads") if k in kwargs}
     return deployment(kwargs, int(own.pop("replicas", 2)), **own)
 
 

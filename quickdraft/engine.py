@@ -511,7 +511,7 @@ class Engine:
 
     def _greedy_chain(self, draft_tokens: torch.Tensor, argmax: torch.Tensor, raw: torch.Tensor,
                       hidden: torch.Tensor | None) -> StepOutcome:
-        """Temperature 0 for every row: greedy_verify's decision made on the host from one read
+        """Temperature 0 for every row: the greedy decision made on the host (greedy_verify_host) from one read
         of the argmax and the drafts (a few integers per row), instead of a dozen tiny device
         ops and then the read (~100 us a step on a 2 GHz core)."""
         k = draft_tokens.shape[1]

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig, SpecConfig
+from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, EngineConfig, SpecConfig,
+                     check_max_num_seqs, check_num_speculative_tokens)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
@@ -54,9 +55,9 @@ def _named_default_draft(target: str | Path) -> Path | None:
 
 class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
-                 method: str | None = None, num_speculative_tokens: int = 5,
+                 method: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
-                 max_num_seqs: int = 64, max_model_len: int | None = None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                  spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
                  profile: str | Path | None = None, compile: bool | str | None = None,
                  quantization: str | None = None, draft_quantization: str | None = None,
@@ -77,6 +78,8 @@ class LLM:
         each batch of generate(). tensor_parallel_size: the target split over this many ranks
         (quickdraft.parallel; processes spawned here, or joined under torchrun);
         tensor_parallel_options: lm_head ("rank0" | "vocab"), timeout_s (collectives)."""
+        check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
+        check_max_num_seqs(max_num_seqs)
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():

@@ -40,9 +40,14 @@ from .errors import QuickdraftError
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's and vLLM's default: the library, every command and the server use it
+MAX_TEMPERATURE = 100.0  # any higher is as flat as uniform over what top-k / top-p / min-p keep
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 100.0  # repetition_penalty lies in (0, 100]
 MAX_TOP_K = 2**31 - 1  # a larger top_k keeps every token of any vocabulary: the same as off
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-100, 100] (OpenAI's range)
+SEED_RANGE = (-(2**63), 2**64)  # seeds are any signed or unsigned 64-bit integer: [low, high)
 
 
 def _finite(value: int | float) -> bool:
@@ -52,9 +57,71 @@ def _finite(value: int | float) -> bool:
         return False
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number_in(low: float, high: float, low_open: bool = False, note: str = ""):
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]{note}"
+
+    def problem(value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+            return "must be a finite number"
+        if value < low or (low_open and value == low) or value > high:
+            return f"must be in {interval}"
+        return None
+    return problem
+
+
+def _integer_in(low: int, high: int | None, note: str = ""):
+    def problem(value) -> str | None:
+        if not _is_int(value) or value < low or (high is not None and value > high):
+            return f"must be an integer {'>= ' + str(low) if high is None else f'in [{low}, {high}]'}{note}"
+        return None
+    return problem
+
+
+def _seed(value) -> str | None:
+    if not _is_int(value) or not SEED_RANGE[0] <= value < SEED_RANGE[1]:
+        return "must be an integer in [-2**63, 2**64)"
+    return None
+
+
+# The one range check of each numeric sampling field: SamplingParams runs it, and so do the CLI's
+# flags and the server's request bodies (so a bad value gets the same message wherever it comes from).
+# None (where a field allows it) is never passed here.
+FIELD_CHECKS = {
+    "temperature": _number_in(0, MAX_TEMPERATURE, note=" (0 = greedy)"),
+    "top_p": _number_in(0, 1, low_open=True, note=" (1 = off)"),
+    "top_k": _integer_in(-1, None, note=" (0 or -1 = off)"),
+    "min_p": _number_in(0, 1, note=" (0 = off)"),
+    "max_tokens": _integer_in(1, None),
+    "seed": _seed,
+    "logprobs": _integer_in(0, MAX_LOGPROBS),
+    "prompt_logprobs": _integer_in(0, MAX_LOGPROBS),
+    "presence_penalty": _number_in(-MAX_PENALTY, MAX_PENALTY),
+    "frequency_penalty": _number_in(-MAX_PENALTY, MAX_PENALTY),
+    "repetition_penalty": _number_in(0, MAX_REPETITION_PENALTY, low_open=True, note=" (1 = off)"),
+}
+
+
+def field_problem(name: str, value) -> str | None:
+    """What is wrong with `value` for the sampling field `name` ("must be in [0, 100] (0 = greedy)"),
+    or None when it is valid."""
+    return FIELD_CHECKS[name](value)
+
+
+def check_field(name: str, value):
+    """`value` if valid for the sampling field `name`, else QuickdraftError("invalid NAME: ...")."""
+    problem = field_problem(name, value)
+    if problem is not None:
+        raise QuickdraftError(f"invalid {name}: {problem}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW = 1e-5) = greedy
+    temperature: float = DEFAULT_TEMPERATURE  # in [0, 100]; 0 (or anything below GREEDY_BELOW = 1e-5) = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
     min_p: float = 0.0  # drop tokens below min_p * max probability; 0 = off
@@ -76,23 +143,10 @@ class SamplingParams:
         def bad(field: str, msg: str) -> QuickdraftError:
             return QuickdraftError(f"invalid {field}: {msg}")
 
-        for name in ("temperature", "top_p", "min_p"):
+        for name in FIELD_CHECKS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-                raise bad(name, f"must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -(2**63) <= self.seed < 2**64):
-            raise bad("seed", f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+            if value is not None or name not in ("seed", "logprobs", "prompt_logprobs"):
+                check_field(name, value)
         stop = self.stop
         if stop is None:
             stop = ()
@@ -107,20 +161,6 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 <= value <= MAX_LOGPROBS):
-                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-                raise bad(name, f"must be a finite number, got {value!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 100:
-            raise bad("repetition_penalty", f"must be in (0, 100] (1 = off), got {self.repetition_penalty}")
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, Mapping):
@@ -394,13 +434,6 @@ def seed_key(seed: int | None) -> int:
     return _hash(0x5EED, seed)
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A generator whose stream depends on all 64 bits of `seed` (None: a fresh one)."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed_key(seed))
-    return g
-
-
 class Stream:
     """What a draw is for: each has its own numbers (StepRandom)."""
     SAMPLE = 1  # a token sampled from p alone (prefill, plain decoding without a verifier)
@@ -454,25 +487,7 @@ class StepRandom:
         return torch.tensor(rows, dtype=torch.float32).reshape(len(self.keys), n).to(self.device)
 
 
-def exponential_noise(generators: Sequence[torch.Generator], n: int, device: torch.device) -> torch.Tensor:
-    """(B, n) Exp(1) draws, row b from generators[b]."""
-    return torch.stack([torch.empty(n, device=device).exponential_(generator=g) for g in generators])
-
-
-def uniform_noise(generators: Sequence[torch.Generator], n: int, device: torch.device) -> torch.Tensor:
-    """(B, n) U[0, 1) draws, row b from generators[b]."""
-    return torch.stack([torch.rand(n, device=device, generator=g) for g in generators])
-
-
 def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Sample index ~ weights / sum(weights) along the last dim (weights >= 0, not
     necessarily normalised) with the exponential race: argmax w / E, E ~ Exp(1)."""
     return (weights / noise.clamp_min(1e-20)).argmax(-1)
-
-
-def sample(probs: torch.Tensor, generators: Sequence[torch.Generator], all_greedy: bool = False) -> torch.Tensor:
-    """probs (B, V) -> tokens (B,), row b drawn with generators[b]. With `all_greedy` the
-    rows are one-hot (see process_logits) and the draw is their argmax, without noise."""
-    if all_greedy:
-        return probs.argmax(-1)
-    return race(probs, exponential_noise(generators, probs.shape[-1], probs.device))

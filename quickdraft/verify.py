@@ -17,23 +17,16 @@ from .sampling import race
 from .tree import tree_structure
 
 
-def greedy_verify(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature 0: accept draft tokens while they equal the target's argmax.
-
-    draft_tokens (B, k), target_argmax (B, k + 1): the target's choice after each prefix.
-    The token after the accepted prefix is the target's own choice there (recovered or bonus).
-    """
-    B, k = draft_tokens.shape
-    match = (draft_tokens == target_argmax[:, :k]).long()
-    num_accepted = match.cumprod(-1).sum(-1)  # (B,)
-    return _emit(draft_tokens, num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
-
-
 def greedy_verify_host(draft_tokens: list[list[int]], target_argmax: list[list[int]]
                        ) -> tuple[list[list[int]], list[int]]:
-    """greedy_verify on host lists (what an all-greedy step reads back anyway): per row, the
-    emitted tokens (accepted drafts, then the target's choice) and the number accepted. The
-    same decision as greedy_verify, without its dozen tiny device ops."""
+    """Temperature 0 on host lists (what an all-greedy step reads back anyway): accept draft
+    tokens while they equal the target's argmax, then emit the target's own choice there
+    (recovered or bonus).
+
+    draft_tokens: per row, k draft tokens (-1 ends a row's chain early); target_argmax: per
+    row, the target's choice after each prefix (k + 1). Returns per row the emitted tokens
+    (accepted drafts, then the target's choice) and the number accepted. Decided on the host
+    rather than as a dozen tiny device ops: the engine reads these values back anyway."""
     tokens, num_accepted = [], []
     for drafts, target in zip(draft_tokens, target_argmax):
         n = 0

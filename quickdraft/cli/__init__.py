@@ -15,7 +15,7 @@ from rich.markup import escape
 from ..errors import QuickdraftError
 from .bench import bench_command
 from .bench_serve import bench_serve_command
-from .common import err
+from .common import err, fail
 from .generate import generate
 from .models import convert_command, models_command, pull_command
 from .serve import serve_command
@@ -26,11 +26,18 @@ from .verify import verify_command
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="quickdraft: lossless speculative decoding for Llama-family models.")
 
-for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command), ("train-eagle3", train_eagle3_command), ("train-eagle", train_eagle3_command),
-                        ("verify", verify_command), ("tune", tune_command), ("bench", bench_command),
+for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command),
+                        ("train-eagle3", train_eagle3_command), ("verify", verify_command), ("tune", tune_command), ("bench", bench_command),
                         ("serve", serve_command), ("bench-serve", bench_serve_command), ("models", models_command),
                         ("pull", pull_command), ("convert", convert_command)):
     app.command(_name)(_command)
+
+
+@app.command("train-eagle", hidden=True,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def _renamed_train_eagle() -> None:
+    """The old name of train-eagle3 (not listed in --help): a clear error naming the new one."""
+    fail("`quickdraft train-eagle` is now `quickdraft train-eagle3` (same options)")
 
 
 @app.callback()

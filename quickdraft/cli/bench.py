@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from ..config import check_num_speculative_tokens
 from ..errors import QuickdraftError
 from . import common as opts
 from .common import command_line, parse_floats, parse_ints, parse_spec_options, user_errors
@@ -22,8 +23,9 @@ def bench_command(
     method: Optional[list[str]] = opts.METHODS,
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
     batch_sizes: str = typer.Option("1", "--batch-sizes", help="Comma-separated batch sizes."),
-    ks: str = typer.Option("2,4", "--ks", help="Comma-separated speculation lengths."),
-    temperatures: str = typer.Option("0", "--temperatures", help="Comma-separated temperatures."),
+    ks: str = typer.Option("2,4", "--ks", help="Comma-separated speculation lengths k (each as -k elsewhere)."),
+    temperatures: str = typer.Option("0", "--temperatures", help="Comma-separated temperatures (each as "
+                                     "--temperature elsewhere)."),
     workload: str = opts.WORKLOAD,
     prompts: Optional[Path] = opts.PROMPTS_FILE,
     num_prompts: int = typer.Option(4, "--num-prompts", help="Built-in workload: prompts."),
@@ -36,6 +38,7 @@ def bench_command(
                                                       "prompt lookup (greedy, batch 1; needs transformers)."),
     tensor_parallel_size: int = opts.TENSOR_PARALLEL_SIZE,
     tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
+    threads: Optional[int] = opts.THREADS,
 ) -> None:
     """Compare speculative methods with plain decoding; write JSON, markdown and plots."""
     import torch
@@ -46,7 +49,9 @@ def bench_command(
     from ..bench.hardware import device_name
     from ..bench.workloads import read_prompts
     from ..llm import default_model_dirs
+    from ..sampling import check_field
 
+    opts.apply_threads(threads)
     if target is None:
         target, default_draft = default_model_dirs()
         draft = draft or default_draft
@@ -55,8 +60,14 @@ def bench_command(
         raise QuickdraftError("method 'draft' needs --draft")
     bs, k_list = parse_ints(batch_sizes, "--batch-sizes"), list(parse_ints(ks, "--ks"))
     temps = parse_floats(temperatures, "--temperatures")
-    if not bs or min(bs) < 1 or not k_list or min(k_list) < 1 or repeats < 1 or new_tokens < 2:
-        raise QuickdraftError("batch sizes and k values must be >= 1, repeats >= 1, new tokens >= 2")
+    if not k_list or not temps:
+        raise QuickdraftError("--ks and --temperatures need at least one value each")
+    for k in k_list:
+        opts.checked(check_num_speculative_tokens, "--ks")(k)
+    for t in temps:
+        opts.checked(lambda v: check_field("temperature", v), "--temperatures")(t)
+    if not bs or min(bs) < 1 or repeats < 1 or new_tokens < 2:
+        raise QuickdraftError("batch sizes must be >= 1, repeats >= 1, new tokens >= 2")
     if prompts is not None:
         texts = read_prompts(prompts)
     else:

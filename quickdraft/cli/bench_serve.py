@@ -26,7 +26,7 @@ def bench_serve_command(
         None, "--concurrency", help="Numbers of clients sending back to back, comma-separated, one run each."),
     num_requests: int = typer.Option(32, "--num-requests", help="Requests per run."),
     max_tokens: int = typer.Option(64, "--max-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature"),
+    temperature: float = opts.TEMPERATURE,
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Always generate max_tokens."),
     workload: str = opts.WORKLOAD,
     prompts: Optional[Path] = opts.PROMPTS_FILE,
@@ -79,8 +79,6 @@ def _bench_serve(url, request_rates, concurrency, num_requests, max_tokens, temp
         raise QuickdraftError("give --request-rates or --concurrency, not both")
     if num_requests < 1 or max_tokens < 1 or warmup < 0 or not timeout > 0:
         raise QuickdraftError("--num-requests and --max-tokens must be >= 1, --warmup >= 0, --timeout > 0")
-    if not temperature >= 0:
-        raise QuickdraftError(f"--temperature must be >= 0, got {temperature}")
     for opt, v in (("--slo-ttft-ms", slo_ttft_ms), ("--slo-tpot-ms", slo_tpot_ms)):
         if v is not None and not v > 0:
             raise QuickdraftError(f"{opt} must be > 0, got {v}")

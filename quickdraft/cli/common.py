@@ -1,5 +1,8 @@
 """What every command shares: the consoles, `fail`, option parsers, and one definition of
-each model-loading flag with one help text (commands use these, never their own copies).
+each shared flag with one help text, one default and one check (commands use these, never
+their own copies). Defaults and checks are the library's own (config.py, sampling.py), so a
+flag, `LLM(...)` / `SamplingParams(...)` and the server accept the same values and answer a
+bad one with the same message.
 
 Command modules import this module, never `quickdraft.cli` itself (which imports them).
 """
@@ -16,7 +19,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ..config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_NUM_SPECULATIVE_TOKENS,
+                      check_max_num_seqs, check_num_speculative_tokens)
 from ..errors import QuickdraftError
+from ..sampling import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams, check_field
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -111,7 +117,44 @@ def parse_values(text: str, name: str, integer: bool = False) -> list[float]:
     return values
 
 
-# ---- shared flags (one definition, one help text) ---------------------------------------
+# ---- shared flags (one definition, one help text, one default, one check) -------------------
+
+def checked(check, flag: str | None = None):
+    """A flag's typer callback: the library's own check on the value as soon as it is parsed
+    (before any model loads), its message as `fail`'s one line (prefixed with `flag` when the
+    flag's name differs from the checked setting's)."""
+    def callback(value):
+        if value is not None:
+            try:
+                check(value)
+            except QuickdraftError as exc:
+                fail(f"{flag}: {exc}" if flag else str(exc))
+        return value
+    return callback
+
+
+def check_threads(value: int) -> int:
+    """--threads: torch's CPU threads, an integer >= 1."""
+    if value < 1:
+        raise QuickdraftError(f"--threads must be >= 1, got {value}")
+    return value
+
+
+def apply_threads(threads: int | None) -> None:
+    """--threads N: torch uses N CPU threads in this process (unset: PyTorch's default)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _sampling_flag(name: str, help: str):
+    """A sampling flag: SamplingParams' default and SamplingParams' own check of `name`."""
+    return typer.Option(getattr(_SAMPLING_DEFAULTS, name), "--" + name.replace("_", "-"), help=help,
+                        callback=checked(lambda v: check_field(name, v)))
+
+
+_SAMPLING_DEFAULTS = SamplingParams()
 
 TARGET = typer.Option(None, "--target", help="Target model: a Hugging Face folder, a .gguf file, a named model "
                       "(`quickdraft models`, e.g. smollm2) or a Hub id (default: the bundled code model).")
@@ -122,8 +165,21 @@ METHOD = typer.Option(None, "--method", help="none | draft | eagle3 | ngram | su
                       "draft is given, else none).")
 METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable): draft | eagle3 | ngram | suffix | "
                        "lookahead (default: draft when a draft is available, else ngram).")
-NUM_SPECULATIVE_TOKENS = typer.Option(5, "-k", "--num-speculative-tokens",
-                                      help="Draft tokens per step (the most; the depth of a tree).")
+NUM_SPECULATIVE_TOKENS = typer.Option(DEFAULT_NUM_SPECULATIVE_TOKENS, "-k", "--num-speculative-tokens",
+                                      help=f"k: draft tokens proposed per step, 1 to {MAX_NUM_SPECULATIVE_TOKENS} "
+                                      "(the most; a tree's depth).",
+                                      callback=checked(check_num_speculative_tokens))
+
+
+def max_num_seqs_option(default: int = DEFAULT_MAX_NUM_SEQS, why: str = ""):
+    """--max-num-seqs; a command whose work wants another default says `why`."""
+    return typer.Option(default, "--max-num-seqs", help="Requests in the running batch at most"
+                        + (f" ({why})." if why else "."), callback=checked(check_max_num_seqs))
+
+
+MAX_NUM_SEQS = max_num_seqs_option()
+THREADS = typer.Option(None, "--threads", help="CPU threads torch uses (default: PyTorch's, one per core).",
+                       callback=checked(check_threads))
 TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates per depth (>1 = token tree).")
 SPEC_OPTION = typer.Option(None, "--spec-option", "-o",
                            help="Proposer option KEY=VALUE (repeatable), e.g. -o max_ngram=4.")
@@ -168,11 +224,16 @@ def torchrun_follower() -> bool:
     return under_torchrun() and os.environ.get("RANK", "0") != "0"
 
 
-TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy.")
-PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="[-2, 2]: subtracted once from each generated token.")
-FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="[-2, 2]: subtracted per occurrence in the output.")
-REPETITION_PENALTY = typer.Option(1.0, "--repetition-penalty",
-                                  help="> 0, 1 = off: prompt and output tokens' logits divided (or multiplied) by it.")
+TEMPERATURE = _sampling_flag("temperature", f"Sampling temperature in [0, {MAX_TEMPERATURE:g}]; 0 = greedy.")
+TOP_P = _sampling_flag("top_p", "(0, 1]: the nucleus' probability mass; 1 = off.")
+TOP_K = _sampling_flag("top_k", "Keep the K likeliest tokens; 0 = off.")
+MIN_P = _sampling_flag("min_p", "[0, 1]: drop tokens below min-p x the likeliest's probability; 0 = off.")
+PRESENCE_PENALTY = _sampling_flag("presence_penalty", f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]: subtracted once "
+                                  "from each generated token.")
+FREQUENCY_PENALTY = _sampling_flag("frequency_penalty", f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]: subtracted per "
+                                   "occurrence in the output.")
+REPETITION_PENALTY = _sampling_flag("repetition_penalty", f"(0, {MAX_REPETITION_PENALTY:g}], 1 = off: prompt and "
+                                    "output tokens' logits divided (or multiplied) by it.")
 PROMPTS_FILE = typer.Option(None, "--prompts", help="JSONL of {\"prompt\": text or token ids} (default: a "
                             "built-in workload).")
 WORKLOAD = typer.Option("code", "--workload", help="Built-in workload: code | editing (held-out files).")

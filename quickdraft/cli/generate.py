@@ -25,9 +25,9 @@ def generate(
     policy: str = opts.POLICY,
     profile: Optional[Path] = opts.PROFILE,
     temperature: float = opts.TEMPERATURE,
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
-    min_p: float = typer.Option(0.0, "--min-p"),
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    min_p: float = opts.MIN_P,
     presence_penalty: float = opts.PRESENCE_PENALTY,
     frequency_penalty: float = opts.FREQUENCY_PENALTY,
     repetition_penalty: float = opts.REPETITION_PENALTY,
@@ -49,11 +49,13 @@ def generate(
     draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
     tensor_parallel_size: int = opts.TENSOR_PARALLEL_SIZE,
     tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
+    threads: Optional[int] = opts.THREADS,
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from ..llm import LLM
     from ..sampling import SamplingParams
 
+    opts.apply_threads(threads)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,

@@ -12,9 +12,10 @@ import typer
 from ..errors import EngineFailure, QuickdraftError
 from ..model.sources import check_spec
 from . import common as opts
-from .common import fail, parse_spec_options
+from .common import fail, parse_spec_options, user_errors
 
 
+@user_errors
 def serve_command(
     target: Optional[str] = opts.TARGET,
     draft: Optional[str] = opts.DRAFT,
@@ -25,7 +26,7 @@ def serve_command(
     profile: Optional[Path] = opts.PROFILE,
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    max_num_seqs: int = typer.Option(32, "--max-num-seqs", help="Requests in the running batch at most."),
+    max_num_seqs: int = opts.MAX_NUM_SEQS,
     max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting for a slot at most (then 429)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context per request "
                                                 "(default: the model's). KV caches for --max-num-seqs requests "
@@ -43,6 +44,7 @@ def serve_command(
     draft_dtype: Optional[str] = opts.DRAFT_DTYPE,
     tensor_parallel_size: int = opts.TENSOR_PARALLEL_SIZE,
     tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
+    threads: Optional[int] = opts.THREADS,
     replicas: int = typer.Option(1, "--replicas", help="Serve N engine replicas behind Ray Serve's HTTP proxy "
                                  "(needs the ray extra: pip install -e \".[ray]\"); each is a whole engine, "
                                  "tensor-parallel within itself with --tensor-parallel-size."),
@@ -67,9 +69,8 @@ def serve_command(
         fail(f"the server needs fastapi, uvicorn and prometheus_client ({exc})")
     if not 0 <= port <= 65535:
         fail(f"--port must be in [0, 65535], got {port}")
-    for name, value, low in (("--max-num-seqs", max_num_seqs, 1), ("--max-queue", max_queue, 0), ("-k", k, 0)):
-        if value < low:
-            fail(f"{name} must be >= {low}, got {value}")
+    if max_queue < 0:
+        fail(f"--max-queue must be >= 0, got {max_queue}")
     template = None
     if chat_template is not None:
         try:
@@ -84,14 +85,8 @@ def serve_command(
                 check_spec(spec)
             except QuickdraftError as exc:
                 fail(f"{flag}: {exc}")
-    try:
-        options = parse_spec_options(spec_option)
-    except QuickdraftError as exc:
-        fail(str(exc))
-    try:
-        tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
-    except QuickdraftError as exc:
-        fail(str(exc))
+    options = parse_spec_options(spec_option)
+    tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
     name = served_model_name or (str(target) if target is not None else "quickdraft-default")
 
     llm_kwargs = dict(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
@@ -111,13 +106,11 @@ def serve_command(
         origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
         _serve_replicas(llm_kwargs, replicas, host, port, dict(served_model_name=name, max_queue=max_queue,
                                                                api_key=api_key or None, allowed_origins=origins,
-                                                               chat_template=template))
+                                                               chat_template=template, threads=threads))
+    opts.apply_threads(threads)
 
     if tp and opts.torchrun_follower():  # torchrun's ranks > 0 serve rank 0's steps, not HTTP
-        try:
-            load()  # returns only through SystemExit once rank 0 is done
-        except QuickdraftError as exc:
-            fail(str(exc))
+        load()  # returns only through SystemExit once rank 0 is done
         sys.exit(0)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
@@ -151,10 +144,7 @@ def serve_command(
     state.on_engine_dead = engine_died
     print(f"quickdraft: loading the model; listening on http://{shown_host}:{port} (GET /health is 200 when ready)",
           flush=True)
-    try:
-        server.run()
-    except QuickdraftError as exc:
-        fail(str(exc))
+    server.run()
     if state.load_error is not None:
         fail(state.load_error)
     if fatal:
@@ -178,10 +168,7 @@ def _serve_replicas(llm_kwargs: dict, replicas: int, host: str, port: int, serve
         from ..deploy import deployment
     except ImportError as exc:
         fail(f"--replicas needs Ray Serve: pip install -e \".[ray]\" ({exc})")
-    try:
-        app = deployment(llm_kwargs, replicas, **server_options)
-    except QuickdraftError as exc:
-        fail(str(exc))
+    app = deployment(llm_kwargs, replicas, **server_options)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # after ray.init (it sets its own): shut Ray down on a kill

@@ -33,10 +33,12 @@ def train_command(
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: on CUDA only)."),
     save_dtype: str = typer.Option("bfloat16", "--save-dtype", help="bfloat16 | float16 | float32."),
     stop_at: Optional[int] = typer.Option(None, "--stop-at", help="Stop after step N (resume later)."),
+    threads: Optional[int] = opts.THREADS,
 ) -> None:
     """Pretrain a small Llama-family model from scratch and save it as a Hugging Face folder."""
     from ..train.pretrain import train
 
+    opts.apply_threads(threads)
     train(out, size=size, steps=steps, resume=resume, corpus=corpus, tokenizer=tokenizer, batch_size=batch_size,
           grad_accum=grad_accum, lr=lr, seq_len=seq_len, device=device, seed=seed, eval_every=eval_every,
           save_every=save_every, vocab_size=vocab_size, warmup=warmup, bf16=bf16, save_dtype=save_dtype,
@@ -58,7 +60,7 @@ def distill_command(
     pool_prompts: int = typer.Option(256, "--pool-prompts", help="Target continuations generated for training."),
     pool_new_tokens: int = typer.Option(192, "--pool-new-tokens", help="Tokens per generated continuation."),
     eval_prompts: int = typer.Option(32, "--eval-prompts", help="Held-out prompts for the acceptance check."),
-    k: int = typer.Option(5, "-k", help="Draft tokens per step in the acceptance check."),
+    k: int = opts.NUM_SPECULATIVE_TOKENS,  # the speculation length of the acceptance check
     device: Optional[str] = opts.DEVICE,
     seed: int = typer.Option(0, "--seed"),
     save_dtype: str = typer.Option("bfloat16", "--save-dtype", help="bfloat16 | float16 | float32."),
@@ -75,11 +77,13 @@ def distill_command(
                                                      "(default: when the target has a chat template)."),
     eval_every: int = typer.Option(100, "--eval-every", help="Held-out loss every N steps (and at the end)."),
     save_every: int = typer.Option(0, "--save-every", help="Write the draft every N steps (0: at the end only)."),
+    threads: Optional[int] = opts.THREADS,
 ) -> None:
     """Distil a small draft from a target (KL to the target's distributions), same tokenizer."""
     from ..llm import default_model_dirs
     from ..train.distill import distill
 
+    opts.apply_threads(threads)
     distill(target or default_model_dirs()[0], out, size=size, steps=steps, corpus=corpus, batch_size=batch_size, seq_len=seq_len, lr=lr,
             generated_fraction=generated_fraction, pool_prompts=pool_prompts, pool_new_tokens=pool_new_tokens,
             eval_prompts=eval_prompts, k=k, device=device, seed=seed, save_dtype=save_dtype, bf16=bf16,
@@ -106,7 +110,7 @@ def train_eagle3_command(
     corpus_windows: int = typer.Option(64, "--corpus-windows",
                                        help="Windows of corpus text added to the target's own text."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint.pt and OUT/sequences.json."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: PyTorch's)."),
+    threads: Optional[int] = opts.THREADS,
     seed: int = typer.Option(0, "--seed"),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16",
                                         help="The head's forward and backward under bfloat16 autocast (default: "
@@ -114,12 +118,9 @@ def train_eagle3_command(
 ) -> None:
     """Train an EAGLE-3 head for a target (its own text, training-time test); use it with
     `--method eagle3 --draft OUT`."""
-    import torch
-
     from ..train.eagle3 import train_eagle3
 
-    if threads:
-        torch.set_num_threads(threads)
+    opts.apply_threads(threads)
     train_eagle3(target or _bundled_target(), out, prompts=prompts, new_tokens=new_tokens, epochs=epochs,
                  batch_size=batch_size, seq_len=seq_len, lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
                  chat=chat, seed=seed, corpus_windows=corpus_windows, resume=resume,

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..config import check_num_speculative_tokens
 from . import common as opts
 from .common import command_line, parse_ints, parse_spec_options, user_errors
 from .common import out as stdout
@@ -18,7 +19,8 @@ def tune_command(
     target: Optional[str] = opts.TARGET,
     draft: Optional[str] = opts.DRAFT,
     method: Optional[list[str]] = opts.METHODS,
-    k_max: int = typer.Option(8, "-k", "--max-k", help="Longest speculation measured (k = 1..K)."),
+    max_k: int = typer.Option(8, "--max-k", help="Longest speculation measured: k = 1 to MAX_K.",
+                              callback=opts.checked(check_num_speculative_tokens, "--max-k")),
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
     batch_sizes: str = typer.Option("1,2,4,8,16,32", "--batch-sizes", help="Comma-separated batch sizes."),
     context: int = typer.Option(256, "--context", help="Tokens cached per row while timing."),
@@ -31,11 +33,13 @@ def tune_command(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a PNG (needs matplotlib)."),
     dtype: Optional[str] = opts.DTYPE,
     device: Optional[str] = opts.DEVICE,
+    threads: Optional[int] = opts.THREADS,
 ) -> None:
     """Measure this hardware's costs and pick the speculation length k per batch size."""
     from ..bench.tune import TuneConfig, summary_table, tune
 
-    config = TuneConfig(target=target, draft=draft, methods=tuple(method or ()), k_max=k_max,
+    opts.apply_threads(threads)
+    config = TuneConfig(target=target, draft=draft, methods=tuple(method or ()), k_max=max_k,
                         spec_options=parse_spec_options(spec_option),
                         batch_sizes=parse_ints(batch_sizes, "--batch-sizes"),
                         context=context, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens,

@@ -17,12 +17,12 @@ def verify_command(
     target: Optional[str] = opts.TARGET,
     draft: Optional[str] = opts.DRAFT,
     method: str = typer.Option("draft", "--method", help="draft | eagle3 | ngram | suffix | lookahead."),
-    k: int = typer.Option(4, "-k", "--num-speculative-tokens", help="Draft tokens per step."),
+    k: int = opts.NUM_SPECULATIVE_TOKENS,
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature to check (0 = greedy only)."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
-    min_p: float = typer.Option(0.0, "--min-p"),
+    temperature: float = opts.TEMPERATURE,
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    min_p: float = opts.MIN_P,
     presence_penalty: float = opts.PRESENCE_PENALTY,
     frequency_penalty: float = opts.FREQUENCY_PENALTY,
     repetition_penalty: float = opts.REPETITION_PENALTY,
@@ -30,12 +30,14 @@ def verify_command(
     prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt (repeatable; default: code prompts)."),
     ids: bool = typer.Option(False, "--ids", help="Each --prompt is token ids separated by spaces or commas."),
     seed: int = typer.Option(0, "--seed", help="Request i uses seed SEED * 2**32 + i."),
-    batch: int = typer.Option(256, "--batch", help="Requests decoded together (max_num_seqs)."),
+    max_num_seqs: int = opts.max_num_seqs_option(256, "the check decodes thousands of samples"),
     top: int = typer.Option(20, "--top", help="Chi-square bins: the TOP likeliest tokens plus 'other'."),
     alpha: float = typer.Option(1e-3, "--alpha", help="Significance level (Bonferroni-corrected over the tests)."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16 (default float32 here: "
+                              "the greedy check compares tokens one for one)."),
     device: Optional[str] = opts.DEVICE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with every number."),
+    threads: Optional[int] = opts.THREADS,
 ) -> None:
     """Check statistically that speculative decoding keeps the target's distribution (exit 1 on FAIL)."""
     from rich.markup import escape
@@ -44,6 +46,7 @@ def verify_command(
     from ..llm import default_model_dirs
     from ..sampling import SamplingParams
 
+    opts.apply_threads(threads)
     if target is None and draft is None:
         target, draft = default_model_dirs()
 
@@ -58,7 +61,7 @@ def verify_command(
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                             repetition_penalty=repetition_penalty)
     r = verify_lossless(target, draft=draft, method=method, k=k, spec_options=options, params=params,
-                        prompts=prompts, samples=samples, seed=seed, batch=batch, top=top, alpha=alpha, dtype=dtype,
+                        prompts=prompts, samples=samples, seed=seed, batch=max_num_seqs, top=top, alpha=alpha, dtype=dtype,
                         device=device)
     if as_json:
         print(json.dumps(r))

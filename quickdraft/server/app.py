@@ -221,7 +221,7 @@ def _prepare_completion(state: ServerState, body: bytes) -> _Prepared:
         else:
             echo.append(None)
         prompts.append(p)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = SamplingParams.max_tokens if req.max_tokens is None else req.max_tokens  # 16, as OpenAI
     subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts), "prompt")  # checks the token ids
     if not req.echo:
         return _Prepared(req, subs, prompts)
@@ -321,19 +321,19 @@ def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int], prompt_p
     return subs
 
 
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+
+
 def _sampling(req, max_tokens: int, seed_offset: int) -> SamplingParams:
     seed = req.seed
     if seed is not None and seed_offset:
         seed = (seed + seed_offset) % (2**64)  # distinct choices from one seed
+    # a field the request leaves out (None) takes SamplingParams' default, as in the library
+    given = {name: value for name in _SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            max_tokens=max_tokens, seed=seed, stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            **given, max_tokens=max_tokens, seed=seed, stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos,
             logit_bias=req.logit_bias_ids(), logprobs=req.wanted_logprobs(), prompt_logprobs=_prompt_logprobs(req))
     except QuickdraftError as exc:
         raise _param_error(exc) from None

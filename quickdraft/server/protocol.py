@@ -14,9 +14,10 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, \
     StrictInt, StrictStr, ValidationError
 
+from ..sampling import field_problem
+
 MAX_N = 64  # choices per request
 MAX_STOP = 16  # stop strings per request
-MAX_LOGPROBS = 20  # alternatives per token (sampling.MAX_LOGPROBS; OpenAI's chat bound)
 
 
 def _utf8(text: str) -> str:
@@ -31,6 +32,25 @@ def _utf8(text: str) -> str:
 
 Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # strict: "0" and true are not numbers
 Text = Annotated[StrictStr, AfterValidator(_utf8)]
+
+
+def _sampling_check(name: str) -> AfterValidator:
+    """The sampling field's own range check (sampling.FIELD_CHECKS, what SamplingParams runs):
+    the same bounds and words in a 400 as in the library's error."""
+    def check(value):
+        problem = field_problem(name, value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+    return AfterValidator(check)
+
+
+def _number(name: str):
+    return Annotated[Number, _sampling_check(name)]
+
+
+def _integer(name: str):
+    return Annotated[StrictInt, _sampling_check(name)]
 TokenIds = list[StrictInt]
 
 
@@ -93,12 +113,13 @@ class _Sampling(BaseModel):
 
     model: StrictStr
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: Number | None = Field(None, ge=0, le=100)
-    top_p: Number | None = Field(None, gt=0, le=1)
-    top_k: StrictInt | None = Field(None, ge=-1)  # extra field (vLLM): 0 or -1 = off
-    min_p: Number | None = Field(None, ge=0, le=1)  # extra field (vLLM)
-    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
+    # sampling fields: None = SamplingParams' default; each checked by SamplingParams' own check
+    max_tokens: _integer("max_tokens") | None = None
+    temperature: _number("temperature") | None = None
+    top_p: _number("top_p") | None = None
+    top_k: _integer("top_k") | None = None  # extra field (vLLM): 0 or -1 = off
+    min_p: _number("min_p") | None = None  # extra field (vLLM)
+    seed: _integer("seed") | None = None
     stop: Annotated[Text | list[Text] | None, BeforeValidator(_texts)] = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -106,11 +127,11 @@ class _Sampling(BaseModel):
     num_speculative_tokens: StrictInt | None = Field(None, ge=0)  # extra field: this request's own k cap
     return_token_ids: StrictBool = False  # extra field (vLLM): token ids beside the text, per chunk when streaming
     user: StrictStr | None = None
-    presence_penalty: Number | None = Field(None, ge=-2, le=2)
-    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    repetition_penalty: Number | None = Field(None, gt=0, le=100)  # extra field (vLLM): 1 = off
+    presence_penalty: _number("presence_penalty") | None = None
+    frequency_penalty: _number("frequency_penalty") | None = None
+    repetition_penalty: _number("repetition_penalty") | None = None  # extra field (vLLM): 1 = off
     logit_bias: dict[StrictStr, Number] | None = None  # token id (as a JSON key) -> bias, clamped to [-100, 100]
-    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # extra field (vLLM)
+    prompt_logprobs: _integer("prompt_logprobs") | None = None  # extra field (vLLM)
 
     def unsupported(self) -> list[str]:
         return []
@@ -144,7 +165,7 @@ class CompletionRequest(_Sampling):
     prompt: Annotated[Text | list[Text] | TokenIds | list[TokenIds], BeforeValidator(_prompt_shape)]
     echo: StrictBool = False
     suffix: StrictStr | None = None
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # OpenAI allows 5; vLLM 20, as here
+    logprobs: _integer("logprobs") | None = None  # OpenAI allows 5; vLLM 20 (MAX_LOGPROBS), as here
     best_of: StrictInt | None = None
 
     def unsupported(self) -> list[str]:
@@ -194,9 +215,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: _integer("max_tokens") | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: _integer("logprobs") | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 

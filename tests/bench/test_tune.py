@@ -54,7 +54,7 @@ def test_tune_end_to_end(target_dir, draft_dir, tmp_path):
     app.command("tune")(tune_command)
     app.command("other")(lambda: None)  # two commands: typer keeps the "tune" name
     args = ["tune", "--target", str(target_dir), "--draft", str(draft_dir), "--method", "draft", "--method", "ngram",
-            "-k", "3", "--batch-sizes", "1,2", "--context", "16", "--prompts", str(prompts), "--max-tokens", "16",
+            "--max-k", "3", "--batch-sizes", "1,2", "--context", "16", "--prompts", str(prompts), "--max-tokens", "16",
             "--iters", "2", "--out", str(out)] + (["--plot", str(png)] if HAS_MPL else [])
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, (result.output, result.exception)

@@ -27,7 +27,7 @@ def test_generate_with_penalties_equals_the_library(target_dir, draft_dir):
     from quickdraft import LLM, SamplingParams
 
     r = run("generate", "--target", target_dir, "--draft", draft_dir, "-k", 3, "--max-tokens", 16, "--ignore-eos",
-            "--repetition-penalty", 1.4, "--frequency-penalty", 0.5, "--presence-penalty", 0.25, "--json",
+            "--temperature", 0, "--repetition-penalty", 1.4, "--frequency-penalty", 0.5, "--presence-penalty", 0.25, "--json",
             "def add(a, b):")
     assert r.returncode == 0, r.stderr
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.4,
@@ -58,13 +58,13 @@ def test_chat_and_ids(target_dir):
 @pytest.mark.slow
 def test_generate_with_other_proposers(target_dir, draft_dir):
     plain = json.loads(run("generate", "--target", target_dir, "--method", "none", "--max-tokens", 16, "--ignore-eos",
-                           "--json", "def add(a, b):").stdout)["token_ids"]
+                           "--temperature", 0, "--json", "def add(a, b):").stdout)["token_ids"]
     for extra in (["--method", "ngram", "-o", "max_ngram=3", "-o", "num_candidates=2"],
                   ["--method", "suffix", "-o", "tree=false"],
                   ["--method", "lookahead", "-k", 4],
                   ["--draft", draft_dir, "--tree-width", 2]):
-        r = run("generate", "--target", target_dir, *extra, "--max-tokens", 16, "--ignore-eos", "--json",
-                "def add(a, b):")
+        r = run("generate", "--target", target_dir, *extra, "--max-tokens", 16, "--ignore-eos", "--temperature", 0,
+                "--json", "def add(a, b):")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["token_ids"] == plain
 
@@ -101,7 +101,7 @@ def test_vocabulary_mismatch_and_bad_config(target_dir, ckpt_factory, tmp_path):
 @pytest.mark.slow
 def test_compare_reports_speedup_and_identity(target_dir, draft_dir):
     r = run("generate", "--target", target_dir, "--draft", draft_dir, "--max-tokens", 10, "--ignore-eos", "--compare",
-            "--json", "def add(a, b):")
+            "--temperature", 0, "--json", "def add(a, b):")
     assert r.returncode == 0, r.stderr
     cmp_ = json.loads(r.stdout)["compare"]
     assert cmp_["identical"] is True and cmp_["speedup"] > 0

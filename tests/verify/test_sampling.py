@@ -1,6 +1,6 @@
 """SamplingParams validation and the pure functions of quickdraft/sampling.py:
-process_logits (temperature, top-k, top-p, min-p, greedy), race / sample and the seeded
-per-request generators."""
+process_logits (temperature, top-k, top-p, min-p, greedy), race and the counter-based
+per-request randomness (StepRandom)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from quickdraft import QuickdraftError
-from quickdraft.sampling import (
-    BatchSampling,
-    SamplingParams,
-    exponential_noise,
-    make_generator,
-    process_logits,
-    race,
-    sample,
-    uniform_noise,
-)
+from quickdraft.sampling import BatchSampling, SamplingParams, StepRandom, Stream, process_logits, race, seed_key
 
 CPU = torch.device("cpu")
 
@@ -61,6 +52,7 @@ BAD_PARAMS = [
     (dict(temperature=math.nan), "temperature"),
     (dict(temperature=math.inf), "temperature"),
     (dict(temperature=-math.inf), "temperature"),
+    (dict(temperature=100.5), "temperature"),
     (dict(temperature="1.0"), "temperature"),
     (dict(temperature=None), "temperature"),
     (dict(top_p=0), "top_p"),
@@ -124,7 +116,7 @@ def test_seed_out_of_64_bit_range_rejected_or_usable(seed):
     except QuickdraftError as e:  # rejecting it at validation is fine
         assert "seed" in str(e)
         return
-    make_generator(params.seed, CPU)  # otherwise a validated seed must be usable
+    StepRandom([seed_key(params.seed)], [0], CPU).exponential(Stream.SAMPLE, 4)  # else it must be usable
 
 
 def test_quickdraft_error_is_value_error():
@@ -388,58 +380,42 @@ def test_race_one_hot_is_deterministic():
         assert race(w, torch.empty(3, 4).exponential_(generator=g)).tolist() == [3, 0, 2]
 
 
-def test_sample_follows_probs():
+def test_race_with_step_random_follows_probs():
+    """What the engine samples with: race over one StepRandom row per request."""
     n = 20_000
     probs = torch.tensor([0.1, 0.6, 0.3])
-    g = make_generator(6, CPU)
-    tokens = sample(probs.expand(n, 3), [g] * n)
+    rnd = StepRandom([seed_key(6)] * n, list(range(n)), CPU)  # n positions of one request
+    tokens = race(probs.expand(n, 3), rnd.exponential(Stream.SAMPLE, 3))
     assert gof_pvalue(tokens, probs) > 1e-3
     assert gof_pvalue(tokens, [0.15, 0.55, 0.3]) < 1e-6
 
 
 def test_same_seed_same_draws_different_seed_different_draws():
-    probs = torch.full((1, 50), 1 / 50)
-
     def draws(seed):
-        g = make_generator(seed, CPU)
-        return torch.cat([sample(probs, [g]) for _ in range(20)])
+        rnd = StepRandom([seed_key(seed)] * 20, list(range(20)), CPU)
+        return race(torch.full((20, 50), 1 / 50), rnd.exponential(Stream.SAMPLE, 50))
 
     assert torch.equal(draws(123), draws(123))
     assert not torch.equal(draws(123), draws(124))
-    g1, g2 = make_generator(7, CPU), make_generator(7, CPU)
-    assert torch.equal(exponential_noise([g1], 8, CPU), exponential_noise([g2], 8, CPU))
-    assert torch.equal(uniform_noise([g1], 8, CPU), uniform_noise([g2], 8, CPU))
+    a, b = StepRandom([seed_key(7)], [3], CPU), StepRandom([seed_key(7)], [3], CPU)
+    assert torch.equal(a.exponential(Stream.FINAL, 8), b.exponential(Stream.FINAL, 8))
+    assert torch.equal(a.uniform(Stream.ACCEPT, 8), b.uniform(Stream.ACCEPT, 8))
 
 
-def test_unseeded_generators_differ():
-    a, b = make_generator(None, CPU), make_generator(None, CPU)
-    assert not torch.equal(torch.rand(16, generator=a), torch.rand(16, generator=b))
-
-
-def test_seeded_row_independent_of_batch():
-    """A seeded request draws the same tokens whatever else shares its batch."""
-    V = 30
-    probs = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(8)), -1)
-
-    def run(batch_seeds):
-        gens = [make_generator(s, CPU) for s in batch_seeds]
-        return torch.stack([sample(probs[: len(gens)], gens) for _ in range(10)], 1)  # (B, 10)
-
-    alone = run([42])[0]
-    assert torch.equal(run([42, 1, 2])[0], alone)
-    assert torch.equal(run([42, None])[0], alone)
-    assert not torch.equal(run([43])[0], alone)
+def test_unseeded_requests_differ():
+    a, b = StepRandom([seed_key(None)], [0], CPU), StepRandom([seed_key(None)], [0], CPU)
+    assert not torch.equal(a.exponential(Stream.SAMPLE, 16), b.exponential(Stream.SAMPLE, 16))
 
 
 def test_noise_shapes_and_ranges():
-    gens = [make_generator(s, CPU) for s in range(4)]
-    e = exponential_noise(gens, 1000, CPU)
-    u = uniform_noise(gens, 1000, CPU)
+    rnd = StepRandom([seed_key(s) for s in range(4)], [0] * 4, CPU)
+    e = rnd.exponential(Stream.FINAL, 1000)
+    u = rnd.uniform(Stream.ACCEPT, 1000)
     assert e.shape == u.shape == (4, 1000)
     assert (e >= 0).all() and ((u >= 0) & (u < 1)).all()
     assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
     assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
-    assert not torch.equal(e[0], e[1])  # rows come from their own generators
+    assert not torch.equal(e[0], e[1])  # rows have their own keys
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-38, 1e-300, 5e-324, 1e-7, 9.9e-6])
@@ -454,7 +430,7 @@ def test_tiny_temperatures_are_greedy_never_nan(temperature):
     probs = process_logits(logits, s)
     assert not torch.isnan(probs).any()
     assert torch.equal(probs[0::2], torch.nn.functional.one_hot(logits[0::2].argmax(-1), 50).float())
-    tokens = sample(probs, [make_generator(i, CPU) for i in range(4)])
+    tokens = race(probs, StepRandom([seed_key(i) for i in range(4)], [0] * 4, CPU).exponential(Stream.SAMPLE, 50))
     assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
 
 
@@ -475,11 +451,7 @@ def test_huge_top_k_is_off(top_k):
 
 def test_seeds_use_all_64_bits():
     """PyTorch's CPU generator keeps the low 32 bits of a seed: s and s + 2**32 were one stream."""
-    from quickdraft.sampling import StepRandom, seed_key
-
     for s in (0, 7, 2**31 + 5):
-        a, b = make_generator(s, CPU), make_generator(s + 2**32, CPU)
-        assert not torch.equal(torch.rand(16, generator=a), torch.rand(16, generator=b))
         ra, rb = StepRandom([seed_key(s)], [5], CPU), StepRandom([seed_key(s + 2**32)], [5], CPU)
         assert not torch.equal(ra.exponential(1, 32), rb.exponential(1, 32))
         assert not torch.equal(ra.uniform(3, 8), rb.uniform(3, 8))
@@ -487,8 +459,6 @@ def test_seeds_use_all_64_bits():
 
 
 def test_step_random_rows_depend_on_their_own_key_and_position_only():
-    from quickdraft.sampling import StepRandom, Stream, seed_key
-
     keys = [seed_key(s) for s in (1, 2, 3)]
     alone = StepRandom(keys[:1], [10], CPU)
     batch = StepRandom([keys[2], keys[0], keys[1]], [4, 10, 99], CPU)

@@ -1,4 +1,4 @@
-"""Chain verification: `greedy_verify` and `rejection_sample` (quickdraft/verify.py).
+"""Chain verification: `greedy_verify_host` and `rejection_sample` (quickdraft/verify.py).
 
 The distribution tests run many independent trials at once: a large batch of identical
 rows (the same p and q), a draft token sampled from q in every row, and fresh U[0, 1)
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from quickdraft.sampling import BatchSampling, SamplingParams, process_logits, race
-from quickdraft.verify import greedy_verify, greedy_verify_host, rejection_sample
+from quickdraft.verify import greedy_verify_host, rejection_sample
 
 N = 200_000  # trials per distribution test
 PASS = 1e-3  # a correct distribution must give a p-value above this
@@ -402,7 +402,28 @@ def test_k0_samples_from_target():
     assert tokens_none.shape == (N, 1) and (acc_none == 0).all()
 
 
-# ------------------------------------------------------------------ greedy_verify
+# ------------------------------------------------------------------ greedy verification
+
+
+def greedy_reference(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy rule as tensors, written independently of quickdraft: accept drafts while
+    they equal the target's argmax, then the target's own choice. Returns tokens (B, k + 1)
+    padded with -1 and num_accepted (B,), the verifiers' output format."""
+    B, k = draft_tokens.shape
+    num_accepted = (draft_tokens == target_argmax[:, :k]).long().cumprod(-1).sum(-1)
+    tokens = torch.full((B, k + 1), -1, dtype=torch.long)
+    for b in range(B):
+        n = int(num_accepted[b])
+        tokens[b, :n] = draft_tokens[b, :n]
+        tokens[b, n] = target_argmax[b, n]
+    return tokens, num_accepted
+
+
+def greedy_host(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_verify_host (the engine's greedy verifier) in the verifiers' tensor format."""
+    k = draft_tokens.shape[1]
+    tokens, acc = greedy_verify_host(draft_tokens.tolist(), target_argmax.tolist())
+    return torch.tensor([t + [-1] * (k + 1 - len(t)) for t in tokens]), torch.tensor(acc)
 
 
 def test_greedy_worked_examples():
@@ -420,7 +441,7 @@ def test_greedy_worked_examples():
         [1, 5, 3, 4],
         [7, 7, 7, 7],
     ])
-    tokens, acc = greedy_verify(draft, target_argmax)
+    tokens, acc = greedy_host(draft, target_argmax)
     assert acc.tolist() == [3, 0, 2, 1, 3]
     assert tokens.tolist() == [
         [1, 2, 3, 4],
@@ -433,23 +454,23 @@ def test_greedy_worked_examples():
 
 
 def test_greedy_single_row_and_k1():
-    tokens, acc = greedy_verify(torch.tensor([[5]]), torch.tensor([[5, 9]]))
+    tokens, acc = greedy_host(torch.tensor([[5]]), torch.tensor([[5, 9]]))
     assert tokens.tolist() == [[5, 9]] and acc.tolist() == [1]
-    tokens, acc = greedy_verify(torch.tensor([[5]]), torch.tensor([[6, 9]]))
+    tokens, acc = greedy_host(torch.tensor([[5]]), torch.tensor([[6, 9]]))
     assert tokens.tolist() == [[6, -1]] and acc.tolist() == [0]
 
 
 @settings(max_examples=80, deadline=None)
 @given(B=st.integers(1, 6), k=st.integers(0, 6), V=st.integers(2, 4), seed=st.integers(0, 2**31 - 1))
-def test_greedy_on_host_lists_decides_as_greedy_verify(B, k, V, seed):
+def test_greedy_on_host_lists_decides_as_the_reference(B, k, V, seed):
     """The engine's all-greedy steps decide on host lists (greedy_verify_host): the same tokens
-    and counts as the tensor verifier, chains ending early (-1) included."""
+    and counts as the greedy rule written as tensors, chains ending early (-1) included."""
     g = torch.Generator().manual_seed(seed)
     draft = torch.randint(0, V, (B, k), generator=g)
     ends = torch.randint(0, k + 1, (B,), generator=g)
     draft = torch.where(torch.arange(k) < ends[:, None], draft, -1)
     target = torch.randint(0, V, (B, k + 1), generator=g)
-    tokens, acc = greedy_verify(draft, target)
+    tokens, acc = greedy_reference(draft, target)
     host_tokens, host_acc = greedy_verify_host(draft.tolist(), target.tolist())
     assert host_acc == acc.tolist()
     assert host_tokens == [row[:n + 1] for row, n in zip(tokens.tolist(), host_acc)]
@@ -457,7 +478,7 @@ def test_greedy_on_host_lists_decides_as_greedy_verify(B, k, V, seed):
 
 def test_greedy_k0_emits_one_token_per_row():
     draft = torch.empty(3, 0, dtype=torch.long)
-    tokens, acc = greedy_verify(draft, torch.tensor([[4], [0], [2]]))
+    tokens, acc = greedy_host(draft, torch.tensor([[4], [0], [2]]))
     assert tokens.tolist() == [[4], [0], [2]]
     assert acc.tolist() == [0, 0, 0]
 
@@ -467,7 +488,7 @@ def test_greedy_k0_emits_one_token_per_row():
        match=st.floats(0.0, 1.0))
 def test_rejection_sample_one_hot_equals_greedy(B, k, V, seed, match):
     """Greedy rows (one-hot p from process_logits at temperature 0) make rejection_sample
-    exactly greedy_verify, whatever the noise, with a one-hot q, with q = None, and even
+    exactly the greedy rule (greedy_verify_host), whatever the noise, with a one-hot q, with q = None, and even
     with a non-degenerate q (a sampling draft verified by a greedy target)."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, k + 1, V, generator=g)
@@ -480,7 +501,7 @@ def test_rejection_sample_one_hot_equals_greedy(B, k, V, seed, match):
     uniform = torch.rand(B, k, generator=g)
     noise = torch.empty(B, V).exponential_(generator=g)
     q_soft = torch.softmax(torch.randn(B, k, V, generator=g), -1)  # a sampled draft against a greedy target
-    expected = greedy_verify(draft, target_argmax)
+    expected = greedy_host(draft, target_argmax)
     for draft_probs in (q, None, q_soft):
         tokens, acc = rejection_sample(draft, p, draft_probs, uniform, noise)
         assert torch.equal(tokens, expected[0])
