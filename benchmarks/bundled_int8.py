@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from quickdraft import LLM, SamplingParams, load_model  # noqa: E402
+from quickdraft.bench.hardware import provenance  # noqa: E402
 from quickdraft.model.eagle3 import load_eagle3  # noqa: E402
 from quickdraft.model.tokenizer import Tokenizer, eos_token_ids  # noqa: E402
 from quickdraft.train.corpus import load_corpus  # noqa: E402
@@ -68,13 +67,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--speed-prompts", type=int, default=4, help="prompts timed at batch 1, 128 new tokens each")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true", help="a smoke test: 2 windows, 8 new tokens, 1 prompt")
     args = ap.parse_args()
+    new_tokens, speed_tokens, n_windows = (8, 8, 2) if args.tiny else (64, 128, 64)
+    if args.tiny:
+        args.prompts = args.head_prompts = args.speed_prompts = 1
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     tok = Tokenizer.from_dir(SHIPPED / "target")
     corpus = load_corpus()
     prompts = [tok.encode(p) for p in opening_prompts(corpus.heldout, args.prompts)]
-    windows = heldout_windows(tok, corpus)
+    windows = heldout_windows(tok, corpus, n_windows)
     result: dict = {"rows": {}}
     for label, folder in (("bfloat16 (original)", args.original), ("int8 (shipped)", SHIPPED)):
         target, draft = load_model(folder / "target"), load_model(folder / "draft")
@@ -82,8 +85,8 @@ def main() -> None:
         row = {
             "target_heldout_loss": round(evaluate(target, windows, 16, torch.device("cpu"), False), 4),
             "draft_heldout_loss": round(evaluate(draft, windows, 16, torch.device("cpu"), False), 4),
-            "draft_acceptance": measure_acceptance(target, draft, prompts, k=5, max_tokens=64),
-            "head_acceptance": measure_head(target, head, prompts[:args.head_prompts], k=5, max_tokens=64),
+            "draft_acceptance": measure_acceptance(target, draft, prompts, k=5, max_tokens=new_tokens),
+            "head_acceptance": measure_head(target, head, prompts[:args.head_prompts], k=5, max_tokens=new_tokens),
         }
         result["rows"][label] = row
         print(label, json.dumps(row), flush=True)
@@ -93,24 +96,15 @@ def main() -> None:
         order = [("bfloat16 (original)", args.original), ("int8 (shipped)", SHIPPED)]
         for label, folder in (order if r % 2 == 0 else order[::-1]):
             for method in ("none", "draft"):
-                timing.setdefault(f"{label} {method}", []).extend(speed(folder, prompts[:args.speed_prompts], method, 1, 128))
+                timing.setdefault(f"{label} {method}", []).extend(speed(folder, prompts[:args.speed_prompts], method, 1, speed_tokens))
     result["tokens_per_second"] = {k: round(statistics.median(v), 1) for k, v in timing.items()}
     result["speedup_draft_vs_plain"] = {
         label: round(statistics.median([d / p for d, p in zip(timing[f"{label} draft"], timing[f"{label} none"])]), 3)
         for label in ("bfloat16 (original)", "int8 (shipped)")}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor())
-    flags = Path("/proc/cpuinfo").read_text()
-    feats = [f for f, key in (("AVX-512", " avx512f"), ("AVX512_BF16", " avx512_bf16"), ("AVX2", " avx2"),
-                              ("AMX", " amx_tile")) if key in flags]
-    result["provenance"] = {"command": " ".join(["python"] + sys.argv), "commit": commit,
-                            "date": time.strftime("%Y-%m-%d"), "cpu": cpu, "cpu_features": feats,
-                            "threads": args.threads, "torch": torch.__version__,
-                            "load_before": load_before, "load_after": os.getloadavg()}
+    result["provenance"] = provenance("cpu", args.threads, sys.argv, load_before)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "provenance"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -47,13 +47,15 @@ def peer_name(method: str, k: int) -> str:
 
 
 def load_hf(folder: Path, dtype, device):
+    from ..model.compressed import transformers_kwargs
+
     import transformers
     from transformers import AutoModelForCausalLM
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
     try:
-        return AutoModelForCausalLM.from_pretrained(folder, **{key: dtype}).to(device).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, **{key: dtype}, **transformers_kwargs(folder)).to(device).eval()
     except (OSError, ValueError) as exc:
         raise QuickdraftError(f"transformers cannot load {folder}: {str(exc).splitlines()[0]}") from None
 

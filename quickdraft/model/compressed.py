@@ -118,6 +118,21 @@ class _Slice:
         return dequantize(q, s, torch.float32, f"{self.reader.path}: {self.name}")[:, cols]
 
 
+def transformers_kwargs(folder: str | Path) -> dict:
+    """What transformers' from_pretrained needs to load `folder` as the float model quickdraft
+    loads: for a compressed-tensors checkpoint, dequantised weights (the `compressed-tensors`
+    package must be installed); nothing for another folder."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if scheme(config) is None:
+        return {}
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
+
+
 def open_weights(handle, path: Path, quantised: Int8Scheme | None):
     """The handle as the float checkpoint it stands for (itself when nothing is quantised)."""
     return handle if quantised is None else Int8Reader(handle, path)

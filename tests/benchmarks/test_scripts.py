@@ -65,6 +65,10 @@ SMOLLM2 = [pytest.mark.smollm2, pytest.mark.slow]
 CASES: dict[str, Case] = {
     "ar_vs_transformers.py": Case(["--repeats", "1", "--warmup", "0", "--new-tokens", "4", "--prompt-len", "8",
                                    "--out-dir", "{out}"], ["ar_vs_transformers_cpu.json", "ar_vs_transformers_cpu.md"]),
+    "ab_commits.py": Case(["--a", str(ROOT), "--b", str(ROOT), "--repeats", "1", "--tokens", "4", "--configs",
+                           "bundled plain", "--out-dir", "{out}", "--name", "ab"], ["ab.json", "ab.md"]),
+    "bundled_int8.py": Case(["--original", str(ROOT / "quickdraft" / "default_models"), "--tiny", "--repeats", "1",
+                             "--out-dir", "{out}", "--name", "b8"], ["b8.json"]),
     "attention.py": Case(["--threads", "1", "--models", "bundled", "--keys", "16", "--rows", "1", "2", "--repeats", "1",
                           "--calls", "1", "--out", "{out}/attention.json"], ["attention.json"]),
     "blocked_rows.py": Case(["--tiny", "--out", "{out}/blocked_rows.txt"], ["blocked_rows.txt"]),

@@ -53,11 +53,11 @@ def test_transformers_loads_the_same_model(folder):
     """transformers reads the bundled int8 (compressed-tensors) folders too, dequantising them."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from quickdraft.model.compressed import transformers_kwargs
 
     ids = torch.tensor([[0, 100, 200, 300, 400]])
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                               quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **transformers_kwargs(folder)).eval()
     with torch.no_grad():
         # transformers multiplies int8 by the float16 scales in float16; quickdraft in float32
         assert (load_model(folder)(ids) - ref(ids).logits).abs().max().item() <= 1e-2
