@@ -22,7 +22,7 @@ import torch
 
 from .cache import KVCache, to_device
 from .config import EngineConfig
-from .errors import QuickdraftError
+from .errors import ContextLengthError, QuickdraftError
 from .metrics import SpecStats
 from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks
@@ -218,25 +218,28 @@ class Engine:
         prompt = list(prompt_token_ids)
         vocab = self.target.config.vocab_size
         if not prompt:
-            raise QuickdraftError("prompt is empty")
+            raise QuickdraftError("prompt is empty", field="prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
-            raise QuickdraftError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise QuickdraftError(
+            raise QuickdraftError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        if len(prompt) + params.max_tokens > self.max_model_len:  # the prompt's fault if no max_tokens fits
+            raise ContextLengthError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(prompt) + params.max_tokens} exceeds the model's context length ({self.max_model_len})")
+                f"{len(prompt) + params.max_tokens} exceeds the model's context length ({self.max_model_len})",
+                field="prompt" if len(prompt) >= self.max_model_len else "max_tokens")
         if params.prompt_logprobs is not None and getattr(self.target, "split_head", False):
             raise QuickdraftError("prompt_logprobs need the whole lm_head on rank 0; this tensor-parallel target splits "
-                                  "it by vocabulary (tensor_parallel_options lm_head='vocab'): use lm_head='rank0'")
+                                  "it by vocabulary (tensor_parallel_options lm_head='vocab'): use lm_head='rank0'",
+                                  field="prompt_logprobs")
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise QuickdraftError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+            raise QuickdraftError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
+                                  field="logit_bias")
         if params.stop and self.tokenizer is None:
-            raise QuickdraftError("stop strings need a tokenizer; this model folder has none")
+            raise QuickdraftError("stop strings need a tokenizer; this model folder has none", field="stop")
         if num_speculative_tokens is not None and (
                 isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int)
                 or not 0 <= num_speculative_tokens <= self.k):
             raise QuickdraftError(f"num_speculative_tokens must be an integer in [0, {self.k}] "
-                                  f"(the engine's k), got {num_speculative_tokens!r}")
+                                  f"(the engine's k), got {num_speculative_tokens!r}", field="num_speculative_tokens")
         return prompt
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -112,10 +112,10 @@ def field_problem(name: str, value) -> str | None:
 
 
 def check_field(name: str, value):
-    """`value` if valid for the sampling field `name`, else QuickdraftError("invalid NAME: ...")."""
+    """`value` if valid for the sampling field `name`, else QuickdraftError("invalid NAME: ...", field=NAME)."""
     problem = field_problem(name, value)
     if problem is not None:
-        raise QuickdraftError(f"invalid {name}: {problem}, got {value!r}")
+        raise QuickdraftError(f"invalid {name}: {problem}, got {value!r}", field=name)
     return value
 
 
@@ -141,7 +141,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> QuickdraftError:
-            return QuickdraftError(f"invalid {field}: {msg}")
+            return QuickdraftError(f"invalid {field}: {msg}", field=field)
 
         for name in FIELD_CHECKS:
             value = getattr(self, name)

@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine import RequestOutput
-from ..errors import QuickdraftError
+from ..errors import ContextLengthError, QuickdraftError
 from ..sampling import SamplingParams
 from . import logprobs as lpfmt
 from .access import add_access_control
@@ -222,7 +222,7 @@ def _prepare_completion(state: ServerState, body: bytes) -> _Prepared:
             echo.append(None)
         prompts.append(p)
     max_tokens = SamplingParams.max_tokens if req.max_tokens is None else req.max_tokens  # 16, as OpenAI
-    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts), "prompt")  # checks the token ids
+    subs = _subs(engine.engine, req, prompts, [max_tokens] * len(prompts))  # checks the token ids
     if not req.echo:
         return _Prepared(req, subs, prompts)
     # a prompt sent as token ids is echoed as their text (special tokens included)
@@ -246,7 +246,7 @@ def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
     limit = req.max_completion_tokens or req.max_tokens
     if limit is None:
         limit = max(1, engine.engine.max_model_len - len(prompt))  # _check names the messages if none is left
-    subs = _subs(engine.engine, req, [prompt], [limit], "messages")
+    subs = _subs(engine.engine, req, [prompt], [limit])
     return _Prepared(req, subs, [prompt])
 
 
@@ -309,14 +309,14 @@ def _check_model(state: ServerState, model: str) -> None:
                        "model", code="model_not_found")
 
 
-def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int], prompt_param: str) -> list[_Sub]:
+def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int]) -> list[_Sub]:
     """The engine requests of one HTTP request: n choices per prompt, each prompt checked once."""
     subs = []
     for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
         for j in range(req.n):
             params = _sampling(req, mt, j)
             if j == 0:
-                _check(engine, prompt, params, req.num_speculative_tokens, prompt_param)
+                _check(engine, req, prompt, params)
             subs.append(_Sub(i * req.n + j, prompt, params))
     return subs
 
@@ -336,7 +336,7 @@ def _sampling(req, max_tokens: int, seed_offset: int) -> SamplingParams:
             **given, max_tokens=max_tokens, seed=seed, stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos,
             logit_bias=req.logit_bias_ids(), logprobs=req.wanted_logprobs(), prompt_logprobs=_prompt_logprobs(req))
     except QuickdraftError as exc:
-        raise _param_error(exc) from None
+        raise _param_error(exc, req) from None
 
 
 def _prompt_logprobs(req) -> int | None:
@@ -347,26 +347,34 @@ def _prompt_logprobs(req) -> int | None:
     return max(wanted) if wanted else None
 
 
-def _param_error(exc: QuickdraftError) -> APIError:
-    text = str(exc)
-    param = text[len("invalid "):].split(":", 1)[0] if text.startswith("invalid ") else None
-    return APIError(400, text, param)
+def _param_error(exc: QuickdraftError, req) -> APIError:
+    """A library error about a request as a 400 naming its field as the body spells it."""
+    return APIError(400, str(exc), _body_field(exc.field, req),
+                    code="context_length_exceeded" if isinstance(exc, ContextLengthError) else None)
 
 
-def _check(engine, prompt: list[int], params: SamplingParams, k: int | None, prompt_param: str) -> None:
+def _body_field(field: str | None, req) -> str | None:
+    """The request body's name for a library field (SamplingParams', Engine.check_request's)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    if field == "prompt":
+        return "messages" if chat else "prompt"
+    if field == "max_tokens" and chat and req.max_completion_tokens is not None:
+        return "max_completion_tokens"  # the one the limit came from (it wins over max_tokens)
+    if field == "prompt_logprobs" and req.prompt_logprobs is None:
+        return "echo"  # completions' echo with logprobs asks for the prompt's
+    return field
+
+
+def _check(engine, req, prompt: list[int], params: SamplingParams) -> None:
     if len(prompt) >= engine.max_model_len:  # no max_tokens could make it fit: name the prompt
-        what = "messages take" if prompt_param == "messages" else "prompt takes"
+        what = "messages take" if isinstance(req, ChatCompletionRequest) else "prompt takes"
         raise APIError(400, f"the {what} {len(prompt)} tokens, the model's context length is "
-                       f"{engine.max_model_len}: no room to answer", prompt_param, code="context_length_exceeded")
+                       f"{engine.max_model_len}: no room to answer", _body_field("prompt", req),
+                       code="context_length_exceeded")
     try:
-        engine.check_request(prompt, params, k)
+        engine.check_request(prompt, params, req.num_speculative_tokens)
     except QuickdraftError as exc:
-        text = str(exc)
-        param = ("max_tokens" if "context length" in text else
-                 "num_speculative_tokens" if "num_speculative_tokens" in text else
-                 "stop" if "stop" in text else "logit_bias" if "logit_bias" in text else prompt_param)
-        raise APIError(400, text, param, code="context_length_exceeded" if "context length" in text else None) \
-            from None
+        raise _param_error(exc, req) from None
 
 
 # ---- engine outputs -> responses ---------------------------------------------------------

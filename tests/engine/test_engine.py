@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, QuickdraftError, SamplingParams
+from quickdraft.errors import ContextLengthError
 
 PROMPTS = [[0, 5, 7, 9, 11], [0, 3], [0, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -154,12 +155,32 @@ def test_stats_fields(target_dir, draft_dir):
 
 def test_bad_inputs(target_dir, draft_dir, ckpt_factory, tmp_path):
     llm = LLM(target_dir, method="none")
-    with pytest.raises(QuickdraftError, match="empty"):
+    # each error about a request carries its field (the server names it in its 400)
+    with pytest.raises(QuickdraftError, match="empty") as info:
         llm.generate([[]], GREEDY)
-    with pytest.raises(QuickdraftError, match=r"\[0, 384\)"):
+    assert info.value.field == "prompt"
+    with pytest.raises(QuickdraftError, match=r"\[0, 384\)") as info:
         llm.generate([[0, 999]], GREEDY)
-    with pytest.raises(QuickdraftError, match="512"):
+    assert info.value.field == "prompt"
+    with pytest.raises(ContextLengthError, match="512") as info:
         llm.generate([[0, 1]], SamplingParams(max_tokens=600))
+    assert info.value.field == "max_tokens"
+    with pytest.raises(ContextLengthError, match="512") as info:  # no max_tokens could fit: the prompt's fault
+        llm.generate([[0] * 512], SamplingParams(max_tokens=1))
+    assert info.value.field == "prompt"
+    with pytest.raises(QuickdraftError, match="logit_bias") as info:
+        llm.generate([[0, 1]], SamplingParams(logit_bias={384: 1.0}))
+    assert info.value.field == "logit_bias"
+    with pytest.raises(QuickdraftError, match="num_speculative_tokens") as info:
+        llm.engine.check_request([0, 1], GREEDY, num_speculative_tokens=1)  # method none: k is 0
+    assert info.value.field == "num_speculative_tokens"
+    llm.engine.target.split_head = True  # as a tensor-parallel target with lm_head='vocab'
+    try:
+        with pytest.raises(QuickdraftError, match="lm_head") as info:
+            llm.engine.check_request([0, 1], SamplingParams(prompt_logprobs=1))
+        assert info.value.field == "prompt_logprobs"
+    finally:
+        del llm.engine.target.split_head
     with pytest.raises(QuickdraftError, match="one per prompt"):
         llm.generate(PROMPTS, [GREEDY])
     other = ckpt_factory("vocab400", vocab=400)
@@ -181,8 +202,9 @@ def test_folder_without_tokenizer_takes_token_ids(ckpt_factory):
     assert len(llm.generate([[0, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     with pytest.raises(QuickdraftError, match="token ids"):
         llm.generate(["text"], GREEDY)
-    with pytest.raises(QuickdraftError, match="tokenizer"):
+    with pytest.raises(QuickdraftError, match="tokenizer") as info:
         llm.generate([[0, 1]], SamplingParams(stop=["x"]))
+    assert info.value.field == "stop"
 
 
 def test_requests_joining_and_leaving_a_running_batch(target_dir, draft_dir, plain_out):

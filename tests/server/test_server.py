@@ -330,6 +330,13 @@ def test_context_length_errors_give_both_numbers(server):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": [0] * 500, "max_tokens": 100})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and "500" in msg and "100" in msg and "512" in msg
+    assert r.json()["error"]["param"] == "max_tokens" and r.json()["error"]["code"] == "context_length_exceeded"
+    # a chat names the limit field its body used
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = post(server, "/v1/chat/completions",
+                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], field: 600})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and err["code"] == "context_length_exceeded", err
     r = post(server, "/v1/chat/completions",
              {"model": MODEL, "messages": [{"role": "user", "content": "x " * 600}]})
     assert r.status_code == 400 and "512" in r.json()["error"]["message"]
@@ -342,6 +349,29 @@ def test_context_length_errors_give_both_numbers(server):
     assert err["code"] == "context_length_exceeded"
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": [0] * 512, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_engine_errors_name_their_field(ckpt_factory):
+    """Errors Engine.check_request raises carry their field, which the 400 names as the body spells it
+    (here the ones the module's server cannot raise: it has a tokenizer and the whole lm_head)."""
+    from quickdraft.server.app import ServerState
+
+    def load():
+        llm = LLM(ckpt_factory("notok", tokenizer=False), method="none")
+        llm.engine.target.split_head = True  # as a tensor-parallel target with lm_head='vocab'
+        return llm
+
+    ts = ThreadServer(ServerState(load, MODEL))
+    try:
+        base = {"model": MODEL, "prompt": [0, 5, 7], "max_tokens": 4}
+        for extra, param in [({"stop": "x"}, "stop"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+                             ({"echo": True, "logprobs": 1}, "echo"), ({"num_speculative_tokens": 1},
+                                                                       "num_speculative_tokens")]:
+            r = post(ts, "/v1/completions", {**base, **extra})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and err["code"] is None, (extra, err)
+    finally:
+        ts.stop()
 
 
 def test_unknown_route_and_method(server):

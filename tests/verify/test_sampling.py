@@ -96,7 +96,7 @@ def test_bad_params_raise_naming_the_field(kwargs, field):
     with pytest.raises(QuickdraftError) as info:
         SamplingParams(**kwargs)
     assert isinstance(info.value, ValueError)
-    assert field in str(info.value)
+    assert field in str(info.value) and info.value.field == field
     # the message names the offending field, not some other one
     others = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "ignore_eos"} - {field}
     assert not any(f"invalid {o}" in str(info.value) for o in others)
@@ -121,6 +121,16 @@ def test_seed_out_of_64_bit_range_rejected_or_usable(seed):
 
 def test_quickdraft_error_is_value_error():
     assert issubclass(QuickdraftError, ValueError)
+
+
+def test_quickdraft_error_field_keeps_the_message():
+    import pickle
+
+    exc = QuickdraftError("invalid top_p: must be in (0, 1]", field="top_p")
+    assert str(exc) == "invalid top_p: must be in (0, 1]" and exc.args == ("invalid top_p: must be in (0, 1]",)
+    assert exc.field == "top_p" and QuickdraftError("no field").field is None
+    again = pickle.loads(pickle.dumps(exc))  # across processes (tensor-parallel ranks, deploy) too
+    assert str(again) == str(exc) and again.field == "top_p"
 
 
 @pytest.mark.parametrize("kwargs", [
