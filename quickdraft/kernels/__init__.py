@@ -195,15 +195,17 @@ def _build(build: Path) -> None:
     if shutil.which("ninja") is None:  # the `ninja` package's binary sits beside this Python
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     lock, lib = build / _LOCK, build / LIBRARY
-    waiting = False
+    waiting = announced = False
     while not lib.exists():
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
             stale = _stale(lock)
             if stale:
-                log.warning("quickdraft: the kernel build lock in %s is stale (%s): removed, building again", build, stale)
+                log.warning("quickdraft: the kernel build lock in %s is stale (%s): removed; building the kernels "
+                            "again (about 15-40 s)", build, stale)
                 lock.unlink(missing_ok=True)
+                announced = True
             else:
                 if not waiting:
                     log.warning("quickdraft: waiting for another process's kernel build in %s (at most %d s)",
@@ -218,7 +220,8 @@ def _build(build: Path) -> None:
                 shutil.rmtree(old, ignore_errors=True)
             if lib.exists():
                 return
-            log.warning("quickdraft: building its CPU kernels (once, about 15-40 s) in %s", build)
+            if not announced:
+                log.warning("quickdraft: building its CPU kernels (once, about 15-40 s) in %s", build)
             tmp = Path(tempfile.mkdtemp(prefix="build-", dir=build))
             try:
                 cpp_extension.load(name="qd_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
