@@ -193,28 +193,41 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Eight floats at p, of which `left` are real (the rest neither read nor written). Whole vectors
+// take plain loads and stores: AMD's masked stores cost several times a store.
+__attribute__((target("avx2,fma"))) inline __m256 load_left(const float* p, int64_t left) {
+  return left >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_below(left));
+}
+__attribute__((target("avx2,fma"))) inline void store_left(float* p, __m256 v, int64_t left) {
+  if (left >= 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, lanes_below(left), v);
+}
+
 // MR rows x outputs [c0, c0 + 8V) of one block (the block's first `ncols` outputs are real): the
-// same sums as block_rows, 8 outputs a vector. MR * V sums + MR broadcasts fit the 16 registers
-// for (MR, V) = (1, 8), (3, 4) (the weights are FMA memory operands or one register at a time).
+// same sums as block_rows, 8 outputs a vector. MR * V sums + MR broadcasts + a weight vector fit
+// the 16 registers for (MR, V) = (1, 8), (3, 4), (2, 4).
 template <typename W, int MR, int V>
 __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t ldx, const W* wb, int64_t K,
                                                          int64_t c0, const float* scale, const float* bias, float* y,
-                                                         int64_t ldy, int64_t ncols) {
+                                                         int64_t ldy, int64_t ncols, bool prefetch) {
   constexpr bool scaled = !std::is_same<W, float>::value;
   __m256 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 8 * j;
-    const __m256 b = (bias && !scaled) ? _mm256_maskload_ps(bias + o, lanes_below(ncols - o)) : _mm256_setzero_ps();
+    const __m256 b = (bias && !scaled) ? load_left(bias + o, ncols - o) : _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
-  constexpr int bytes = int(8 * V * sizeof(W));  // per k, from byte c0 * sizeof(W) of the block row
   for (int64_t k = 0; k < K; ++k) {
     const W* src = wb + k * NB + c0;
-    const char* ahead = reinterpret_cast<const char*>(src) + PF;
+    if (prefetch) {  // the whole block row (the first of the calls that share it)
+      const char* ahead = reinterpret_cast<const char*>(wb + k * NB) + PF;
 #pragma GCC unroll 4
-    for (int line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
     __m256 xv[MR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
@@ -227,17 +240,16 @@ __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t
   }
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
-    const int64_t o = c0 + 8 * j;
-    if (ncols - o <= 0) break;
-    const __m256i mask = lanes_below(ncols - o);
-    __m256 s = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    const int64_t o = c0 + 8 * j, left = ncols - o;
+    if (left <= 0) break;
     if (scaled) {
-      s = _mm256_maskload_ps(scale + o, mask);
-      if (bias) b = _mm256_maskload_ps(bias + o, mask);
-    }
+      const __m256 s = load_left(scale + o, left), b = bias ? load_left(bias + o, left) : _mm256_setzero_ps();
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r)
-      _mm256_maskstore_ps(y + r * ldy + o, mask, scaled ? _mm256_fmadd_ps(acc[r][j], s, b) : acc[r][j]);
+      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, _mm256_fmadd_ps(acc[r][j], s, b), left);
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, acc[r][j], left);
+    }
   }
 }
 
@@ -254,25 +266,29 @@ struct MatArgs {
 };
 
 // Blocks [b0, b1): one row reads the whole block row (8 sums); more rows take the block in two
-// halves of 32 outputs, three rows at a time (12 sums).
+// halves of 32 outputs, three rows at a time (12 sums; four rows left go as two and two: 4 sums
+// would wait on the FMA latency), the second half and the other rows reading it from L2. (Pieces
+// of 32-128 block rows with the sums kept in y between them, to read each piece from L1, were
+// measured slower: 1.2-1.7x on SmolLM2's lm_head at 2-9 rows, AMD EPYC Zen 4.)
 template <typename W>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
     const W* wb = a.w + b * a.K * NB;
     const float* s = a.scale ? a.scale + b * NB : nullptr;
     const float* bias = a.bias ? a.bias + b * NB : nullptr;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
-    if (a.M == 1) {
-      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, a.n, ncols);
+    if (M == 1) {
+      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, ld, ncols, true);
       continue;
     }
     for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
       int64_t m = 0;
-      for (; m + 3 <= a.M; m += 3)
-        block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols);
-      if (a.M - m == 2) block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols);
-      if (a.M - m == 1) block_rows_avx2<W, 1, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols);
+      for (; m + 3 <= M && M - m != 4; m += 3)
+        block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+      for (; m + 2 <= M; m += 2)
+        block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
     }
   }
 }
@@ -514,21 +530,21 @@ __attribute__((target("avx2,fma,f16c"))) void group_q4_avx2(const float* xg, int
   for (int v = 0; v < 2 * H; ++v) {
     const int64_t o = b0 + 8 * (v / 2) + 32 * (v % 2);
     if (o >= ncols) continue;
-    const __m256i mask = lanes_below(ncols - o);
+    const int64_t left = ncols - o;
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + 2 * o)));
     const __m256 of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1152 + 2 * o)));
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + o;
-      const __m256 acc = _mm256_fmadd_ps(part[r][v], sc, _mm256_maskload_ps(yr, mask));
-      _mm256_maskstore_ps(yr, mask, _mm256_fmadd_ps(_mm256_set1_ps(xs[r * G]), of, acc));
+      const __m256 acc = _mm256_fmadd_ps(part[r][v], sc, load_left(yr, left));
+      store_left(yr, _mm256_fmadd_ps(_mm256_set1_ps(xs[r * G]), of, acc), left);
     }
   }
 }
 
 // Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and piece from L1):
-// one row takes whole 32-byte rows (8 sums); more rows take 8 bytes (16 outputs) at a time, four
-// rows at once (8 sums), each widened nibble serving all four.
+// four rows at once take 8 bytes (16 outputs) at a time (8 sums), each widened nibble serving all
+// four; the one, two or three rows left take 32, 16 or 8 bytes at a time.
 __attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
@@ -544,19 +560,23 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b
         _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
       const float* xg = a.x + g * QG;
       const float* xs = a.xs + g;
-      if (M == 1) {
-        group_q4_avx2<1, 4>(xg, a.ldx, xs, G, piece, 0, y, ld, ncols);
-        continue;
-      }
-      for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) group_q4_avx2<4, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols);
-        switch (M - m) {
-          case 3: group_q4_avx2<3, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols); break;
-          case 2: group_q4_avx2<2, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols); break;
-          case 1: group_q4_avx2<1, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols); break;
-          default: break;
-        }
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
+          group_q4_avx2<4, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols);
+      const float* xm = xg + m * a.ldx;
+      float* ym = y + m * ld;
+      switch (M - m) {  // the rows left, with at least 6 sums each (fewer wait on the FMA latency)
+        case 3:
+          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
+            group_q4_avx2<3, 1>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
+          break;
+        case 2:
+          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 16)
+            group_q4_avx2<2, 2>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
+          break;
+        case 1: group_q4_avx2<1, 4>(xm, a.ldx, xs + m * G, G, piece, 0, ym, ld, ncols); break;
+        default: break;
       }
     }
   }
