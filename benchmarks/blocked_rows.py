@@ -1,15 +1,19 @@
-"""The blocked float32 kernel's time per call by row count, on SmolLM2's and the bundled target's
-shapes: whether one row costs more than two (it did on an AMD EPYC with four read streams per
-row, see kernels/blocked_mm.cpp `four_streams`). One thread, median of 7 rounds of 30 calls, us.
+"""The blocked kernels' time per call by row count, per instruction-set path and weight format:
+whether k + 1 rows cost about one row (a verify step about a decode step), and what each path
+(AVX-512, AVX2 + FMA, portable C++; kernels.use_isa) costs on the same machine. One thread,
+median of rounds, us per call; SmolLM2-135M's shapes by default (fused qkv, o, fused gate/up,
+down, lm_head).
 
-    python benchmarks/blocked_rows.py --out benchmarks/results/blocked_rows_cpu.txt
-    python benchmarks/blocked_rows.py --tiny          # a smoke test: one small shape, few calls
+    taskset -c 1 python benchmarks/blocked_rows.py --isa avx512,avx2,portable --format f32,int8,int4 \
+        --out benchmarks/results/blocked_rows_cpu.txt
+    python benchmarks/blocked_rows.py --shapes bundled   # the bundled target's and SmolLM2's (K, N) of before
+    python benchmarks/blocked_rows.py --tiny             # a smoke test: one small shape, few calls
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import os
 import time
 from pathlib import Path
 
@@ -18,44 +22,92 @@ import torch
 from quickdraft import kernels
 from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line
 
-SHAPES = [(576, 1536), (1536, 576), (512, 1408), (576, 49152)]  # (K, N): SmolLM2's and the bundled target's
+SHAPES = {  # (K in, N out)
+    "smollm2": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
+                ("lm_head", 576, 49152)],
+    "bundled": [("up", 576, 1536), ("down", 1536, 576), ("mlp", 512, 1408), ("lm_head", 576, 49152)],
+    "tiny": [("tiny", 64, 128)],
+}
+
+
+def _operands(fmt: str, K: int, N: int):
+    g = torch.Generator().manual_seed(0)
+    if fmt == "f32":
+        packed = kernels.pack(torch.randn(K, N, generator=g))
+        return lambda x: kernels.blocked_mm(x, packed, None, N)
+    if fmt == "int8":
+        packed = kernels.pack(torch.randint(-127, 128, (K, N), dtype=torch.int8, generator=g))
+        scale = torch.rand(N, generator=g)
+        return lambda x: kernels.blocked_mm_int8(x, packed, scale, None, N)
+    if fmt == "int4":
+        scale = torch.rand(N, K // 32, generator=g) / 50
+        packed = kernels.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g), scale, -8 * scale)
+        return lambda x: kernels.blocked_mm_int4(x, packed, None, N)
+    raise SystemExit(f"unknown format {fmt!r}: f32, int8 or int4")
+
+
+def _time(f, x, budget_s: float, rounds: int, clock) -> float:
+    """Median us per call over `rounds` rounds of as many calls as fill budget_s / rounds."""
+    t = clock()
+    f(x)
+    once = clock() - t
+    calls = max(1, int(budget_s / rounds / max(once, 1e-6)))
+    times = []
+    for _ in range(rounds):
+        t = clock()
+        for _ in range(calls):
+            f(x)
+        times.append((clock() - t) / calls * 1e6)
+    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help="the text file to write (default: stdout)")
-    ap.add_argument("--tiny", action="store_true", help="one (64, 128) shape, 3 rounds of 2 calls (tests)")
-    args = ap.parse_args()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--isa", default=None, help="paths, comma-separated (default: every one this CPU has)")
+    p.add_argument("--format", default="f32,int8,int4", help="f32, int8, int4 (comma-separated)")
+    p.add_argument("--rows", default="1,2,4,6,9")
+    p.add_argument("--shapes", default="smollm2", choices=sorted(SHAPES))
+    p.add_argument("--budget", type=float, default=0.25, help="seconds per measurement (vector paths)")
+    p.add_argument("--clock", default="wall", choices=["wall", "thread"],
+                   help="wall: perf_counter; thread: this thread's CPU time (time slices other processes take on a "
+                        "shared machine do not count; their cache traffic still does)")
+    p.add_argument("--out", type=Path, default=None, help="also write the table to this text file")
+    p.add_argument("--tiny", action="store_true", help="a smoke test: one (64, 128) shape, 1-2 rows, f32 only")
+    args = p.parse_args()
+    if args.tiny:
+        args.shapes, args.rows, args.format, args.budget = "tiny", "1,2", "f32", 0.01
     torch.set_num_threads(1)
+    load_before = loadavg()
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
     if not kernels.available():
         raise SystemExit("quickdraft's kernels are not available here")
-    shapes, rounds_n, calls = ([(64, 128)], 3, 2) if args.tiny else (SHAPES, 7, 30)
-    load_before = loadavg()
-    lines = []
-    for K, N in shapes:
-        packed = kernels.pack(torch.randn(N, K).t().contiguous())
-        row = {}
-        for M in (1, 2, 3, 4, 6):
-            x = torch.randn(M, K)
-            kernels.blocked_mm(x, packed, None, N)
-            rounds = []
-            for _ in range(rounds_n):
-                t = time.perf_counter()
-                for _ in range(calls):
-                    kernels.blocked_mm(x, packed, None, N)
-                rounds.append((time.perf_counter() - t) / calls * 1e6)
-            row[M] = sorted(rounds)[rounds_n // 2]
-        cells = "  ".join(f"M={m} {v:.0f}" for m, v in row.items())
-        lines.append(f"({K}, {N})  {cells}  one row: {K * N * 4 / row[1] / 1e3:.1f} GB/s")
-        print(lines[-1], file=sys.stderr, flush=True)
-    header = [f"# {provenance_line(provenance('cpu', 1, load_before=load_before))}",
-              f"# {cpu_model()}, torch {torch.__version__}, 1 thread; us per call (median of {rounds_n} x {calls})"]
-    text = "\n".join(header + lines) + "\n"
-    if args.out is None:
-        print(text, end="")
-    else:
+    isas = args.isa.split(",") if args.isa else list(kernels.cpu_isas())
+    rows = [int(r) for r in args.rows.split(",")]
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    say(f"# {cpu_model()}, paths {', '.join(kernels.cpu_isas())}; torch {torch.__version__}, 1 thread; "
+          f"load average {os.getloadavg()[0]:.2f} before; us per call ({args.clock} clock, median), "
+          "T(q)/T(1) in brackets")
+    for fmt in args.format.split(","):
+        for name, K, N in SHAPES[args.shapes]:
+            f = _operands(fmt, K, N)
+            for isa in isas:
+                with kernels.use_isa(isa):
+                    portable = isa == "portable"  # (scalar: seconds per call on lm_head; fewer rounds)
+                    t = {m: _time(f, torch.randn(m, K), 3 * args.budget if portable else args.budget,
+                                  3 if portable else 7, clock) for m in rows}
+                one = t[rows[0]]
+                cells = "  ".join(f"{m}: {v:8.0f} ({v / one:.2f})" for m, v in t.items())
+                say(f"{fmt:4s} {name:8s} {K:5d}x{N:<6d} {isa:8s} {cells}")
+    say(f"# load average {os.getloadavg()[0]:.2f} after")
+    if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        header = f"# {provenance_line(provenance('cpu', 1, load_before=load_before))}"
+        args.out.write_text("\n".join([header] + lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,55 +8,157 @@ the layout and the numerics. And `attend`: attention over the cache for up to 12
 (decode, verify and tree steps), each kv head's keys read once for several query rows, where
 PyTorch's flash attention reads a one-query step through one-row BLAS calls.
 
+Every kernel has three paths: AVX-512, AVX2 + FMA and portable C++, which give the same bits
+(one numeric contract: a row's result does not depend on the other rows, the thread count or the
+path). The best the CPU has runs, or the one `QUICKDRAFT_ISA` (`avx512`, `avx2`, `portable`)
+names; it is read once, when the library loads, and naming one the CPU lacks is an error
+(`QuickdraftError`), not a quiet fallback. `isa()` says which path runs; `use_isa` switches it
+for a block of code (tests and benchmarks compare the paths in one process with it).
+
 The library is built with PyTorch's C++ extension builder (a C++ compiler and ninja) the
-first time a model needs it, about 15 s, and cached under `<cache>/kernels/`
+first time a model needs it, about 15-40 s, and cached under `<cache>/kernels/`
 (`QUICKDRAFT_CACHE`, else ~/.cache/quickdraft; `QUICKDRAFT_KERNEL_CACHE` names another folder
-for the kernels alone); later processes only load it. Where it
-cannot be built (no compiler) `available()` is False, with one warning naming the reason, and
-float32 weights keep PyTorch's own kernel (`quickdraft.model.quant`). `QUICKDRAFT_KERNELS=0`
-turns it off.
+for the kernels alone); later processes only load it. A build runs in a private temporary folder
+and renames the library into place, under a lock file that names its process: a lock whose
+process is gone, or older than BUILD_LOCK_STALE_S, is taken over (one line says so), so a build
+killed halfway never leaves later processes waiting. A cache folder that another user owns or
+that others can write to is refused (one warning; the kernels are then not available). Where the
+library cannot be built (no compiler) `available()` is False, with one warning naming the
+reason, and float32 weights keep PyTorch's own kernel (`quickdraft.model.quant`).
+`QUICKDRAFT_KERNELS=0` turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import hashlib
 import logging
 import os
 import shutil
+import socket
+import stat
 import sys
+import tempfile
+import time
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import torch
+
+from ..errors import QuickdraftError
+from ..paths import cache_dir
 
 log = logging.getLogger("quickdraft")
 
 SOURCE = Path(__file__).with_name("blocked_mm.cpp")
+LIBRARY = "qd_kernels.so"
 BLOCK = 64  # outputs per column block of the packed layout (blocked_mm.cpp's NB)
 GROUP = 32  # int4: inputs per group (blocked_mm.cpp's QG)
 # -fopenmp: at::parallel_for splits the blocks over PyTorch's threads only when the kernel is
 # compiled for OpenMP (without it the pragma is ignored and the kernel runs on one thread:
 # measured 1.5x MKL's time at 2 threads). The OpenMP runtime is PyTorch's own (libgomp, loaded
-# with libtorch_cpu), so the library is not linked to a second one.
-CFLAGS = ["-O3", "-fopenmp"]
+# with libtorch_cpu), so the library is not linked to a second one. -ffp-contract=off: the
+# compiler never fuses a separate multiply and add into an FMA, which would change the bits of
+# one path and not the others.
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+# The kernels' paths, by blocked_mm.cpp's index (its enum Isa), and the ones whose matmuls are
+# fast: the portable path is for correctness (and machines with neither), not speed.
+ISAS = ("portable", "avx2", "avx512")
+VECTOR_ISAS = ("avx2", "avx512")
+_ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 + FMA (+ F16C)", "avx512": "AVX-512"}
+BUILD_LOCK_STALE_S = 600  # a build lock this old is taken over (builds take 15-40 s, a few minutes on a loaded machine)
+_LOCK = "build.lock"
+
+
+def _kernel_root() -> Path:
+    base = os.environ.get("QUICKDRAFT_KERNEL_CACHE")
+    return Path(base).expanduser() if base else cache_dir() / "kernels"
 
 
 def _build_dir() -> Path:
-    from ..model.sources import cache_dir  # late: model.sources imports nothing of ours back
-
+    """The folder of this source's library (named by the source, the flags and PyTorch's version),
+    created private (0700) where missing."""
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__.split('+')[0]}-{digest}"
-    base = os.environ.get("QUICKDRAFT_KERNEL_CACHE")
-    path = (Path(base) if base else cache_dir() / "kernels") / tag
-    path.mkdir(parents=True, exist_ok=True)
+    root = _kernel_root()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = root / tag
+    path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+def _unsafe(path: Path) -> str | None:
+    """Why loading code from `path` is unsafe (another user owns it, or others can write to it), or None."""
+    if not hasattr(os, "getuid"):
+        return None
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by others (mode {stat.filemode(st.st_mode)}; `chmod go-w {path}` fixes it)"
+    return None
 
 
 def available() -> bool:
     """Whether `torch.ops.quickdraft.blocked_mm` runs here (building the library if needed);
-    False while QUICKDRAFT_KERNELS=0."""
-    return os.environ.get("QUICKDRAFT_KERNELS", "1") != "0" and _load()
+    False while QUICKDRAFT_KERNELS=0. Raises QuickdraftError where QUICKDRAFT_ISA names a path
+    that does not exist or that this CPU lacks."""
+    if os.environ.get("QUICKDRAFT_KERNELS", "1") == "0" or not _load():
+        return False
+    _apply_isa_variable()
+    return True
+
+
+def isa() -> str | None:
+    """The path the kernels run: "avx512", "avx2" or "portable" (None where they are not available)."""
+    return ISAS[_lib().quickdraft_isa()] if available() else None
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The paths this CPU can run, best first (empty where the kernels are not available)."""
+    if not available():
+        return ()
+    return tuple(name for i, name in reversed(list(enumerate(ISAS))) if _lib().quickdraft_cpu_has(i))
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the kernels on path `name` inside the block (process-wide: every thread's calls), then
+    go back. For tests and benchmarks; a user's switch is QUICKDRAFT_ISA."""
+    if not available():
+        raise QuickdraftError("quickdraft's CPU kernels are not available here")
+    lib = _lib()
+    before = lib.quickdraft_isa()
+    _set_isa(name, "use_isa")
+    try:
+        yield
+    finally:
+        lib.quickdraft_set_isa(before)
+
+
+def _set_isa(name: str, where: str) -> None:
+    if name not in ISAS:
+        raise QuickdraftError(f"{where}: {name!r} is not one of {', '.join(ISAS)} (the kernels' paths)")
+    if _lib().quickdraft_set_isa(ISAS.index(name)) != 0:
+        raise QuickdraftError(f"{where}: this CPU has no {_ISA_NAMES[name]}; it runs {', '.join(cpu_isas())}")
+
+
+@functools.lru_cache(maxsize=1)
+def _apply_isa_variable() -> None:
+    """QUICKDRAFT_ISA, read once (an error is raised again at each call until it is fixed)."""
+    name = os.environ.get("QUICKDRAFT_ISA", "").strip().lower()
+    if name:
+        _set_isa(name, f"QUICKDRAFT_ISA={name}")  # (an error is not cached: every call raises it)
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL:
+    """The loaded library's C entry points, made visible to packages loaded later (RTLD_GLOBAL:
+    AOT packages call them). Opening the file torch loaded returns that same library."""
+    return ctypes.CDLL(str(_build_dir() / LIBRARY), mode=ctypes.RTLD_GLOBAL)
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,25 +167,92 @@ def _load() -> bool:
         _register_fake()
         return True
     try:
-        from torch.utils import cpp_extension
-
-        if shutil.which("ninja") is None:  # the `ninja` package's binary sits beside this Python
-            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         build = _build_dir()  # named by the source and flags: a library there is up to date
-        if (build / "qd_kernels.so").exists() and not (build / "lock").exists():  # (lock: another process building)
-            torch.ops.load_library(str(build / "qd_kernels.so"))  # 0.05 s; the builder's checks take 0.4
-        else:
-            log.warning("quickdraft: building its CPU matmul kernel (once, about 15 s) in %s", build)
-            cpp_extension.load(name="qd_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                               build_directory=str(build), is_python_module=False, verbose=False)
+        problem = next(filter(None, (_unsafe(p) for p in (_kernel_root(), build, build / LIBRARY) if p.exists())), None)
+        if problem:
+            warnings.warn(f"quickdraft's CPU kernels are not loaded from a folder others can change: {problem}; "
+                          "PyTorch's kernels run instead, and verify steps of several tokens cost more", stacklevel=2)
+            return False
+        if not (build / LIBRARY).exists():
+            _build(build)
+        torch.ops.load_library(str(build / LIBRARY))  # 0.05 s; the builder's checks take 0.4
     except Exception as exc:  # no compiler, no ninja, a read-only cache: PyTorch's kernels instead
         warnings.warn(f"quickdraft's CPU matmul kernel could not be built ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0] if str(exc) else ''}); float32 weights use PyTorch's own "
                       "kernels, and verify steps of several tokens cost more", stacklevel=2)
         return False
     _register_fake()
-    _export_c_symbols()
+    _lib()
     return True
+
+
+def _build(build: Path) -> None:
+    """Compile the library into `build` unless another process does: under `build`/build.lock
+    (created exclusively, naming its host, process and time), in a private temporary folder, the
+    result renamed into place in one step, so `build`/qd_kernels.so is always whole."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the `ninja` package's binary sits beside this Python
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    lock, lib = build / _LOCK, build / LIBRARY
+    waiting = announced = False
+    while not lib.exists():
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            stale = _stale(lock)
+            if stale:
+                log.warning("quickdraft: the kernel build lock in %s is stale (%s): removed; building the kernels "
+                            "again (about 15-40 s)", build, stale)
+                lock.unlink(missing_ok=True)
+                announced = True
+            else:
+                if not waiting:
+                    log.warning("quickdraft: waiting for another process's kernel build in %s (at most %d s)",
+                                build, BUILD_LOCK_STALE_S)
+                    waiting = True
+                time.sleep(0.5)
+            continue
+        try:
+            os.write(fd, f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n".encode())
+            os.close(fd)
+            for old in build.glob("build-*"):  # a killed build's folder (the lock's holder alone builds)
+                shutil.rmtree(old, ignore_errors=True)
+            if lib.exists():
+                return
+            if not announced:
+                log.warning("quickdraft: building its CPU kernels (once, about 15-40 s) in %s", build)
+            tmp = Path(tempfile.mkdtemp(prefix="build-", dir=build))
+            try:
+                cpp_extension.load(name="qd_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                   build_directory=str(tmp), is_python_module=False, verbose=False)
+                os.replace(tmp / LIBRARY, lib)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            lock.unlink(missing_ok=True)
+
+
+def _stale(lock: Path) -> str | None:
+    """Why a build lock is stale (its process is gone, it is older than BUILD_LOCK_STALE_S), or None."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+        fields = lock.read_text().split()
+    except FileNotFoundError:
+        return None  # released meanwhile
+    if age > BUILD_LOCK_STALE_S:
+        return f"held for {age:.0f} s"
+    if len(fields) != 3:
+        return "unreadable" if age > 10 else None  # (a lock is written right after it is created)
+    host, pid = fields[0], int(fields[1]) if fields[1].isdigit() else -1
+    if host == socket.gethostname() and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"its process {pid} is gone"
+        except PermissionError:
+            pass  # alive, another user's
+    return None
 
 
 # AOTInductor's declarations of the C entry points (blocked_mm.cpp's end), for `aoti_config`
@@ -103,15 +272,6 @@ def aoti_config() -> dict:
     """Inductor settings that make an AOT package call the kernels' C entry points directly."""
     return {"aot_inductor.custom_ops_to_c_shims": {getattr(torch.ops.quickdraft, name).default: [decl]
                                                    for name, decl in _SHIMS.items()}}
-
-
-def _export_c_symbols() -> None:
-    """Make the library's C entry points visible to packages loaded later (dlopen RTLD_GLOBAL)."""
-    import ctypes
-
-    lib = _build_dir() / "qd_kernels.so"
-    if lib.exists():
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 
 
 @functools.lru_cache(maxsize=1)
@@ -213,6 +373,7 @@ def blocked_mm_int4(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale where mask) v for a few query rows over the cache: q (B, H, T, D),
     k / v (B, H_kv, L, D) (grouped-query heads), mask bool (B or 1, 1, T, L); (B, H, T, D) out,
-    stored as (B, T, H, D). More than 12 query rows, or no AVX-512, run PyTorch's attention.
-    See blocked_mm.cpp's attention section for the numerics (row-invariant)."""
+    stored as (B, T, H, D). More than 12 query rows, or D not a multiple of 16, run PyTorch's
+    attention. See blocked_mm.cpp's attention section for the numerics (row-invariant, the same
+    bits on every path)."""
     return torch.ops.quickdraft.attend.default(q, k, v, mask, scale)

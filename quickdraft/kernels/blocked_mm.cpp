@@ -11,6 +11,13 @@
 // 0..K-1, whatever M, however the rows are grouped and on any thread count (the portable path
 // too: std::fma rounds as the instruction does), so a row's result does not depend on the other
 // rows: a verify step's matmuls give a token the bits a decode step gives it.
+//
+// Three paths, one result: AVX-512 (16-float vectors), AVX2 + FMA (8-float vectors) and portable
+// C++ (scalar std::fma). Each output is the same chain of FMAs in the same k order on every path,
+// and the attention's reductions follow one fixed order (written out below), so a row has the
+// same bits on every path too. The path is chosen when the library loads: the best the CPU has,
+// or the one QUICKDRAFT_ISA names (checked by quickdraft/kernels/__init__.py, which calls
+// quickdraft_set_isa); the dispatch is in one place, `paths()`, where another ISA (NEON) goes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,13 +25,36 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <vector>
 #include <type_traits>
 
 namespace {
+
+// ---- instruction sets ----
+enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+bool cpu_has(int isa) {
+  __builtin_cpu_init();  // (may run before libgcc's own constructor)
+  switch (isa) {
+    case ISA_PORTABLE: return true;
+    case ISA_AVX2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case ISA_AVX512: return __builtin_cpu_supports("avx512f");
+    default: return false;
+  }
+}
+
+int best_isa() {
+  return cpu_has(ISA_AVX512) ? ISA_AVX512 : cpu_has(ISA_AVX2) ? ISA_AVX2 : ISA_PORTABLE;
+}
+
+// The path the kernels take; read once per call (all threads of a call take the same path).
+std::atomic<int> chosen_isa{best_isa()};
 
 constexpr int64_t NB = 64;  // outputs per block: four 16-float vectors
 #ifndef PF
@@ -114,11 +144,6 @@ void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, 
   }
 }
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
-
 // One row reads four blocks at once (four streams) on Intel: 4-8% faster than two there (the
 // Emerald Rapids Xeon, SmolLM2's and the bundled target's shapes). On an AMD EPYC (Zen 4) one
 // row took 30-50% longer with four streams than two rows with two (SmolLM2's 576 x 49152
@@ -152,6 +177,148 @@ void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, co
     case 1: block_rows<W, 1, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
     default: break;
   }
+}
+
+// ---- AVX2 + FMA: 8-float vectors, 16 registers ----
+
+// Lanes [0, left) of an 8-float vector as a maskload / maskstore mask.
+__attribute__((target("avx2,fma"))) inline __m256i lanes_below(int64_t left) {
+  const int l = left >= 8 ? 8 : left <= 0 ? 0 : (int)left;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(l), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Eight weights of a block row as floats (int8 widened exactly).
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Eight floats at p, of which `left` are real (the rest neither read nor written). Whole vectors
+// take plain loads and stores: AMD's masked stores cost several times a store.
+__attribute__((target("avx2,fma"))) inline __m256 load_left(const float* p, int64_t left) {
+  return left >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_below(left));
+}
+__attribute__((target("avx2,fma"))) inline void store_left(float* p, __m256 v, int64_t left) {
+  if (left >= 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, lanes_below(left), v);
+}
+
+// MR rows x outputs [c0, c0 + 8V) of one block (the block's first `ncols` outputs are real): the
+// same sums as block_rows, 8 outputs a vector. MR * V sums + MR broadcasts + a weight vector fit
+// the 16 registers for (MR, V) = (1, 8), (3, 4), (2, 4).
+template <typename W, int MR, int V>
+__attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t ldx, const W* wb, int64_t K,
+                                                         int64_t c0, const float* scale, const float* bias, float* y,
+                                                         int64_t ldy, int64_t ncols, bool prefetch) {
+  constexpr bool scaled = !std::is_same<W, float>::value;
+  __m256 acc[MR][V];
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) {
+    const int64_t o = c0 + 8 * j;
+    const __m256 b = (bias && !scaled) ? load_left(bias + o, ncols - o) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][j] = b;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const W* src = wb + k * NB + c0;
+    if (prefetch) {  // the whole block row (the first of the calls that share it)
+      const char* ahead = reinterpret_cast<const char*>(wb + k * NB) + PF;
+#pragma GCC unroll 4
+      for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    __m256 xv[MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) {
+      const __m256 w = load8(src + 8 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) {
+    const int64_t o = c0 + 8 * j, left = ncols - o;
+    if (left <= 0) break;
+    if (scaled) {
+      const __m256 s = load_left(scale + o, left), b = bias ? load_left(bias + o, left) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, _mm256_fmadd_ps(acc[r][j], s, b), left);
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, acc[r][j], left);
+    }
+  }
+}
+
+// The arguments of a float32 / int8 blocked matmul, for the paths' block loops.
+template <typename W>
+struct MatArgs {
+  const float* x;
+  int64_t ldx, M;
+  const W* w;  // packed (nblk, K, 64)
+  int64_t K;
+  const float *scale, *bias;  // (n,) or null
+  float* y;                   // (M, n)
+  int64_t n;
+};
+
+// Blocks [b0, b1): one row reads the whole block row (8 sums); more rows take the block in two
+// halves of 32 outputs, three rows at a time (12 sums; four rows left go as two and two: 4 sums
+// would wait on the FMA latency), the second half and the other rows reading it from L2. (Pieces
+// of 32-128 block rows with the sums kept in y between them, to read each piece from L1, were
+// measured slower: 1.2-1.7x on SmolLM2's lm_head at 2-9 rows, AMD EPYC Zen 4.)
+template <typename W>
+__attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, ld = a.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const W* wb = a.w + b * a.K * NB;
+    const float* s = a.scale ? a.scale + b * NB : nullptr;
+    const float* bias = a.bias ? a.bias + b * NB : nullptr;
+    float* y = a.y + b * NB;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    if (M == 1) {
+      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, ld, ncols, true);
+      continue;
+    }
+    for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
+      int64_t m = 0;
+      for (; m + 3 <= M && M - m != 4; m += 3)
+        block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+      for (; m + 2 <= M; m += 2)
+        block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+    }
+  }
+}
+
+// AVX-512: several blocks at a time: more read streams, more sums in flight (measured on
+// SmolLM2's and the bundled target's shapes: one row 4-8% faster with four streams than with two
+// on Intel, slower on AMD: four_streams; two streams for 2-3 rows; 4+ rows gain nothing from a second).
+template <typename W>
+void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, K = a.K, n = a.n;
+  auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
+  int64_t b = b0;
+  if (M == 1 && four_streams())
+    for (; b + 3 < b1; b += 4)
+      run_rows<W, 4>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+                     std::min(4 * NB, n - b * NB));
+  if (M <= 3)
+    for (; b + 1 < b1; b += 2)
+      run_rows<W, 2>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+                     std::min(2 * NB, n - b * NB));
+  for (; b < b1; ++b)
+    run_rows<W, 1>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+                   std::min(NB, n - b * NB));
+}
+
+template <typename W>
+void blocks_portable(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    block_rows_generic<W>(a.x, a.ldx, a.M, a.w + b * a.K * NB, a.K, a.scale ? a.scale + b * NB : nullptr,
+                          a.bias ? a.bias + b * NB : nullptr, a.y + b * NB, a.n, std::min(NB, a.n - b * NB));
 }
 
 // ---- int4: 4-bit weights in groups of 32 inputs, a scale and an offset per group and output ----
@@ -296,132 +463,124 @@ void run_rows_q4(const float* x, int64_t ldx, int64_t M, const float* xs, int64_
   }
 }
 
-// ---- the drivers: checks, then the blocks split over PyTorch's threads ----
-
-struct Checked {
-  int64_t M, K, nblk;
-  at::Tensor x;  // rows with unit column stride
+// The arguments of an int4 blocked matmul, for the paths' block loops.
+struct Q4Args {
+  const float* x;
+  int64_t ldx, M;
+  const float* xs;  // (M, G): each row's sum over each group of inputs
+  int64_t G;
+  const uint8_t* w;  // packed (nblk, G, QGB)
+  const float* bias;
+  float* y;
+  int64_t n;
 };
 
-Checked check(const at::Tensor& x, const at::Tensor& packed, int64_t k_packed, const c10::optional<at::Tensor>& scale,
-              const c10::optional<at::Tensor>& bias, int64_t n, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be a 2-D float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), name, ": packed must be a contiguous 3-D tensor");
-  const int64_t K = x.size(1), nblk = packed.size(0);
-  TORCH_CHECK(k_packed == K, name, ": x has ", K, " columns, the weight ", k_packed, " rows");
-  TORCH_CHECK(n > (nblk - 1) * NB && n <= nblk * NB, name, ": n does not match the packed blocks");
-  // per-output vectors of exactly n floats: the kernels read them masked, never past n
-  for (const auto* v : {&scale, &bias})
-    if (v->has_value() && (*v)->defined())
-      TORCH_CHECK((*v)->numel() == n && (*v)->scalar_type() == at::kFloat && (*v)->is_contiguous(), name, ": ",
-                  v == &bias ? "bias" : "scale", " must be a contiguous (n,) float32 tensor");
-  return {x.size(0), K, nblk, x.stride(1) == 1 ? x : x.contiguous()};
+void q4_avx512(const Q4Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, G = a.G, n = a.n, stride = G * QGB;  // bytes per block
+  auto bias_at = [&](int64_t b) { return a.bias ? a.bias + b * NB : nullptr; };
+  int64_t b = b0;
+  if (M == 1 && four_streams())
+    for (; b + 3 < b1; b += 4)
+      run_rows_q4<4>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
+  if (M <= 3)
+    for (; b + 1 < b1; b += 2)
+      run_rows_q4<2>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
+  for (; b < b1; ++b)
+    run_rows_q4<1>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
 }
 
-inline const float* data_or_null(const c10::optional<at::Tensor>& v) {
-  return v.has_value() && v->defined() ? v->data_ptr<float>() : nullptr;
+void q4_portable(const Q4Args& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    block_rows_q4_generic(a.x, a.ldx, a.M, a.xs, a.G, a.w + b * a.G * QGB, a.bias ? a.bias + b * NB : nullptr,
+                          a.y + b * NB, a.n, std::min(NB, a.n - b * NB));
 }
 
-template <typename W>
-at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
-               const c10::optional<at::Tensor>& bias, int64_t n, const char* name) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB, name, ": packed must be a (N/64, K, 64) tensor");
-  const Checked c = check(x, packed, packed.size(1), scale, bias, n, name);
-  const int64_t M = c.M, K = c.K, nblk = c.nblk;
-  const float* sptr = data_or_null(scale);
-  const float* bptr = data_or_null(bias);
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0) return y;
-  const float* xp = c.x.data_ptr<float>();
-  const int64_t ldx = c.x.stride(0);
-  const W* wp = packed.data_ptr<W>();
-  float* yp = y.data_ptr<float>();
-  auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
-  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
-    int64_t b = b0;
-    if (!has_avx512()) {
-      for (; b < b1; ++b)
-        block_rows_generic<W>(xp, ldx, M, wp + b * K * NB, K, at_block(sptr, b), at_block(bptr, b), yp + b * NB, n,
-                              std::min(NB, n - b * NB));
-      return;
+// AVX2 int4, one group of one block: MR rows x H pieces of 8 bytes, bytes [b0, b0 + 8H) of each
+// 32-byte row (outputs b0 + i from the low nibbles, 32 + b0 + i from the high ones). The group's
+// partial sums stay in registers (MR * 2H), the running sums in y, as in block_rows_q4; the
+// nibbles are widened by masking / shifting and converting (vpermps' table has 8 entries here).
+template <int MR, int H>
+__attribute__((target("avx2,fma,f16c"))) void group_q4_avx2(const float* xg, int64_t ldx, const float* xs, int64_t G,
+                                                            const uint8_t* piece, int64_t b0, float* y, int64_t ldy,
+                                                            int64_t ncols) {
+  __m256 part[MR][2 * H];
+#pragma GCC unroll 8
+  for (int v = 0; v < 2 * H; ++v)
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) part[r][v] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+#pragma GCC unroll 4
+  for (int k = 0; k < QG; ++k) {
+    __m256 xv[MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(xg[r * ldx + k]);
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 32 * k + b0 + 8 * h)));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(idx, low));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(idx, 4));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        part[r][2 * h] = _mm256_fmadd_ps(xv[r], lo, part[r][2 * h]);
+        part[r][2 * h + 1] = _mm256_fmadd_ps(xv[r], hi, part[r][2 * h + 1]);
+      }
     }
-    // Several blocks at a time: more read streams, more sums in flight (measured on SmolLM2's and
-    // the bundled target's shapes: one row 4-8% faster with four streams than with two on Intel,
-    // slower on AMD: four_streams; two streams for 2-3 rows; 4+ rows gain nothing from a second).
-    if (M == 1 && four_streams())
-      for (; b + 3 < b1; b += 4)
-        run_rows<W, 4>(xp, ldx, M, wp + b * K * NB, K, at_block(sptr, b), at_block(bptr, b), yp + b * NB, n,
-                       std::min(4 * NB, n - b * NB));
-    if (M <= 3)
-      for (; b + 1 < b1; b += 2)
-        run_rows<W, 2>(xp, ldx, M, wp + b * K * NB, K, at_block(sptr, b), at_block(bptr, b), yp + b * NB, n,
-                       std::min(2 * NB, n - b * NB));
-    for (; b < b1; ++b)
-      run_rows<W, 1>(xp, ldx, M, wp + b * K * NB, K, at_block(sptr, b), at_block(bptr, b), yp + b * NB, n,
-                     std::min(NB, n - b * NB));
-  });
-  return y;
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < 2 * H; ++v) {
+    const int64_t o = b0 + 8 * (v / 2) + 32 * (v % 2);
+    if (o >= ncols) continue;
+    const int64_t left = ncols - o;
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + 2 * o)));
+    const __m256 of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1152 + 2 * o)));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      float* yr = y + r * ldy + o;
+      const __m256 acc = _mm256_fmadd_ps(part[r][v], sc, load_left(yr, left));
+      store_left(yr, _mm256_fmadd_ps(_mm256_set1_ps(xs[r * G]), of, acc), left);
+    }
+  }
 }
 
-at::Tensor blocked_mm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t n) {
-  TORCH_CHECK(packed.scalar_type() == at::kFloat, "blocked_mm: packed must be float32");
-  return run<float>(x, packed, c10::nullopt, bias, n, "blocked_mm");
-}
-
-at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                           const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(packed.scalar_type() == at::kChar, "blocked_mm_int8: packed must be int8");
-  return run<int8_t>(x, packed, scale, bias, n, "blocked_mm_int8");
-}
-
-at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                           int64_t n) {
-  const char* name = "blocked_mm_int4";
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == QGB, name,
-              ": packed must be a uint8 (N/64, K/32, ", QGB, ") tensor");
-  const Checked c = check(x, packed, packed.size(1) * QG, c10::nullopt, bias, n, name);
-  const int64_t M = c.M, G = packed.size(1), nblk = c.nblk;
-  const float* bptr = data_or_null(bias);
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0) return y;
-  const float* xp = c.x.data_ptr<float>();
-  const int64_t ldx = c.x.stride(0);
-  // X_g: each row's sum over each group of inputs, in input order (shared by every block)
-  at::Tensor xsum = at::empty({M, G}, x.options());
-  float* xs = xsum.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r)
+// Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and piece from L1):
+// four rows at once take 8 bytes (16 outputs) at a time (8 sums), each widened nibble serving all
+// four; the one, two or three rows left take 32, 16 or 8 bytes at a time.
+__attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, G = a.G, ld = a.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = a.w + b * G * QGB;
+    float* y = a.y + b * NB;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
+      for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      float t = 0.f;
-      for (int64_t k = 0; k < QG; ++k) t += xp[r * ldx + g * QG + k];
-      xs[r * G + g] = t;
+      const uint8_t* piece = wb + g * QGB;
+#pragma GCC unroll 4
+      for (int line = 0; line < int(QGB / 64); ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
+      const float* xg = a.x + g * QG;
+      const float* xs = a.xs + g;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
+          group_q4_avx2<4, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols);
+      const float* xm = xg + m * a.ldx;
+      float* ym = y + m * ld;
+      switch (M - m) {  // the rows left, with at least 6 sums each (fewer wait on the FMA latency)
+        case 3:
+          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
+            group_q4_avx2<3, 1>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
+          break;
+        case 2:
+          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 16)
+            group_q4_avx2<2, 2>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
+          break;
+        case 1: group_q4_avx2<1, 4>(xm, a.ldx, xs + m * G, G, piece, 0, ym, ld, ncols); break;
+        default: break;
+      }
     }
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t stride = G * QGB;  // bytes per block
-  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
-    int64_t b = b0;
-    if (!has_avx512()) {
-      for (; b < b1; ++b)
-        block_rows_q4_generic(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
-                              std::min(NB, n - b * NB));
-      return;
-    }
-    if (M == 1 && four_streams())
-      for (; b + 3 < b1; b += 4)
-        run_rows_q4<4>(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
-                       std::min(4 * NB, n - b * NB));
-    if (M <= 3)
-      for (; b + 1 < b1; b += 2)
-        run_rows_q4<2>(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
-                       std::min(2 * NB, n - b * NB));
-    for (; b < b1; ++b)
-      run_rows_q4<1>(xp, ldx, M, xs, G, wp + b * stride, bptr ? bptr + b * NB : nullptr, yp + b * NB, n,
-                     std::min(NB, n - b * NB));
-  });
-  return y;
+  }
 }
-
 
 // ---- Attention over the cache for a few query rows (decode and verify steps) -----------------
 // out (B, H, T, D) = softmax(q k^T * scale, keys where mask is true) v, per head; query head h
@@ -434,9 +593,11 @@ at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const 
 // and values are read once for up to RC query rows: one query row 0.46-0.63x PyTorch's time, 12
 // rows 0.75-0.95x (benchmarks/results/attention_cpu.json).
 //
-// Numerics, per query row: the score of key j is the FMA sum over d in vector order, then one
-// fixed reduction, times nothing (q is scaled first); the softmax's max, exponentials (a
-// polynomial, within 2 ulp) and sum, and the weighted sum of v run in key order. A row's result
+// Numerics, per query row, the same on every path: the score of key j is 16 FMA chains over d
+// (chain l: d = l, l + 16, ..., as 16-float vector lanes), then one fixed tree of adds
+// (key_score16), times nothing (q is scaled first); the softmax's max, exponentials (one
+// polynomial, within 2 ulp, exp_nonpos) and sum (16 lane sums in key order, then sum_lanes16's
+// fixed order), and the weighted sum of v run in key order. A row's result
 // depends on its own query, its mask row and the keys only, however the rows are grouped and on
 // any thread count (row-invariant): a verify step attends for a token as a decode step does.
 // More than ATTEND_ROWS query rows (a prefill, a large token tree) go to PyTorch's attention: from
@@ -476,6 +637,42 @@ __attribute__((target("avx512f"))) inline __m512 sum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
+// The fixed orders of the attention's two reductions (every path): a key's score from its 16
+// lane sums, in sum16's tree; a row's total weight from its 16 lane sums (s_l + s_l+8, then
+// + 4 lanes apart, then (g0 + g2) + (g1 + g3): the order of GCC's _mm512_reduce_add_ps, which
+// the AVX-512 path used before it was written out).
+inline float key_score16(const float* a) {
+  float S[4];
+  for (int q = 0; q < 4; ++q) S[q] = (a[4 * q] + a[4 * q + 2]) + (a[4 * q + 1] + a[4 * q + 3]);
+  return (S[0] + S[2]) + (S[1] + S[3]);
+}
+
+inline float sum_lanes16(const float* s) {
+  float h[8], g[4];
+  for (int l = 0; l < 8; ++l) h[l] = s[l + 8] + s[l];
+  for (int l = 0; l < 4; ++l) g[l] = h[l + 4] + h[l];
+  return (g[0] + g[2]) + (g[1] + g[3]);
+}
+
+// exp_nonpos's operations one float at a time (the portable path).
+inline float exp_nonpos1(float x) {
+  x = x > -87.f ? x : -87.f;  // (max_ps: -87 for a NaN too)
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.f);
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;  // 2^n, n in [-126, 0]: exact, so p 2^n rounds once as scalef
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
 struct AttendArgs {
   const float* q;
   int64_t qs0, qs1, qs2;  // strides of q (B, H, T, D)
@@ -487,6 +684,28 @@ struct AttendArgs {
   int64_t H, T, D, G, L;
   float scale;
 };
+
+// One pass of a path: query rows [0, rc) of one kv head, prepared by attend_rows.
+struct AttendPass {
+  int rc;
+  int64_t D, Lp, last;  // keys [0, last) hold every key a row of this pass sees; Lp: the scores' row stride
+  const float* qs;      // rc x D: the scaled queries
+  float* s;             // rc x Lp: scores, then weights
+  const bool* mrow[RC];
+  int64_t ms3;
+  const float *kb, *vb;  // the kv head's keys and values, rows ks / vs apart
+  int64_t ks, vs;
+  float* out[RC];  // each row's D outputs
+};
+
+// A pass's scores past `last` as -inf (the softmax reads whole groups of 16).
+inline void pad_scores(const AttendPass& p) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < p.rc; ++r)
+    for (int64_t j = p.last; j < p.Lp; ++j) p.s[r * p.Lp + j] = ninf;
+}
+
+inline bool key_seen(const AttendPass& p, int r, int64_t j) { return j < p.last && p.mrow[r][j * p.ms3]; }
 
 // out_r = inv_r * sum_j p_r[j] v_j over keys [0, last), for R rows and CW vectors of 16 outputs
 // (compile-time, so the R x CW sums stay in registers), in key order.
@@ -529,36 +748,18 @@ void attend_pv_dispatch(int rc, int cw, const float* vb, int64_t vs, const float
   }
 }
 
-// Query rows [i0, i0 + rc) of kv head hk of batch row b; row i is query head hk * G + i / T at
-// query position i % T.
-__attribute__((target("avx512f"))) void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
-                                                    std::vector<float>& buf) {
-  const int64_t D = a.D, L = a.L, T = a.T;
-  const int64_t nv = D / 16;
-  const int64_t Lp = (L + 15) / 16 * 16;
-  buf.resize(RC * (D + Lp));
-  float* qs = buf.data();          // RC x D: the scaled queries
-  float* s = buf.data() + RC * D;  // RC x Lp: scores, then weights
-  const bool* mrow[RC];
-  int64_t last = 0;  // keys [0, last) hold every key a row of this pass sees
-  for (int r = 0; r < rc; ++r) {
-    const int64_t i = i0 + r, h = hk * a.G + i / T, t = i % T;
-    const float* qp = a.q + b * a.qs0 + h * a.qs1 + t * a.qs2;
-    for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qp[d] * a.scale;
-    mrow[r] = a.mask + b * a.ms0 + t * a.ms2;
-    int64_t j = L;
-    while (j > last && !mrow[r][(j - 1) * a.ms3]) --j;
-    last = std::max(last, j);
-  }
-  const float* kb = a.k + b * a.ks0 + hk * a.ks1;
-  const float* vb = a.v + b * a.vs0 + hk * a.vs1;
+__attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
+  const int64_t D = p.D, Lp = p.Lp, last = p.last, nv = D / 16;
+  const int rc = p.rc;
+  const float* qs = p.qs;
+  float* s = p.s;
   const float ninf = -std::numeric_limits<float>::infinity();
   // Scores 16 keys at a time: per key, D/16 FMAs into one vector of partial sums; then the 16
   // vectors are summed across lanes together (sum16): ~3 instructions a key instead of ~9.
   // Keys past `last` in the final group read key 0 again (always present) and are dropped.
   for (int64_t j0 = 0; j0 < last; j0 += 16) {
     const float* kj[16];
-    for (int u = 0; u < 16; ++u) kj[u] = kb + (j0 + u < last ? j0 + u : 0) * a.ks2;
+    for (int u = 0; u < 16; ++u) kj[u] = p.kb + (j0 + u < last ? j0 + u : 0) * p.ks;
     for (int r = 0; r < rc; ++r) {
       const float* qr = qs + r * D;
       __m512 acc[16];
@@ -572,20 +773,20 @@ __attribute__((target("avx512f"))) void attend_rows(const AttendArgs& a, int64_t
       }
       __m512 sc = sum16(acc);
       __mmask16 seen = 0;
-      if (a.ms3 == 1 && j0 + 16 <= last) {  // 16 mask bytes (0 or 1) to 16 bits
-        const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mrow[r] + j0));
+      if (p.ms3 == 1 && j0 + 16 <= last) {  // 16 mask bytes (0 or 1) to 16 bits
+        const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mrow[r] + j0));
         seen = (__mmask16)_mm512_test_epi32_mask(_mm512_cvtepu8_epi32(m8), _mm512_cvtepu8_epi32(m8));
       } else {
         for (int u = 0; u < 16; ++u)
-          if (j0 + u < last && mrow[r][(j0 + u) * a.ms3]) seen |= (__mmask16)(1u << u);
+          if (key_seen(p, r, j0 + u)) seen |= (__mmask16)(1u << u);
       }
       _mm512_storeu_ps(s + r * Lp + j0, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), seen, sc));
     }
   }
+  pad_scores(p);
   float inv[RC];
   for (int r = 0; r < rc; ++r) {
     float* sr = s + r * Lp;
-    for (int64_t j = last; j < Lp; ++j) sr[j] = ninf;
     __m512 mx = _mm512_set1_ps(ninf);
     for (int64_t j = 0; j < last; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
     const float m = _mm512_reduce_max_ps(mx);
@@ -593,24 +794,318 @@ __attribute__((target("avx512f"))) void attend_rows(const AttendArgs& a, int64_t
     const __m512 mv = _mm512_set1_ps(m == ninf ? 0.f : m);
     for (int64_t j = 0; j < last; j += 16) {
       const __m512 x = _mm512_loadu_ps(sr + j);
-      const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(ninf), _CMP_NEQ_OQ),
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(ninf), _CMP_NEQ_OQ),
                                            exp_nonpos(_mm512_sub_ps(x, mv)));
-      _mm512_storeu_ps(sr + j, p);
-      sum = _mm512_add_ps(sum, p);
+      _mm512_storeu_ps(sr + j, e);
+      sum = _mm512_add_ps(sum, e);
     }
-    const float l = _mm512_reduce_add_ps(sum);
+    float lanes[16];
+    _mm512_storeu_ps(lanes, sum);
+    const float l = sum_lanes16(lanes);
     inv[r] = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key gets zeros
   }
   for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // 64 outputs at a time: rc x 4 sums in registers
     const int cw = (int)std::min<int64_t>(4, nv - c0);
     float* o[RC];
-    for (int r = 0; r < rc; ++r) {
-      const int64_t i = i0 + r;
-      o[r] = a.out + ((b * T + i % T) * a.H + hk * a.G + i / T) * D + 16 * c0;
-    }
-    attend_pv_dispatch(rc, cw, vb + 16 * c0, a.vs2, s, Lp, last, inv, o);
+    for (int r = 0; r < rc; ++r) o[r] = p.out[r] + 16 * c0;
+    attend_pv_dispatch(rc, cw, p.vb + 16 * c0, p.vs, s, Lp, last, inv, o);
   }
 }
+
+// ---- attention on AVX2: the same numbers with 8-float vectors ----
+
+// exp_nonpos on 8 lanes (2^n built from its bits where AVX-512 has scalef: both round p 2^n once).
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Four keys' scores from their lane sums, lanes 0-7 (lo) and 8-15 (hi) of each: sum16's tree
+// (within 4-lane quarters, then quarters 0 + 2 and 1 + 3, then those two).
+// (the quarter sums of four keys: quarter q (of the key's 16 lanes or 8 of them) of key u at lane
+// 4 (q % 2) + u)
+__attribute__((target("avx2,fma"))) inline __m256 quarters(const __m256* a) {
+  const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1]));
+  const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3]));
+  return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
+}
+
+__attribute__((target("avx2,fma"))) inline __m128 score4(const __m256* lo, const __m256* hi) {
+  const __m256 both = _mm256_add_ps(quarters(lo), quarters(hi));  // [S0 + S2 | S1 + S3] of keys 0..3
+  return _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+}
+
+// out_r = inv_r * sum_j p_r[j] v_j for R rows, 16 outputs (two vectors) at a time, in key order.
+template <int R>
+__attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, const float* inv) {
+  for (int64_t c = 0; c < p.D; c += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < p.last; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(p.vb + j * p.vs + c), v1 = _mm256_loadu_ps(p.vb + j * p.vs + c + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_set1_ps(p.s[r * p.Lp + j]);
+        acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(p.out[r] + c, _mm256_mul_ps(acc[r][0], _mm256_set1_ps(inv[r])));
+      _mm256_storeu_ps(p.out[r] + c + 8, _mm256_mul_ps(acc[r][1], _mm256_set1_ps(inv[r])));
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
+  const int64_t D = p.D, Lp = p.Lp, last = p.last, nv = D / 16;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // Scores four keys at a time (8 vectors of lane sums); keys past `last` read key 0 and are dropped.
+  for (int64_t j0 = 0; j0 < last; j0 += 4) {
+    const float* kj[4];
+    for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j0 + u < last ? j0 + u : 0) * p.ks;
+    for (int r = 0; r < p.rc; ++r) {
+      const float* qr = p.qs + r * D;
+      __m256 lo[4], hi[4];
+      const __m256 q0 = _mm256_loadu_ps(qr), q1 = _mm256_loadu_ps(qr + 8);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        lo[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[u]));
+        hi[u] = _mm256_mul_ps(q1, _mm256_loadu_ps(kj[u] + 8));
+      }
+      for (int64_t c = 1; c < nv; ++c) {
+        const __m256 qa = _mm256_loadu_ps(qr + 16 * c), qb = _mm256_loadu_ps(qr + 16 * c + 8);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          lo[u] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(kj[u] + 16 * c), lo[u]);
+          hi[u] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kj[u] + 16 * c + 8), hi[u]);
+        }
+      }
+      float sc[4];
+      _mm_storeu_ps(sc, score4(lo, hi));
+      for (int u = 0; u < 4; ++u) p.s[r * Lp + j0 + u] = key_seen(p, r, j0 + u) ? sc[u] : ninf;
+    }
+  }
+  pad_scores(p);
+  float inv[RC];
+  for (int r = 0; r < p.rc; ++r) {
+    float* sr = p.s + r * Lp;
+    __m256 mx = _mm256_set1_ps(ninf);
+    for (int64_t j = 0; j < last; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
+    float m8[8];
+    _mm256_storeu_ps(m8, mx);
+    float m = ninf;
+    for (int l = 0; l < 8; ++l) m = std::max(m, m8[l]);
+    const __m256 mv = _mm256_set1_ps(m == ninf ? 0.f : m);
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0-7 and 8-15 of AVX-512's sum
+    for (int64_t j = 0; j < last; j += 16)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 x = _mm256_loadu_ps(sr + j + 8 * h);
+        const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(ninf), _CMP_NEQ_OQ), exp_nonpos8(_mm256_sub_ps(x, mv)));
+        _mm256_storeu_ps(sr + j + 8 * h, e);
+        sum[h] = _mm256_add_ps(sum[h], e);
+      }
+    float lanes[16];
+    _mm256_storeu_ps(lanes, sum[0]);
+    _mm256_storeu_ps(lanes + 8, sum[1]);
+    const float l = sum_lanes16(lanes);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+  }
+  switch (p.rc) {
+    case 1: return attend_pv_avx2<1>(p, inv);
+    case 2: return attend_pv_avx2<2>(p, inv);
+    case 3: return attend_pv_avx2<3>(p, inv);
+    default: return attend_pv_avx2<4>(p, inv);
+  }
+}
+
+// ---- attention, portable: the same operations one float at a time ----
+void attend_portable(AttendPass& p) {
+  const int64_t D = p.D, Lp = p.Lp, last = p.last;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < p.rc; ++r) {
+    const float* qr = p.qs + r * D;
+    float* sr = p.s + r * Lp;
+    for (int64_t j = 0; j < last; ++j) {
+      const float* kj = p.kb + j * p.ks;
+      float lanes[16];
+      for (int l = 0; l < 16; ++l) lanes[l] = qr[l] * kj[l];
+      for (int64_t c = 16; c < D; c += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] = std::fma(qr[c + l], kj[c + l], lanes[l]);
+      sr[j] = key_seen(p, r, j) ? key_score16(lanes) : ninf;
+    }
+  }
+  pad_scores(p);
+  for (int r = 0; r < p.rc; ++r) {
+    float* sr = p.s + r * Lp;
+    float m = ninf;
+    for (int64_t j = 0; j < last; ++j) m = std::max(m, sr[j]);
+    const float mv = m == ninf ? 0.f : m;
+    float lanes[16] = {0.f};
+    for (int64_t j = 0; j < last; ++j) {
+      const float x = sr[j];
+      sr[j] = (x != ninf && x == x) ? exp_nonpos1(x - mv) : 0.f;
+      lanes[j % 16] += sr[j];
+    }
+    const float l = sum_lanes16(lanes);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < last; ++j) acc = std::fma(sr[j], p.vb[j * p.vs + d], acc);
+      p.out[r][d] = acc * inv;
+    }
+  }
+}
+
+// Query rows [i0, i0 + rc) of kv head hk of batch row b (row i is query head hk * G + i / T at
+// query position i % T): the scaled queries, the keys any row sees, then the path's pass.
+void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc, std::vector<float>& buf,
+                 void (*path)(AttendPass&)) {
+  const int64_t D = a.D, L = a.L, T = a.T;
+  const int64_t Lp = (L + 15) / 16 * 16;
+  buf.resize(RC * (D + Lp));
+  AttendPass p;
+  p.rc = rc;
+  p.D = D;
+  p.Lp = Lp;
+  p.last = 0;
+  float* qs = buf.data();
+  p.qs = qs;
+  p.s = buf.data() + RC * D;
+  p.ms3 = a.ms3;
+  for (int r = 0; r < rc; ++r) {
+    const int64_t i = i0 + r, h = hk * a.G + i / T, t = i % T;
+    const float* qp = a.q + b * a.qs0 + h * a.qs1 + t * a.qs2;
+    for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qp[d] * a.scale;
+    p.mrow[r] = a.mask + b * a.ms0 + t * a.ms2;
+    int64_t j = L;
+    while (j > p.last && !p.mrow[r][(j - 1) * a.ms3]) --j;
+    p.last = std::max(p.last, j);
+    p.out[r] = a.out + ((b * T + t) * a.H + h) * D;
+  }
+  p.kb = a.k + b * a.ks0 + hk * a.ks1;
+  p.vb = a.v + b * a.vs0 + hk * a.vs1;
+  p.ks = a.ks2;
+  p.vs = a.vs2;
+  path(p);
+}
+
+// ---- the paths: every kernel per instruction set (the one place that dispatches) ----
+struct Paths {
+  void (*f32)(const MatArgs<float>&, int64_t, int64_t);
+  void (*i8)(const MatArgs<int8_t>&, int64_t, int64_t);
+  void (*q4)(const Q4Args&, int64_t, int64_t);
+  void (*attend)(AttendPass&);
+};
+
+const Paths PATHS[] = {
+    {blocks_portable<float>, blocks_portable<int8_t>, q4_portable, attend_portable},  // ISA_PORTABLE
+    {blocks_avx2<float>, blocks_avx2<int8_t>, q4_avx2, attend_avx2},                  // ISA_AVX2
+    {blocks_avx512<float>, blocks_avx512<int8_t>, q4_avx512, attend_avx512},          // ISA_AVX512
+};
+
+const Paths& active_paths() { return PATHS[chosen_isa.load(std::memory_order_relaxed)]; }
+
+template <typename W>
+auto paths() {
+  if constexpr (std::is_same<W, float>::value) return active_paths().f32;
+  else return active_paths().i8;
+}
+
+// ---- the drivers: checks, then the blocks split over PyTorch's threads ----
+
+struct Checked {
+  int64_t M, K, nblk;
+  at::Tensor x;  // rows with unit column stride
+};
+
+Checked check(const at::Tensor& x, const at::Tensor& packed, int64_t k_packed, const c10::optional<at::Tensor>& scale,
+              const c10::optional<at::Tensor>& bias, int64_t n, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be a 2-D float32 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), name, ": packed must be a contiguous 3-D tensor");
+  const int64_t K = x.size(1), nblk = packed.size(0);
+  TORCH_CHECK(k_packed == K, name, ": x has ", K, " columns, the weight ", k_packed, " rows");
+  TORCH_CHECK(n > (nblk - 1) * NB && n <= nblk * NB, name, ": n does not match the packed blocks");
+  // per-output vectors of exactly n floats: the kernels read them masked, never past n
+  for (const auto* v : {&scale, &bias})
+    if (v->has_value() && (*v)->defined())
+      TORCH_CHECK((*v)->numel() == n && (*v)->scalar_type() == at::kFloat && (*v)->is_contiguous(), name, ": ",
+                  v == &bias ? "bias" : "scale", " must be a contiguous (n,) float32 tensor");
+  return {x.size(0), K, nblk, x.stride(1) == 1 ? x : x.contiguous()};
+}
+
+inline const float* data_or_null(const c10::optional<at::Tensor>& v) {
+  return v.has_value() && v->defined() ? v->data_ptr<float>() : nullptr;
+}
+
+template <typename W>
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+               const c10::optional<at::Tensor>& bias, int64_t n, const char* name) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB, name, ": packed must be a (N/64, K, 64) tensor");
+  const Checked c = check(x, packed, packed.size(1), scale, bias, n, name);
+  const int64_t M = c.M, K = c.K, nblk = c.nblk;
+  const float* sptr = data_or_null(scale);
+  const float* bptr = data_or_null(bias);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  const MatArgs<W> a{c.x.data_ptr<float>(), c.x.stride(0), M, packed.data_ptr<W>(), K, sptr, bptr,
+                     y.data_ptr<float>(), n};
+  const auto path = paths<W>();  // one path for the whole call
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) { path(a, b0, b1); });
+  return y;
+}
+
+at::Tensor blocked_mm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t n) {
+  TORCH_CHECK(packed.scalar_type() == at::kFloat, "blocked_mm: packed must be float32");
+  return run<float>(x, packed, c10::nullopt, bias, n, "blocked_mm");
+}
+
+at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar, "blocked_mm_int8: packed must be int8");
+  return run<int8_t>(x, packed, scale, bias, n, "blocked_mm_int8");
+}
+
+at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t n) {
+  const char* name = "blocked_mm_int4";
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == QGB, name,
+              ": packed must be a uint8 (N/64, K/32, ", QGB, ") tensor");
+  const Checked c = check(x, packed, packed.size(1) * QG, c10::nullopt, bias, n, name);
+  const int64_t M = c.M, G = packed.size(1), nblk = c.nblk;
+  const float* bptr = data_or_null(bias);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  const float* xp = c.x.data_ptr<float>();
+  const int64_t ldx = c.x.stride(0);
+  // X_g: each row's sum over each group of inputs, in input order (shared by every block)
+  at::Tensor xsum = at::empty({M, G}, x.options());
+  float* xs = xsum.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int64_t k = 0; k < QG; ++k) t += xp[r * ldx + g * QG + k];
+      xs[r * G + g] = t;
+    }
+  const Q4Args a{xp, ldx, M, xs, G, packed.data_ptr<uint8_t>(), bptr, y.data_ptr<float>(), n};
+  const auto path = active_paths().q4;
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) { path(a, b0, b1); });
+  return y;
+}
+
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                   double scale) {
@@ -625,9 +1120,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   mask.size(3) == L && mask.scalar_type() == at::kBool,
               "attend: the mask must be bool (B, 1, T, L)");
   at::Tensor out = at::empty({B, T, H, D}, q.options());
-  const bool ours = has_avx512() && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+  const bool ours = q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                     v.scalar_type() == at::kFloat && D % 16 == 0 && T <= ATTEND_ROWS && L > 0;
-  if (!ours) {  // a prefill, another dtype or CPU: PyTorch's attention
+  if (!ours) {  // a prefill or another dtype: PyTorch's attention
     out.transpose(1, 2).copy_(at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, Hkv != H));
     return out.transpose(1, 2);
   }
@@ -645,12 +1140,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t rows = a.G * T;
   const int rc = RC;
   const int64_t chunks = (rows + rc - 1) / rc;
+  const auto path = active_paths().attend;
   at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> buf;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t c = task % chunks, bh = task / chunks;
       const int64_t i0 = c * rc;
-      attend_rows(a, bh / Hkv, bh % Hkv, i0, (int)std::min<int64_t>(rc, rows - i0), buf);
+      attend_rows(a, bh / Hkv, bh % Hkv, i0, (int)std::min<int64_t>(rc, rows - i0), buf, path);
     }
   });
   return out.transpose(1, 2);
@@ -710,6 +1206,16 @@ extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_attend(
     *ret0 = new at::Tensor(attend(*static_cast<at::Tensor*>(q), *static_cast<at::Tensor*>(k),
                                   *static_cast<at::Tensor*>(v), *static_cast<at::Tensor*>(mask), scale));
   });
+}
+
+// The instruction-set switch, for quickdraft/kernels/__init__.py (ctypes): 0 portable, 1 AVX2 +
+// FMA, 2 AVX-512. quickdraft_set_isa returns 0, or -1 where the CPU lacks that ISA (unchanged).
+extern "C" __attribute__((visibility("default"))) int32_t quickdraft_isa() { return chosen_isa.load(); }
+extern "C" __attribute__((visibility("default"))) int32_t quickdraft_cpu_has(int32_t isa) { return cpu_has(isa); }
+extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_isa(int32_t isa) {
+  if (!cpu_has(isa)) return -1;
+  chosen_isa.store(isa);
+  return 0;
 }
 
 TORCH_LIBRARY(quickdraft, m) {

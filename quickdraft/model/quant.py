@@ -10,11 +10,11 @@
   | format | where | kernel | decode (1 row) | verify (k+1 rows), prefill |
   |---|---|---|---|---|
   | `dense` | not CPU; float16 | F.linear | the device's GEMM | same |
-  | `blocked` | CPU float32 with AVX-512 | quickdraft's own (`quickdraft.kernels`): W in 64-column blocks, each streamed once for all rows | as MKL's sgemv | k+1 = 2-3 rows cost ~1 row, 4-6 rows ~1.15 (MKL: 1.5-1.9); prefill as MKL |
+  | `blocked` | CPU float32 with AVX-512 or AVX2 + FMA | quickdraft's own (`quickdraft.kernels`): W in 64-column blocks, each streamed once for all rows | as MKL's sgemv | k+1 = 2-3 rows cost ~1 row, 4-6 rows ~1.15 (MKL: 1.5-1.9); prefill as MKL |
   | `transposed` | CPU float32 without it (or the kernel could not be built) | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
   | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
-  | `int8` | any | per-channel scales; CPU with AVX-512: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): dequantised to bf16, dense GEMM |
-  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight read | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
+  | `int8` | any | per-channel scales; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): dequantised to bf16, dense GEMM |
+  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight read | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
 
   Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
   matmul dequantises per call (a fallback, labelled as such in its repr).
@@ -68,13 +68,10 @@ def onednn_bf16_supported() -> bool:
 
 
 def blocked_supported() -> bool:
-    """Whether float32 CPU weights take quickdraft's own small-M kernel: the CPU has AVX-512 (its
-    portable path is for correctness, not speed) and the kernel library builds or is built."""
-    try:
-        avx512 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
-    except (AttributeError, RuntimeError):
-        avx512 = False
-    return avx512 and kernels.available()
+    """Whether CPU weights (float32, int8, int4) take quickdraft's own small-M kernels: the kernel
+    library builds or is built, and it runs a vector path (AVX-512 or AVX2 + FMA, the CPU's best or
+    QUICKDRAFT_ISA's; its portable path is for correctness, not speed)."""
+    return kernels.available() and kernels.isa() in kernels.VECTOR_ISAS
 
 
 def has_kernel(op: str, device: torch.device) -> bool:

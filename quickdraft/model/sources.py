@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, Sequence
 
 from ..errors import QuickdraftError
+from ..paths import cache_dir  # (re-exported: gguf, aot and the CLI import it from here)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -93,12 +94,6 @@ CATALOGUE: dict[str, CatalogueEntry] = {e.name: e for e in [
         default_draft=None,  # its trained EAGLE-3 head did not pay (0.42x-1.18x plain): not shipped
     ),
 ]}
-
-
-def cache_dir() -> Path:
-    """The folder catalogue models are kept in (`QUICKDRAFT_CACHE`, else ~/.cache/quickdraft)."""
-    env = os.environ.get("QUICKDRAFT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "quickdraft"
 
 
 def catalogue() -> list[ModelInfo]:

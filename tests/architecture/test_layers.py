@@ -19,7 +19,7 @@ LAYERS = [
     {"engine"},
     {"policy", "proposers", "compile", "aot", "parallel"},
     {"model", "kernels", "verify", "sampling", "tree", "cache", "metrics"},
-    {"config"},
+    {"config", "paths"},
     {"errors"},
 ]
 RANK = {name: len(LAYERS) - i for i, layer in enumerate(LAYERS) for name in layer}

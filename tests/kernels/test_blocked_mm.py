@@ -13,6 +13,13 @@ from quickdraft.model.quant import FastLinear, blocked_supported, row_invariant,
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
 
 
+@pytest.fixture(params=kernels.cpu_isas() if kernels.available() else ["none"])
+def isa(request):
+    """The test runs on each kernel path this CPU has (AVX-512, AVX2 + FMA, portable)."""
+    with kernels.use_isa(request.param):
+        yield request.param
+
+
 def case(m, k, n, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=g), torch.randn(k, n, generator=g) / k ** 0.5, torch.randn(n, generator=g)
@@ -20,7 +27,7 @@ def case(m, k, n, seed=0):
 
 @pytest.mark.parametrize("k,n", [(64, 64), (100, 70), (576, 960), (33, 200), (1, 5)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 40])
-def test_blocked_mm_is_the_matmul(m, k, n):
+def test_blocked_mm_is_the_matmul(m, k, n, isa):
     x, w, b = case(m, k, n)
     packed = kernels.pack(w)
     assert packed.shape == (-(-n // 64), k, 64) and torch.equal(kernels.unpack(packed, n), w)
@@ -33,7 +40,7 @@ def test_blocked_mm_is_the_matmul(m, k, n):
 
 
 @pytest.mark.parametrize("m", [2, 3, 5, 8, 17])
-def test_each_row_gets_the_bits_it_gets_alone(m):
+def test_each_row_gets_the_bits_it_gets_alone(m, isa):
     """The property that makes a verify row's matmuls equal the decode step's for the same input:
     a row's sums do not depend on how many rows come with it, or on the thread count."""
     x, w, b = case(m, 96, 300, seed=m)
@@ -95,7 +102,7 @@ def test_the_float32_cpu_format_and_its_switch(monkeypatch):
 
 @pytest.mark.parametrize("k,n", [(64, 64), (100, 70), (576, 960), (1, 5)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 13])
-def test_int8_blocks_are_the_scaled_matmul_and_rows_stay_independent(m, k, n):
+def test_int8_blocks_are_the_scaled_matmul_and_rows_stay_independent(m, k, n, isa):
     x, _, b = case(m, k, n, seed=k + m)
     q = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
     scale = torch.rand(n) / 100
@@ -114,7 +121,7 @@ def test_int8_format_uses_the_kernel_with_float32_activations():
     lin = torch.nn.Linear(64, 96)
     fast = FastLinear([lin], "int8")
     if not blocked_supported():
-        pytest.skip("no AVX-512 here: int8 keeps PyTorch's kernel")
+        pytest.skip("no vector path (AVX-512, AVX2) here: int8 keeps PyTorch's kernel")
     assert fast.blocked and "blocked kernel" in repr(fast)
     x = torch.randn(5, 2, 64)
     exact = x @ fast.dequantized(torch.float32).t() + lin.bias
@@ -133,7 +140,7 @@ def int4_case(n, k, seed=0):
 
 @pytest.mark.parametrize("k,n", [(32, 64), (96, 70), (576, 960), (1536, 200), (64, 1)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
-def test_int4_blocks_are_the_group_wise_matmul_and_rows_stay_independent(m, k, n):
+def test_int4_blocks_are_the_group_wise_matmul_and_rows_stay_independent(m, k, n, isa):
     q, scale, offset = int4_case(n, k, seed=k + n)
     packed = kernels.pack_int4(q, scale, offset)
     assert packed.dtype == torch.uint8 and packed.shape == (-(-n // 64), k // 32, 1280)
@@ -176,7 +183,7 @@ def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
     lin = torch.nn.Linear(64, 96)
     fast = FastLinear([lin], "int4")
     if not blocked_supported():
-        pytest.skip("no AVX-512 here: int4 keeps PyTorch's kernel")
+        pytest.skip("no vector path (AVX-512, AVX2) here: int4 keeps PyTorch's kernel")
     assert fast.blocked and fast.kernel and "blocked kernel" in repr(fast)
     assert fast.bytes_read() == 2 * 2 * 1280 + 96 * 4  # two blocks of two groups, and the bias
     x = torch.randn(5, 2, 64)
@@ -198,7 +205,7 @@ def test_row_invariant_keeps_every_row_count_on_the_kernel(fmt):
     depends on how many rows share the call; `row_invariant` keeps the kernel (a row's bits are
     its own), which an EAGLE-3 head needs for seeded requests to ignore their batch."""
     if not blocked_supported():
-        pytest.skip("no AVX-512 here: PyTorch's kernels")
+        pytest.skip("no vector path (AVX-512, AVX2) here: PyTorch's kernels")
     torch.manual_seed(0)
     model = torch.nn.Sequential(FastLinear([torch.nn.Linear(64, 96)], fmt))
     big = torch.randn(80, 64)
@@ -229,7 +236,7 @@ def _attention_case(B, H, Hkv, T, L, D, seed=0):
 
 @pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 8, 4, 1, 300, 64), (3, 9, 3, 5, 77, 64), (2, 4, 4, 11, 40, 128),
                                            (1, 8, 1, 12, 200, 64), (2, 6, 2, 3, 1, 32), (1, 9, 3, 1, 100, 64)])
-def test_attend_is_attention_and_rows_stay_independent(B, H, Hkv, T, L, D):
+def test_attend_is_attention_and_rows_stay_independent(B, H, Hkv, T, L, D, isa):
     q, k, v, mask = _attention_case(B, H, Hkv, T, L, D)
     want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                             enable_gqa=H != Hkv)
@@ -248,7 +255,7 @@ def test_attend_is_attention_and_rows_stay_independent(B, H, Hkv, T, L, D):
         torch.set_num_threads(threads)
 
 
-def test_attend_hands_a_prefill_to_pytorch_and_masks_by_row():
+def test_attend_hands_a_prefill_to_pytorch_and_masks_by_row(isa):
     q, k, v, mask = _attention_case(2, 8, 4, 100, 300, 64)  # 100 query rows: PyTorch's attention
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert torch.equal(kernels.attend(q, k, v, mask, 0.125), want)

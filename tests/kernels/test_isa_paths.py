@@ -1,0 +1,131 @@
+"""The kernels' instruction-set paths (AVX-512, AVX2 + FMA, portable C++) give the same bits:
+every matmul format and `attend`, at every row count past each point where a path changes its
+row grouping, on odd shapes and on one and two threads; and QUICKDRAFT_ISA picks the path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quickdraft import kernels
+from quickdraft.errors import QuickdraftError
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
+
+PATHS = kernels.cpu_isas() if kernels.available() else ()
+# 1..16: every row grouping of every path (1 row; 2-3 rows; groups of 3, 4 and 6 and their
+# remainders); 17, 24, 40 and 65: past the formats' switch points (DENSE_ROWS 16, BLOCKED_DENSE_ROWS 64)
+ROWS = list(range(1, 17)) + [17, 24, 40, 65]
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def on_every_path(f, threads) -> dict:
+    """f() on each path this CPU has, on one and on two threads: {(path, threads): result}."""
+    out = {}
+    for isa in PATHS:
+        with kernels.use_isa(isa):
+            for t in (1, 2):
+                threads(t)
+                out[isa, t] = f()
+    return out
+
+
+def assert_all_equal(results: dict, what: str) -> None:
+    (ref_key, ref), *rest = results.items()
+    for key, got in rest:
+        assert torch.equal(got, ref), f"{what}: {key} differs from {ref_key} by {(got - ref).abs().max().item()}"
+
+
+def test_the_paths_this_cpu_runs():
+    assert PATHS[-1] == "portable" and set(PATHS) <= set(kernels.ISAS)
+    chosen = os.environ.get("QUICKDRAFT_ISA", "").lower() or PATHS[0]  # the best, unless the variable says
+    assert kernels.isa() == chosen
+    with kernels.use_isa("portable"):
+        assert kernels.isa() == "portable"
+    assert kernels.isa() == chosen
+    with pytest.raises(QuickdraftError, match="not one of"):
+        with kernels.use_isa("sse9"):
+            pass
+
+
+def _x(m, k, seed):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("k,n", [(33, 200), (577, 323), (1, 5), (64, 64)])
+def test_float32_and_int8_matmuls_are_the_same_bits_on_every_path(k, n, threads):
+    g = torch.Generator().manual_seed(k * n)
+    w = torch.randn(k, n, generator=g) / k ** 0.5
+    packed = kernels.pack(w)
+    qpacked = kernels.pack(torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=g))
+    scale, bias = torch.rand(n, generator=g) / 100, torch.randn(n, generator=g)
+    for m in ROWS:
+        x = _x(m, k, m)
+        assert_all_equal(on_every_path(lambda: kernels.blocked_mm(x, packed, bias, n), threads), f"float32 m={m}")
+        assert_all_equal(on_every_path(lambda: kernels.blocked_mm(x, packed, None, n), threads), f"float32 m={m}")
+        assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int8(x, qpacked, scale, bias, n), threads),
+                         f"int8 m={m}")
+        assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int8(x, qpacked, scale, None, n), threads),
+                         f"int8 m={m}")
+
+
+@pytest.mark.parametrize("k,n", [(32, 70), (96, 323), (576, 200), (64, 1)])
+def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, threads):
+    g = torch.Generator().manual_seed(k + n)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // 32, generator=g) / 50
+    packed = kernels.pack_int4(q, scale, -8 * scale + torch.randn(n, k // 32, generator=g) / 1000)
+    bias = torch.randn(n, generator=g)
+    for m in ROWS:
+        x = _x(m, k, m)
+        assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, bias, n), threads), f"int4 m={m}")
+        assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, None, n), threads), f"int4 m={m}")
+
+
+def _attention_case(B, H, Hkv, T, L, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    k = torch.randn(B + 1, Hkv, L + 9, D, generator=g)[:B, :, :L]
+    v = torch.randn(B + 1, Hkv, L + 9, D, generator=g)[:B, :, :L]
+    pos = torch.randint(L // 2, L, (B, T), generator=g)
+    return q, k, v, (torch.arange(L) <= pos[..., None])[:, None]
+
+
+@pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 8, 4, 1, 300, 64), (3, 9, 3, 5, 77, 64), (2, 4, 4, 11, 40, 128),
+                                           (1, 8, 1, 12, 200, 64), (2, 6, 2, 3, 1, 32), (1, 9, 3, 7, 33, 16),
+                                           (1, 3, 3, 2, 517, 48)])
+def test_attend_is_the_same_bits_on_every_path(B, H, Hkv, T, L, D, threads):
+    q, k, v, mask = _attention_case(B, H, Hkv, T, L, D, seed=T * L)
+    mask[..., 0, :3] = False  # a row that skips the first keys (and, where L <= 3, sees none: zeros)
+    assert_all_equal(on_every_path(lambda: kernels.attend(q, k, v, mask, D ** -0.5), threads), "attend")
+    # scores that make exp underflow and hit its clamp (a large spread), on every path alike
+    assert_all_equal(on_every_path(lambda: kernels.attend(q * 30, k, v, mask, D ** -0.5), threads), "attend x30")
+
+
+def test_an_unknown_isa_variable_is_one_clear_error():
+    env = dict(os.environ, QUICKDRAFT_ISA="sse9")
+    code = "from quickdraft import kernels\ntry:\n    kernels.available()\nexcept Exception as e:\n    print(type(e).__name__, e)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "QuickdraftError QUICKDRAFT_ISA=sse9: 'sse9' is not one of portable, avx2, avx512" in out.stdout, out
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable", "avx512"])
+def test_the_isa_variable_picks_the_path(isa):
+    env = dict(os.environ, QUICKDRAFT_ISA=isa.upper())
+    code = ("from quickdraft import kernels\nfrom quickdraft.model.quant import blocked_supported\n"
+            "try:\n    print(kernels.isa(), blocked_supported())\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if isa in PATHS:
+        assert out.stdout.split() == [isa, str(isa != "portable")], out
+    else:  # a path this CPU lacks: an error, not another path
+        assert f"QuickdraftError QUICKDRAFT_ISA={isa}: this CPU has no" in out.stdout, out
