@@ -1,7 +1,8 @@
 """quickdraft's own CPU kernels, compiled once on the machine that runs them.
 
 `blocked_mm.cpp`: the matmul of small row counts that a verify step needs (k + 1 rows), over
-float32, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_int8`, `blocked_mm_int4`),
+float32, bfloat16, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_bf16` (widened to
+float32 in registers, on every CPU), `blocked_mm_int8`, `blocked_mm_int4`),
 streaming each weight once for all rows, with float32 activations; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
 the layout and the numerics. And `attend`: attention over the cache for up to 12 query rows
@@ -261,6 +262,8 @@ _SHIMS = {
                   "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "blocked_mm_int8": "AOTITorchError aoti_torch_cpu_blocked_mm_int8(AtenTensorHandle x, AtenTensorHandle packed, "
                        "AtenTensorHandle scale, AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
+    "blocked_mm_bf16": "AOTITorchError aoti_torch_cpu_blocked_mm_bf16(AtenTensorHandle x, AtenTensorHandle packed, "
+                       "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "blocked_mm_int4": "AOTITorchError aoti_torch_cpu_blocked_mm_int4(AtenTensorHandle x, AtenTensorHandle packed, "
                        "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "attend": "AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
@@ -284,6 +287,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("quickdraft::blocked_mm_int8")
     def _(x, packed, scale, bias, n):
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("quickdraft::blocked_mm_bf16")
+    def _(x, packed, bias, n):
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("quickdraft::blocked_mm_int4")
@@ -320,6 +327,19 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 def blocked_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x (M, in) float32 @ W + bias -> (M, n), W given `pack`ed."""
     return torch.ops.quickdraft.blocked_mm.default(x, packed, bias, n)
+
+
+def pack_bf16(weight_t: torch.Tensor) -> torch.Tensor:
+    """W (in, out) -> the bf16 kernel's layout: `pack`'s (ceil(out / 64), in, 64), as bfloat16
+    (a float32 W is rounded to nearest even, as `.to(torch.bfloat16)` does)."""
+    return pack(weight_t.to(torch.bfloat16))
+
+
+def blocked_mm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x (M, in) float32 @ W + bias -> (M, n), W bfloat16 given `pack_bf16`ed: the weights are
+    widened to float32 in registers (exact), so the result is `blocked_mm`'s on W.float(), bit
+    for bit, reading half its bytes."""
+    return torch.ops.quickdraft.blocked_mm_bf16.default(x, packed, bias, n)
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

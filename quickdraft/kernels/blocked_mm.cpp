@@ -57,6 +57,22 @@ int best_isa() {
 std::atomic<int> chosen_isa{best_isa()};
 
 constexpr int64_t NB = 64;  // outputs per block: four 16-float vectors
+
+// A bfloat16 weight: the top 16 bits of a float32, so widening it is a shift (exact).
+struct Bf16 {
+  uint16_t bits;
+};
+inline float to_float(float w) { return w; }
+inline float to_float(int8_t w) { return float(w); }
+inline float to_float(Bf16 w) {
+  const uint32_t u = uint32_t(w.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// int8 weights are scaled at the end (per output); float32 and bfloat16 ones are the weights.
+template <typename W>
+constexpr bool scaled_format() { return std::is_same<W, int8_t>::value; }
 #ifndef PF
 #define PF 4096  // bytes ahead of the read
 #endif
@@ -71,6 +87,10 @@ __attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return
 __attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+__attribute__((target("avx512f"))) inline __m512 load16(const Bf16* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
 
 // MR rows over NBLK adjacent blocks at once (NBLK read streams, MR * 4 * NBLK running sums in
 // registers: at most 24 of AVX-512's 32). Prefetching PF bytes ahead keeps enough cache-line
@@ -82,7 +102,7 @@ __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, 
                                                    const float* scale, const float* bias, float* y, int64_t ldy,
                                                    int64_t ncols) {
   constexpr int V = 4 * NBLK;  // vectors per row
-  constexpr bool scaled = !std::is_same<W, float>::value;
+  constexpr bool scaled = scaled_format<W>();
   __m512 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
@@ -130,14 +150,14 @@ __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, 
 template <typename W>
 void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, int64_t K, const float* scale,
                         const float* bias, float* y, int64_t ldy, int64_t ncols) {
-  constexpr bool scaled = !std::is_same<W, float>::value;
+  constexpr bool scaled = scaled_format<W>();
   for (int64_t r = 0; r < rows; ++r) {
     float acc[NB];
     for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && !scaled && n < ncols) ? bias[n] : 0.f;
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[r * ldx + k];
       const W* w = wb + k * NB;
-      for (int64_t n = 0; n < NB; ++n) acc[n] = std::fma(xv, float(w[n]), acc[n]);
+      for (int64_t n = 0; n < NB; ++n) acc[n] = std::fma(xv, to_float(w[n]), acc[n]);
     }
     for (int64_t n = 0; n < ncols; ++n)
       y[r * ldy + n] = scaled ? std::fma(acc[n], scale[n], bias ? bias[n] : 0.f) : acc[n];
@@ -192,6 +212,10 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return
 __attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const Bf16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
 
 // Eight floats at p, of which `left` are real (the rest neither read nor written). Whole vectors
 // take plain loads and stores: AMD's masked stores cost several times a store.
@@ -212,7 +236,7 @@ template <typename W, int MR, int V>
 __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t ldx, const W* wb, int64_t K,
                                                          int64_t c0, const float* scale, const float* bias, float* y,
                                                          int64_t ldy, int64_t ncols, bool prefetch) {
-  constexpr bool scaled = !std::is_same<W, float>::value;
+  constexpr bool scaled = scaled_format<W>();
   __m256 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
@@ -1006,14 +1030,15 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
 struct Paths {
   void (*f32)(const MatArgs<float>&, int64_t, int64_t);
   void (*i8)(const MatArgs<int8_t>&, int64_t, int64_t);
+  void (*bf16)(const MatArgs<Bf16>&, int64_t, int64_t);
   void (*q4)(const Q4Args&, int64_t, int64_t);
   void (*attend)(AttendPass&);
 };
 
 const Paths PATHS[] = {
-    {blocks_portable<float>, blocks_portable<int8_t>, q4_portable, attend_portable},  // ISA_PORTABLE
-    {blocks_avx2<float>, blocks_avx2<int8_t>, q4_avx2, attend_avx2},                  // ISA_AVX2
-    {blocks_avx512<float>, blocks_avx512<int8_t>, q4_avx512, attend_avx512},          // ISA_AVX512
+    {blocks_portable<float>, blocks_portable<int8_t>, blocks_portable<Bf16>, q4_portable, attend_portable},
+    {blocks_avx2<float>, blocks_avx2<int8_t>, blocks_avx2<Bf16>, q4_avx2, attend_avx2},
+    {blocks_avx512<float>, blocks_avx512<int8_t>, blocks_avx512<Bf16>, q4_avx512, attend_avx512},
 };
 
 const Paths& active_paths() { return PATHS[chosen_isa.load(std::memory_order_relaxed)]; }
@@ -1021,6 +1046,7 @@ const Paths& active_paths() { return PATHS[chosen_isa.load(std::memory_order_rel
 template <typename W>
 auto paths() {
   if constexpr (std::is_same<W, float>::value) return active_paths().f32;
+  else if constexpr (std::is_same<W, Bf16>::value) return active_paths().bf16;
   else return active_paths().i8;
 }
 
@@ -1060,7 +1086,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optiona
   const float* bptr = data_or_null(bias);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  const MatArgs<W> a{c.x.data_ptr<float>(), c.x.stride(0), M, packed.data_ptr<W>(), K, sptr, bptr,
+  const MatArgs<W> a{c.x.data_ptr<float>(), c.x.stride(0), M, static_cast<const W*>(packed.const_data_ptr()), K, sptr, bptr,
                      y.data_ptr<float>(), n};
   const auto path = paths<W>();  // one path for the whole call
   at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) { path(a, b0, b1); });
@@ -1077,6 +1103,14 @@ at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const 
                            const c10::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(packed.scalar_type() == at::kChar, "blocked_mm_int8: packed must be int8");
   return run<int8_t>(x, packed, scale, bias, n, "blocked_mm_int8");
+}
+
+// bfloat16 weights widened to float32 in registers: the float32 kernel's sums on the widened
+// weights, bit for bit, at half its bytes.
+at::Tensor blocked_mm_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t n) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "blocked_mm_bf16: packed must be bfloat16");
+  return run<Bf16>(x, packed, c10::nullopt, bias, n, "blocked_mm_bf16");
 }
 
 at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -1192,6 +1226,14 @@ extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_blocked
   });
 }
 
+extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_blocked_mm_bf16(void* x, void* packed,
+                                                                                         void** bias, int64_t n,
+                                                                                         void** ret0) {
+  return shim_call([&] {
+    *ret0 = new at::Tensor(blocked_mm_bf16(*static_cast<at::Tensor*>(x), *static_cast<at::Tensor*>(packed), opt(bias), n));
+  });
+}
+
 extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_blocked_mm_int4(void* x, void* packed,
                                                                                          void** bias, int64_t n,
                                                                                          void** ret0) {
@@ -1222,6 +1264,7 @@ TORCH_LIBRARY(quickdraft, m) {
   m.def("blocked_mm(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("blocked_mm_int8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int n) -> Tensor");
   m.def("blocked_mm_int4(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("blocked_mm_bf16(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
 
@@ -1229,5 +1272,6 @@ TORCH_LIBRARY_IMPL(quickdraft, CPU, m) {
   m.impl("blocked_mm", &blocked_mm);
   m.impl("blocked_mm_int8", &blocked_mm_int8);
   m.impl("blocked_mm_int4", &blocked_mm_int4);
+  m.impl("blocked_mm_bf16", &blocked_mm_bf16);
   m.impl("attend", &attend);
 }
