@@ -9,9 +9,10 @@ the layout and the numerics. And `attend`: attention over the cache for up to 12
 (decode, verify and tree steps), each kv head's keys read once for several query rows, where
 PyTorch's flash attention reads a one-query step through one-row BLAS calls.
 
-Every kernel has three paths: AVX-512, AVX2 + FMA and portable C++, which give the same bits
-(one numeric contract: a row's result does not depend on the other rows, the thread count or the
-path). The best the CPU has runs, or the one `QUICKDRAFT_ISA` (`avx512`, `avx2`, `portable`)
+Every kernel has four paths: AVX-512, AVX2 + FMA, ARM NEON (AArch64) and portable C++, which give
+the same bits (one numeric contract: a row's result does not depend on the other rows, the thread
+count or the path; tests/kernels/test_neon.py runs the NEON path under qemu against the x86
+library). The best the CPU has runs, or the one `QUICKDRAFT_ISA` (`avx512`, `avx2`, `neon`, `portable`)
 names; it is read once, when the library loads, and naming one the CPU lacks is an error
 (`QuickdraftError`), not a quiet fallback. `isa()` says which path runs; `use_isa` switches it
 for a block of code (tests and benchmarks compare the paths in one process with it).
@@ -54,7 +55,9 @@ from ..paths import cache_dir
 
 log = logging.getLogger("quickdraft")
 
-SOURCE = Path(__file__).with_name("blocked_mm.cpp")
+SOURCE = Path(__file__).with_name("blocked_mm.cpp")  # the PyTorch ops; it includes:
+CORE = Path(__file__).with_name("blocked_core.h")  # the kernels themselves (no PyTorch: a harness runs them alone)
+SOURCES = (SOURCE, CORE)  # what the library is built from (its cache folder is named by their bytes)
 LIBRARY = "qd_kernels.so"
 BLOCK = 64  # outputs per column block of the packed layout (blocked_mm.cpp's NB)
 GROUP = 32  # int4: inputs per group (blocked_mm.cpp's QG)
@@ -67,9 +70,9 @@ GROUP = 32  # int4: inputs per group (blocked_mm.cpp's QG)
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 # The kernels' paths, by blocked_mm.cpp's index (its enum Isa), and the ones whose matmuls are
 # fast: the portable path is for correctness (and machines with neither), not speed.
-ISAS = ("portable", "avx2", "avx512")
-VECTOR_ISAS = ("avx2", "avx512")
-_ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 + FMA (+ F16C)", "avx512": "AVX-512"}
+ISAS = ("portable", "avx2", "avx512", "neon")
+VECTOR_ISAS = ("avx2", "avx512", "neon")
+_ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 + FMA (+ F16C)", "avx512": "AVX-512", "neon": "ARM NEON (AArch64)"}
 BUILD_LOCK_STALE_S = 600  # a build lock this old is taken over (builds take 15-40 s, a few minutes on a loaded machine)
 _LOCK = "build.lock"
 
@@ -82,7 +85,7 @@ def _kernel_root() -> Path:
 def _build_dir() -> Path:
     """The folder of this source's library (named by the source, the flags and PyTorch's version),
     created private (0700) where missing."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__.split('+')[0]}-{digest}"
     root = _kernel_root()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -114,7 +117,7 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """The path the kernels run: "avx512", "avx2" or "portable" (None where they are not available)."""
+    """The path the kernels run: "avx512", "avx2", "neon" or "portable" (None where they are not available)."""
     return ISAS[_lib().quickdraft_isa()] if available() else None
 
 
