@@ -123,8 +123,11 @@ def isa() -> str | None:
 
 def cpu_isas() -> tuple[str, ...]:
     """The paths this CPU can run, best first (empty where the kernels are not available)."""
-    if not available():
-        return ()
+    return _cpu_isas() if available() else ()
+
+
+def _cpu_isas() -> tuple[str, ...]:
+    # (the loaded library asked directly: available() applies QUICKDRAFT_ISA, whose error names these)
     return tuple(name for i, name in reversed(list(enumerate(ISAS))) if _lib().quickdraft_cpu_has(i))
 
 
@@ -147,7 +150,7 @@ def _set_isa(name: str, where: str) -> None:
     if name not in ISAS:
         raise QuickdraftError(f"{where}: {name!r} is not one of {', '.join(ISAS)} (the kernels' paths)")
     if _lib().quickdraft_set_isa(ISAS.index(name)) != 0:
-        raise QuickdraftError(f"{where}: this CPU has no {_ISA_NAMES[name]}; it runs {', '.join(cpu_isas())}")
+        raise QuickdraftError(f"{where}: this CPU has no {_ISA_NAMES[name]}; it runs {', '.join(_cpu_isas())}")
 
 
 @functools.lru_cache(maxsize=1)
