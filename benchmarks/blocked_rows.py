@@ -4,7 +4,7 @@ whether k + 1 rows cost about one row (a verify step about a decode step), and w
 median of rounds, us per call; SmolLM2-135M's shapes by default (fused qkv, o, fused gate/up,
 down, lm_head).
 
-    taskset -c 1 python benchmarks/blocked_rows.py --isa avx512,avx2,portable --format f32,int8,int4 \
+    taskset -c 1 python benchmarks/blocked_rows.py --isa avx512,avx2,portable --format f32,bf16,int8,int4 \
         --out benchmarks/results/blocked_rows_cpu.txt
     python benchmarks/blocked_rows.py --shapes bundled   # the bundled target's and SmolLM2's (K, N) of before
     python benchmarks/blocked_rows.py --tiny             # a smoke test: one small shape, few calls
@@ -35,6 +35,9 @@ def _operands(fmt: str, K: int, N: int):
     if fmt == "f32":
         packed = kernels.pack(torch.randn(K, N, generator=g))
         return lambda x: kernels.blocked_mm(x, packed, None, N)
+    if fmt == "bf16":  # half float32's bytes, widened in registers (the float32 kernel's bits)
+        packed = kernels.pack_bf16(torch.randn(K, N, generator=g))
+        return lambda x: kernels.blocked_mm_bf16(x, packed, None, N)
     if fmt == "int8":
         packed = kernels.pack(torch.randint(-127, 128, (K, N), dtype=torch.int8, generator=g))
         scale = torch.rand(N, generator=g)
@@ -43,7 +46,7 @@ def _operands(fmt: str, K: int, N: int):
         scale = torch.rand(N, K // 32, generator=g) / 50
         packed = kernels.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g), scale, -8 * scale)
         return lambda x: kernels.blocked_mm_int4(x, packed, None, N)
-    raise SystemExit(f"unknown format {fmt!r}: f32, int8 or int4")
+    raise SystemExit(f"unknown format {fmt!r}: f32, bf16, int8 or int4")
 
 
 def _time(f, x, budget_s: float, rounds: int, clock) -> float:
@@ -64,9 +67,10 @@ def _time(f, x, budget_s: float, rounds: int, clock) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--isa", default=None, help="paths, comma-separated (default: every one this CPU has)")
-    p.add_argument("--format", default="f32,int8,int4", help="f32, int8, int4 (comma-separated)")
+    p.add_argument("--format", default="f32,int8,int4", help="f32, bf16, int8, int4 (comma-separated)")
     p.add_argument("--rows", default="1,2,4,6,9")
     p.add_argument("--shapes", default="smollm2", choices=sorted(SHAPES))
+    p.add_argument("--only", default=None, help="these shapes of --shapes alone, by name (e.g. gate_up,lm_head)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds per measurement (vector paths)")
     p.add_argument("--clock", default="wall", choices=["wall", "thread"],
                    help="wall: perf_counter; thread: this thread's CPU time (time slices other processes take on a "
@@ -94,6 +98,8 @@ def main() -> None:
           "T(q)/T(1) in brackets")
     for fmt in args.format.split(","):
         for name, K, N in SHAPES[args.shapes]:
+            if args.only and name not in args.only.split(","):
+                continue
             f = _operands(fmt, K, N)
             for isa in isas:
                 with kernels.use_isa(isa):

@@ -84,7 +84,8 @@ def _source_hash() -> str:
     h = hashlib.sha256()
     for module in (transformer, quant, kernels, eagle3):
         h.update(inspect.getsource(module).encode())
-    h.update(kernels.SOURCE.read_bytes())  # the blocked format's kernel, which packages call
+    for source in kernels.SOURCES:  # the blocked format's kernels, which packages call
+        h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -1,16 +1,18 @@
 """quickdraft's own CPU kernels, compiled once on the machine that runs them.
 
 `blocked_mm.cpp`: the matmul of small row counts that a verify step needs (k + 1 rows), over
-float32, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_int8`, `blocked_mm_int4`),
+float32, bfloat16, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_bf16` (widened to
+float32 in registers, on every CPU), `blocked_mm_int8`, `blocked_mm_int4`),
 streaming each weight once for all rows, with float32 activations; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
 the layout and the numerics. And `attend`: attention over the cache for up to 12 query rows
 (decode, verify and tree steps), each kv head's keys read once for several query rows, where
 PyTorch's flash attention reads a one-query step through one-row BLAS calls.
 
-Every kernel has three paths: AVX-512, AVX2 + FMA and portable C++, which give the same bits
-(one numeric contract: a row's result does not depend on the other rows, the thread count or the
-path). The best the CPU has runs, or the one `QUICKDRAFT_ISA` (`avx512`, `avx2`, `portable`)
+Every kernel has four paths: AVX-512, AVX2 + FMA, ARM NEON (AArch64) and portable C++, which give
+the same bits (one numeric contract: a row's result does not depend on the other rows, the thread
+count or the path; tests/kernels/test_neon.py runs the NEON path under qemu against the x86
+library). The best the CPU has runs, or the one `QUICKDRAFT_ISA` (`avx512`, `avx2`, `neon`, `portable`)
 names; it is read once, when the library loads, and naming one the CPU lacks is an error
 (`QuickdraftError`), not a quiet fallback. `isa()` says which path runs; `use_isa` switches it
 for a block of code (tests and benchmarks compare the paths in one process with it).
@@ -53,7 +55,9 @@ from ..paths import cache_dir
 
 log = logging.getLogger("quickdraft")
 
-SOURCE = Path(__file__).with_name("blocked_mm.cpp")
+SOURCE = Path(__file__).with_name("blocked_mm.cpp")  # the PyTorch ops; it includes:
+CORE = Path(__file__).with_name("blocked_core.h")  # the kernels themselves (no PyTorch: a harness runs them alone)
+SOURCES = (SOURCE, CORE)  # what the library is built from (its cache folder is named by their bytes)
 LIBRARY = "qd_kernels.so"
 BLOCK = 64  # outputs per column block of the packed layout (blocked_mm.cpp's NB)
 GROUP = 32  # int4: inputs per group (blocked_mm.cpp's QG)
@@ -66,9 +70,9 @@ GROUP = 32  # int4: inputs per group (blocked_mm.cpp's QG)
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 # The kernels' paths, by blocked_mm.cpp's index (its enum Isa), and the ones whose matmuls are
 # fast: the portable path is for correctness (and machines with neither), not speed.
-ISAS = ("portable", "avx2", "avx512")
-VECTOR_ISAS = ("avx2", "avx512")
-_ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 + FMA (+ F16C)", "avx512": "AVX-512"}
+ISAS = ("portable", "avx2", "avx512", "neon")
+VECTOR_ISAS = ("avx2", "avx512", "neon")
+_ISA_NAMES = {"portable": "portable C++", "avx2": "AVX2 + FMA (+ F16C)", "avx512": "AVX-512", "neon": "ARM NEON (AArch64)"}
 BUILD_LOCK_STALE_S = 600  # a build lock this old is taken over (builds take 15-40 s, a few minutes on a loaded machine)
 _LOCK = "build.lock"
 
@@ -81,7 +85,7 @@ def _kernel_root() -> Path:
 def _build_dir() -> Path:
     """The folder of this source's library (named by the source, the flags and PyTorch's version),
     created private (0700) where missing."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__.split('+')[0]}-{digest}"
     root = _kernel_root()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -113,14 +117,17 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """The path the kernels run: "avx512", "avx2" or "portable" (None where they are not available)."""
+    """The path the kernels run: "avx512", "avx2", "neon" or "portable" (None where they are not available)."""
     return ISAS[_lib().quickdraft_isa()] if available() else None
 
 
 def cpu_isas() -> tuple[str, ...]:
     """The paths this CPU can run, best first (empty where the kernels are not available)."""
-    if not available():
-        return ()
+    return _cpu_isas() if available() else ()
+
+
+def _cpu_isas() -> tuple[str, ...]:
+    # (the loaded library asked directly: available() applies QUICKDRAFT_ISA, whose error names these)
     return tuple(name for i, name in reversed(list(enumerate(ISAS))) if _lib().quickdraft_cpu_has(i))
 
 
@@ -143,7 +150,7 @@ def _set_isa(name: str, where: str) -> None:
     if name not in ISAS:
         raise QuickdraftError(f"{where}: {name!r} is not one of {', '.join(ISAS)} (the kernels' paths)")
     if _lib().quickdraft_set_isa(ISAS.index(name)) != 0:
-        raise QuickdraftError(f"{where}: this CPU has no {_ISA_NAMES[name]}; it runs {', '.join(cpu_isas())}")
+        raise QuickdraftError(f"{where}: this CPU has no {_ISA_NAMES[name]}; it runs {', '.join(_cpu_isas())}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -261,6 +268,8 @@ _SHIMS = {
                   "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "blocked_mm_int8": "AOTITorchError aoti_torch_cpu_blocked_mm_int8(AtenTensorHandle x, AtenTensorHandle packed, "
                        "AtenTensorHandle scale, AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
+    "blocked_mm_bf16": "AOTITorchError aoti_torch_cpu_blocked_mm_bf16(AtenTensorHandle x, AtenTensorHandle packed, "
+                       "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "blocked_mm_int4": "AOTITorchError aoti_torch_cpu_blocked_mm_int4(AtenTensorHandle x, AtenTensorHandle packed, "
                        "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "attend": "AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
@@ -284,6 +293,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("quickdraft::blocked_mm_int8")
     def _(x, packed, scale, bias, n):
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("quickdraft::blocked_mm_bf16")
+    def _(x, packed, bias, n):
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("quickdraft::blocked_mm_int4")
@@ -320,6 +333,19 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 def blocked_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x (M, in) float32 @ W + bias -> (M, n), W given `pack`ed."""
     return torch.ops.quickdraft.blocked_mm.default(x, packed, bias, n)
+
+
+def pack_bf16(weight_t: torch.Tensor) -> torch.Tensor:
+    """W (in, out) -> the bf16 kernel's layout: `pack`'s (ceil(out / 64), in, 64), as bfloat16
+    (a float32 W is rounded to nearest even, as `.to(torch.bfloat16)` does)."""
+    return pack(weight_t.to(torch.bfloat16))
+
+
+def blocked_mm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x (M, in) float32 @ W + bias -> (M, n), W bfloat16 given `pack_bf16`ed: the weights are
+    widened to float32 in registers (exact), so the result is `blocked_mm`'s on W.float(), bit
+    for bit, reading half its bytes."""
+    return torch.ops.quickdraft.blocked_mm_bf16.default(x, packed, bias, n)
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The kernels' instruction-set paths (AVX-512, AVX2 + FMA, portable C++) give the same bits:
+"""The kernels' instruction-set paths (AVX-512, AVX2 + FMA, portable C++) give the same bits (the
+ARM NEON path: test_neon.py, under qemu):
 every matmul format and `attend`, at every row count past each point where a path changes its
 row grouping, on odd shapes and on one and two threads; and QUICKDRAFT_ISA picks the path."""
 
@@ -116,10 +117,10 @@ def test_an_unknown_isa_variable_is_one_clear_error():
     env = dict(os.environ, QUICKDRAFT_ISA="sse9")
     code = "from quickdraft import kernels\ntry:\n    kernels.available()\nexcept Exception as e:\n    print(type(e).__name__, e)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert "QuickdraftError QUICKDRAFT_ISA=sse9: 'sse9' is not one of portable, avx2, avx512" in out.stdout, out
+    assert "QuickdraftError QUICKDRAFT_ISA=sse9: 'sse9' is not one of portable, avx2, avx512, neon" in out.stdout, out
 
 
-@pytest.mark.parametrize("isa", ["avx2", "portable", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "portable", "avx512", "neon"])
 def test_the_isa_variable_picks_the_path(isa):
     env = dict(os.environ, QUICKDRAFT_ISA=isa.upper())
     code = ("from quickdraft import kernels\nfrom quickdraft.model.quant import blocked_supported\n"

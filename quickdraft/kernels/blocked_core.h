@@ -1,0 +1,1457 @@
+// quickdraft's CPU kernels without PyTorch: the blocked float32 / bfloat16 / int8 / int4 small-M
+// matmuls and the attention over the cache, on every path (portable C++, AVX2 + FMA, AVX-512,
+// ARM NEON), and the dispatch table. Included by blocked_mm.cpp (the PyTorch ops) and by
+// tests/kernels/neon_harness.cpp (the same kernels, run on an AArch64 build under qemu and
+// compared bit for bit with the x86 library). One translation unit per binary includes it (its
+// definitions sit in an anonymous namespace).
+//
+// y (M, N) = x (M, K) @ W + bias, with W stored in column blocks of 64 outputs:
+// packed (N/64, K, 64), block j holding W[:, 64j : 64j + 64] row after row (zero-padded past N).
+// Each block is read once, contiguously, for all M rows (M <= 16 is the verify case; more rows
+// re-read the block from cache), so k + 1 rows stream the same bytes as one row: a GEMV-like
+// kernel for every small M, where a BLAS sgemm packs the whole weight again at each call.
+// bfloat16 weights use the same layout and are widened in registers (a 16-bit shift: exact), so
+// their result is the float32 kernel's on the widened weights, bit for bit, at half the bytes.
+//
+// Every output element is the bias plus x[m, k] * W[k, n] accumulated with FMAs in k order
+// 0..K-1, whatever M, however the rows are grouped and on any thread count (the portable path
+// too: std::fma rounds as the instruction does), so a row's result does not depend on the other
+// rows: a verify step's matmuls give a token the bits a decode step gives it.
+//
+// Four paths, one result: AVX-512 (16-float vectors), AVX2 + FMA (8-float vectors), NEON (4-float
+// vectors, vfmaq_f32) and portable C++ (scalar std::fma). Each output is the same chain of FMAs in
+// the same k order on every path, and the attention's reductions follow one fixed order (written
+// out below), so a row has the same bits on every path too. Build with -ffp-contract=off (the
+// compiler must not fuse a separate multiply and add anywhere). The path is chosen when the
+// library loads: the best the CPU has, or the one QUICKDRAFT_ISA names (checked by
+// quickdraft/kernels/__init__.py, which calls quickdraft_set_isa); the dispatch is in one place, PATHS.
+#pragma once
+
+#if defined(__x86_64__) || defined(__i386__)
+#define QD_X86 1
+#include <immintrin.h>
+#else
+#define QD_X86 0
+#endif
+#if defined(__aarch64__)
+#define QD_ARM 1
+#include <arm_neon.h>
+#else
+#define QD_ARM 0
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#include <type_traits>
+
+namespace {
+
+// ---- instruction sets ----
+enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_NEON = 3 };
+constexpr int ISA_COUNT = 4;
+
+bool cpu_has(int isa) {
+  switch (isa) {
+    case ISA_PORTABLE: return true;
+#if QD_X86
+    case ISA_AVX2:
+      __builtin_cpu_init();  // (may run before libgcc's own constructor)
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case ISA_AVX512: __builtin_cpu_init(); return __builtin_cpu_supports("avx512f");
+#endif
+#if QD_ARM
+    case ISA_NEON: return true;  // Advanced SIMD, fused multiply-add included, is part of every AArch64 CPU
+#endif
+    default: return false;
+  }
+}
+
+int best_isa() {
+  if (cpu_has(ISA_NEON)) return ISA_NEON;
+  return cpu_has(ISA_AVX512) ? ISA_AVX512 : cpu_has(ISA_AVX2) ? ISA_AVX2 : ISA_PORTABLE;
+}
+
+// The path the kernels take; read once per call (all threads of a call take the same path).
+std::atomic<int> chosen_isa{best_isa()};
+
+constexpr int64_t NB = 64;  // outputs per block: four 16-float vectors
+
+// A bfloat16 weight: the top 16 bits of a float32, so widening it is a shift (exact).
+struct Bf16 {
+  uint16_t bits;
+};
+inline float to_float(float w) { return w; }
+inline float to_float(int8_t w) { return float(w); }
+inline float to_float(Bf16 w) {
+  const uint32_t u = uint32_t(w.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// int8 weights are scaled at the end (per output); float32 and bfloat16 ones are the weights.
+template <typename W>
+constexpr bool scaled_format() { return std::is_same<W, int8_t>::value; }
+#ifndef PF
+#define PF 4096  // bytes ahead of the read
+#endif
+
+#if QD_X86
+// The lanes of a 16-float vector below `left` outputs (all of them from 16 on, none at 0 or less).
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+// Sixteen weights of a block row as floats: float32 as stored; int8 widened exactly.
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const Bf16* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+
+// MR rows over NBLK adjacent blocks at once (NBLK read streams, MR * 4 * NBLK running sums in
+// registers: at most 24 of AVX-512's 32). Prefetching PF bytes ahead keeps enough cache-line
+// reads in flight for one core to stream at its bandwidth.
+// float32 weights: y = bias + sum_k x w (the sums start from the bias).
+// int8 weights: y = (sum_k x q) * scale + bias (one FMA at the end), scale per output.
+template <typename W, int MR, int NBLK>
+__attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, const W* wb, int64_t K,
+                                                   const float* scale, const float* bias, float* y, int64_t ldy,
+                                                   int64_t ncols) {
+  constexpr int V = 4 * NBLK;  // vectors per row
+  constexpr bool scaled = scaled_format<W>();
+  __m512 acc[MR][V];
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) {
+    // (adjacent blocks' biases are adjacent; masked: the last block may be partial)
+    __m512 b = (bias && !scaled) ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) acc[r][j] = b;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[V];
+#pragma GCC unroll 8
+    for (int c = 0; c < NBLK; ++c) {
+      const W* src = wb + c * K * NB + k * NB;
+      const char* ahead = reinterpret_cast<const char*>(src) + PF;
+#pragma GCC unroll 4
+      for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) w[4 * c + q] = load16(src + 16 * q);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) {
+    if (ncols - 16 * j <= 0) break;
+    const __mmask16 mask = tail_mask(ncols - 16 * j);
+    __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    if (scaled) {
+      s = _mm512_maskz_loadu_ps(mask, scale + 16 * j);
+      if (bias) b = _mm512_maskz_loadu_ps(mask, bias + 16 * j);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m512 out = scaled ? _mm512_fmadd_ps(acc[r][j], s, b) : acc[r][j];
+      _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, out);
+    }
+  }
+}
+
+#endif  // QD_X86
+
+// Portable path (no AVX-512): the same products in the same order, one row at a time.
+template <typename W>
+void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, int64_t K, const float* scale,
+                        const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  constexpr bool scaled = scaled_format<W>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[NB];
+    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && !scaled && n < ncols) ? bias[n] : 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[r * ldx + k];
+      const W* w = wb + k * NB;
+      for (int64_t n = 0; n < NB; ++n) acc[n] = std::fma(xv, to_float(w[n]), acc[n]);
+    }
+    for (int64_t n = 0; n < ncols; ++n)
+      y[r * ldy + n] = scaled ? std::fma(acc[n], scale[n], bias ? bias[n] : 0.f) : acc[n];
+  }
+}
+
+#if QD_X86
+// One row reads four blocks at once (four streams) on Intel: 4-8% faster than two there (the
+// Emerald Rapids Xeon, SmolLM2's and the bundled target's shapes). On an AMD EPYC (Zen 4) one
+// row took 30-50% longer with four streams than two rows with two (SmolLM2's 576 x 49152
+// lm_head 4489 vs 2942 us, 1 thread), so there a row gets two. Either way the same FMAs in the
+// same order per output: the bits do not change.
+bool four_streams() {
+  static const bool yes = !__builtin_cpu_is("amd");
+  return yes;
+}
+
+// Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
+// M, six rows at a time). Only the combinations that fit the registers are instantiated.
+template <typename W, int NBLK>
+void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, const float* scale, const float* bias,
+              float* y, int64_t ldy, int64_t ncols) {
+  int64_t m = 0;
+  if (NBLK == 1)
+    for (; m + 6 <= M; m += 6) block_rows<W, 6, 1>(x + m * ldx, ldx, wb, K, scale, bias, y + m * ldy, ldy, ncols);
+  const float* xm = x + m * ldx;
+  float* ym = y + m * ldy;
+  if (NBLK == 4) {
+    block_rows<W, 1, NBLK>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols);
+    return;
+  }
+  constexpr int N2 = NBLK == 4 ? 1 : NBLK;  // (never 4 below: keeps the unused instances small)
+  switch (M - m) {
+    case 5: block_rows<W, 5, 1>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
+    case 4: block_rows<W, 4, 1>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
+    case 3: block_rows<W, 3, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
+    case 2: block_rows<W, 2, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
+    case 1: block_rows<W, 1, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
+    default: break;
+  }
+}
+
+// ---- AVX2 + FMA: 8-float vectors, 16 registers ----
+
+// Lanes [0, left) of an 8-float vector as a maskload / maskstore mask.
+__attribute__((target("avx2,fma"))) inline __m256i lanes_below(int64_t left) {
+  const int l = left >= 8 ? 8 : left <= 0 ? 0 : (int)left;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(l), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Eight weights of a block row as floats (int8 widened exactly).
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8(const Bf16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+// Eight floats at p, of which `left` are real (the rest neither read nor written). Whole vectors
+// take plain loads and stores: AMD's masked stores cost several times a store.
+__attribute__((target("avx2,fma"))) inline __m256 load_left(const float* p, int64_t left) {
+  return left >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_below(left));
+}
+__attribute__((target("avx2,fma"))) inline void store_left(float* p, __m256 v, int64_t left) {
+  if (left >= 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, lanes_below(left), v);
+}
+
+// MR rows x outputs [c0, c0 + 8V) of one block (the block's first `ncols` outputs are real): the
+// same sums as block_rows, 8 outputs a vector. MR * V sums + MR broadcasts + a weight vector fit
+// the 16 registers for (MR, V) = (1, 8), (3, 4), (2, 4).
+template <typename W, int MR, int V>
+__attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t ldx, const W* wb, int64_t K,
+                                                         int64_t c0, const float* scale, const float* bias, float* y,
+                                                         int64_t ldy, int64_t ncols, bool prefetch) {
+  constexpr bool scaled = scaled_format<W>();
+  __m256 acc[MR][V];
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) {
+    const int64_t o = c0 + 8 * j;
+    const __m256 b = (bias && !scaled) ? load_left(bias + o, ncols - o) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][j] = b;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const W* src = wb + k * NB + c0;
+    if (prefetch) {  // the whole block row (the first of the calls that share it)
+      const char* ahead = reinterpret_cast<const char*>(wb + k * NB) + PF;
+#pragma GCC unroll 4
+      for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    __m256 xv[MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) {
+      const __m256 w = load8(src + 8 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) {
+    const int64_t o = c0 + 8 * j, left = ncols - o;
+    if (left <= 0) break;
+    if (scaled) {
+      const __m256 s = load_left(scale + o, left), b = bias ? load_left(bias + o, left) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, _mm256_fmadd_ps(acc[r][j], s, b), left);
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, acc[r][j], left);
+    }
+  }
+}
+
+#endif  // QD_X86
+
+// The arguments of a float32 / int8 blocked matmul, for the paths' block loops.
+template <typename W>
+struct MatArgs {
+  const float* x;
+  int64_t ldx, M;
+  const W* w;  // packed (nblk, K, 64)
+  int64_t K;
+  const float *scale, *bias;  // (n,) or null
+  float* y;                   // (M, n)
+  int64_t n;
+};
+
+#if QD_X86
+// Blocks [b0, b1): one row reads the whole block row (8 sums); more rows take the block in two
+// halves of 32 outputs, three rows at a time (12 sums; four rows left go as two and two: 4 sums
+// would wait on the FMA latency), the second half and the other rows reading it from L2. (Pieces
+// of 32-128 block rows with the sums kept in y between them, to read each piece from L1, were
+// measured slower: 1.2-1.7x on SmolLM2's lm_head at 2-9 rows, AMD EPYC Zen 4.)
+template <typename W>
+__attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, ld = a.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const W* wb = a.w + b * a.K * NB;
+    const float* s = a.scale ? a.scale + b * NB : nullptr;
+    const float* bias = a.bias ? a.bias + b * NB : nullptr;
+    float* y = a.y + b * NB;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    if (M == 1) {
+      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, ld, ncols, true);
+      continue;
+    }
+    for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
+      int64_t m = 0;
+      for (; m + 3 <= M && M - m != 4; m += 3)
+        block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+      for (; m + 2 <= M; m += 2)
+        block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+    }
+  }
+}
+
+// AVX-512: several blocks at a time: more read streams, more sums in flight (measured on
+// SmolLM2's and the bundled target's shapes: one row 4-8% faster with four streams than with two
+// on Intel, slower on AMD: four_streams; two streams for 2-3 rows; 4+ rows gain nothing from a second).
+template <typename W>
+void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, K = a.K, n = a.n;
+  auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
+  int64_t b = b0;
+  if (M == 1 && four_streams())
+    for (; b + 3 < b1; b += 4)
+      run_rows<W, 4>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+                     std::min(4 * NB, n - b * NB));
+  if (M <= 3)
+    for (; b + 1 < b1; b += 2)
+      run_rows<W, 2>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+                     std::min(2 * NB, n - b * NB));
+  for (; b < b1; ++b)
+    run_rows<W, 1>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+                   std::min(NB, n - b * NB));
+}
+
+#endif  // QD_X86
+
+template <typename W>
+void blocks_portable(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    block_rows_generic<W>(a.x, a.ldx, a.M, a.w + b * a.K * NB, a.K, a.scale ? a.scale + b * NB : nullptr,
+                          a.bias ? a.bias + b * NB : nullptr, a.y + b * NB, a.n, std::min(NB, a.n - b * NB));
+}
+
+// ---- int4: 4-bit weights in groups of 32 inputs, a scale and an offset per group and output ----
+//
+// Layout (uint8): packed (N/64, G, GB), G = K / 32 groups; block b's group g holds
+//   32 rows of 32 bytes, row k: byte j = q[k][j] | q[k][j + 32] << 4 (q in 0..15, outputs j, j + 32),
+//   then 64 float16 scales s, then 64 float16 offsets o: w = q * s + o.
+// Each (block, group) is one contiguous 1280-byte piece: the block is still a single read stream.
+//
+// Per row and output: y = bias + sum_g (s_g * A_g + o_g * X_g), A_g = sum_{k in g} x_k q_k (exact
+// products, FMAs in k order), X_g = sum_{k in g} x_k (computed once per call, k order). Again a
+// row's result does not depend on the other rows, the row grouping or the thread count.
+constexpr int64_t QG = 32;                      // inputs per group
+constexpr int64_t QGB = QG * NB / 2 + 2 * NB * 2;  // bytes per (block, group): 1024 + 256
+
+#if QD_X86
+// Sixteen bytes of 4-bit pairs as 2 x 16 floats, by table lookup: vpermps reads only the low four
+// bits of each 32-bit index, so the bytes widened to 32 bits index the low nibbles as they are and,
+// shifted right by 4, the high ones (3 instructions for 32 weights, where masking and converting
+// took 6: the one-row int4 step is bound by these, not by memory).
+__attribute__((target("avx512f"))) inline void nibbles32(__m128i bytes, __m512 table, __m512& lo, __m512& hi) {
+  const __m512i idx = _mm512_cvtepu8_epi32(bytes);
+  lo = _mm512_permutexvar_ps(idx, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+}
+
+// MR rows over NBLK adjacent blocks. The group's partial sums stay in registers (MR * 4 * NBLK
+// of them); the running sums live in y itself (in L1), updated once per group, which leaves the
+// registers to the partial sums of more rows: each nibble widened once serves up to six rows.
+template <int MR, int NBLK>
+__attribute__((target("avx512f"))) void block_rows_q4(const float* x, int64_t ldx, const float* xs, int64_t G,
+                                                      const uint8_t* wb, const float* bias, float* y, int64_t ldy,
+                                                      int64_t ncols) {
+  constexpr int V = 4 * NBLK;
+  const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+#pragma GCC unroll 16
+  for (int j = 0; j < V; ++j) {
+    const __mmask16 mask = tail_mask(ncols - 16 * j);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, b);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 part[MR][V];
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j)
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) part[r][j] = _mm512_setzero_ps();
+    const float* xg = x + g * QG;
+#pragma GCC unroll 32
+    for (int k = 0; k < QG; ++k) {
+      __m512 xv[MR];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) xv[r] = _mm512_set1_ps(xg[r * ldx + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NBLK; ++c) {
+        const uint8_t* piece = wb + (c * G + g) * QGB;
+        // one cache line of the piece PF bytes ahead per k, its 20 lines over the first 20 k
+        if (k < int(QGB / 64)) _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * k, _MM_HINT_T0);
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 32 * k));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 32 * k + 16));
+        __m512 w[4];
+        nibbles32(a, table, w[0], w[2]);
+        nibbles32(b, table, w[1], w[3]);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q)
+#pragma GCC unroll 6
+          for (int r = 0; r < MR; ++r) part[r][4 * c + q] = _mm512_fmadd_ps(xv[r], w[q], part[r][4 * c + q]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) {
+      const uint8_t* piece = wb + ((j / 4) * G + g) * QGB;
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 32 * (j % 4))));
+      const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
+      const __mmask16 mask = tail_mask(ncols - 16 * j);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) {
+        float* yr = y + r * ldy + 16 * j;
+        const __m512 acc = _mm512_fmadd_ps(part[r][j], sc, _mm512_maskz_loadu_ps(mask, yr));
+        _mm512_mask_storeu_ps(yr, mask, _mm512_fmadd_ps(_mm512_set1_ps(xs[r * G + g]), of, acc));
+      }
+    }
+  }
+}
+
+#endif  // QD_X86
+
+// The portable int4 path: the same operations in the same order, one row at a time.
+inline float half_to_float(const uint8_t* p) {  // IEEE binary16 (little-endian) -> float32, exact
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u;
+  if (e == 0) {  // zero or subnormal: m 2^-24, exact in float32
+    const float f = float(m) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  const uint32_t u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+void block_rows_q4_generic(const float* x, int64_t ldx, int64_t rows, const float* xs, int64_t G,
+                           const uint8_t* wb, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[NB];
+    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && n < ncols) ? bias[n] : 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* piece = wb + g * QGB;
+      float part[NB] = {0.f};
+      for (int64_t k = 0; k < QG; ++k) {
+        const float xv = x[r * ldx + g * QG + k];
+        for (int64_t n = 0; n < NB; ++n) {
+          const uint8_t byte = piece[32 * k + (n % 32)];
+          part[n] = std::fma(xv, float(n < 32 ? byte & 15 : byte >> 4), part[n]);
+        }
+      }
+      for (int64_t n = 0; n < NB; ++n)
+        acc[n] = std::fma(xs[r * G + g], half_to_float(piece + 1152 + 2 * n),
+                          std::fma(part[n], half_to_float(piece + 1024 + 2 * n), acc[n]));
+    }
+    for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] = acc[n];
+  }
+}
+
+#if QD_X86
+// Rows [0, M) of NBLK adjacent int4 blocks: four blocks for one row, two for two or three rows,
+// one block six rows at a time for more (at most 24 partial sums in registers).
+template <int NBLK>
+void run_rows_q4(const float* x, int64_t ldx, int64_t M, const float* xs, int64_t G, const uint8_t* wb,
+                 const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  constexpr int N2 = NBLK == 4 ? 2 : NBLK;  // (keeps the instances that cannot occur small)
+  if (NBLK == 4) {
+    block_rows_q4<1, NBLK>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    return;
+  }
+  if (NBLK == 2) {
+    if (M == 3) block_rows_q4<3, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q4<2, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q4<1, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) block_rows_q4<6, 1>(x + m * ldx, ldx, xs + m * G, G, wb, bias, y + m * ldy, ldy, ncols);
+  const float* xm = x + m * ldx;
+  const float* xsm = xs + m * G;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 5: block_rows_q4<5, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 4: block_rows_q4<4, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 3: block_rows_q4<3, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 2: block_rows_q4<2, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 1: block_rows_q4<1, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    default: break;
+  }
+}
+
+#endif  // QD_X86
+
+// The arguments of an int4 blocked matmul, for the paths' block loops.
+struct Q4Args {
+  const float* x;
+  int64_t ldx, M;
+  const float* xs;  // (M, G): each row's sum over each group of inputs
+  int64_t G;
+  const uint8_t* w;  // packed (nblk, G, QGB)
+  const float* bias;
+  float* y;
+  int64_t n;
+};
+
+#if QD_X86
+void q4_avx512(const Q4Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, G = a.G, n = a.n, stride = G * QGB;  // bytes per block
+  auto bias_at = [&](int64_t b) { return a.bias ? a.bias + b * NB : nullptr; };
+  int64_t b = b0;
+  if (M == 1 && four_streams())
+    for (; b + 3 < b1; b += 4)
+      run_rows_q4<4>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
+  if (M <= 3)
+    for (; b + 1 < b1; b += 2)
+      run_rows_q4<2>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
+  for (; b < b1; ++b)
+    run_rows_q4<1>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
+}
+
+#endif  // QD_X86
+
+void q4_portable(const Q4Args& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    block_rows_q4_generic(a.x, a.ldx, a.M, a.xs, a.G, a.w + b * a.G * QGB, a.bias ? a.bias + b * NB : nullptr,
+                          a.y + b * NB, a.n, std::min(NB, a.n - b * NB));
+}
+
+#if QD_X86
+// AVX2 int4, one group of one block: MR rows x H pieces of 8 bytes, bytes [b0, b0 + 8H) of each
+// 32-byte row (outputs b0 + i from the low nibbles, 32 + b0 + i from the high ones). The group's
+// partial sums stay in registers (MR * 2H), the running sums in y, as in block_rows_q4; the
+// nibbles are widened by masking / shifting and converting (vpermps' table has 8 entries here).
+template <int MR, int H>
+__attribute__((target("avx2,fma,f16c"))) void group_q4_avx2(const float* xg, int64_t ldx, const float* xs, int64_t G,
+                                                            const uint8_t* piece, int64_t b0, float* y, int64_t ldy,
+                                                            int64_t ncols) {
+  __m256 part[MR][2 * H];
+#pragma GCC unroll 8
+  for (int v = 0; v < 2 * H; ++v)
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) part[r][v] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+#pragma GCC unroll 4
+  for (int k = 0; k < QG; ++k) {
+    __m256 xv[MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(xg[r * ldx + k]);
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 32 * k + b0 + 8 * h)));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(idx, low));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(idx, 4));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        part[r][2 * h] = _mm256_fmadd_ps(xv[r], lo, part[r][2 * h]);
+        part[r][2 * h + 1] = _mm256_fmadd_ps(xv[r], hi, part[r][2 * h + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < 2 * H; ++v) {
+    const int64_t o = b0 + 8 * (v / 2) + 32 * (v % 2);
+    if (o >= ncols) continue;
+    const int64_t left = ncols - o;
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + 2 * o)));
+    const __m256 of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1152 + 2 * o)));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      float* yr = y + r * ldy + o;
+      const __m256 acc = _mm256_fmadd_ps(part[r][v], sc, load_left(yr, left));
+      store_left(yr, _mm256_fmadd_ps(_mm256_set1_ps(xs[r * G]), of, acc), left);
+    }
+  }
+}
+
+// Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and piece from L1):
+// four rows at once take 8 bytes (16 outputs) at a time (8 sums), each widened nibble serving all
+// four; the one, two or three rows left take 32, 16 or 8 bytes at a time.
+__attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, G = a.G, ld = a.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = a.w + b * G * QGB;
+    float* y = a.y + b * NB;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
+      for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* piece = wb + g * QGB;
+#pragma GCC unroll 4
+      for (int line = 0; line < int(QGB / 64); ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
+      const float* xg = a.x + g * QG;
+      const float* xs = a.xs + g;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
+          group_q4_avx2<4, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols);
+      const float* xm = xg + m * a.ldx;
+      float* ym = y + m * ld;
+      switch (M - m) {  // the rows left, with at least 6 sums each (fewer wait on the FMA latency)
+        case 3:
+          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
+            group_q4_avx2<3, 1>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
+          break;
+        case 2:
+          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 16)
+            group_q4_avx2<2, 2>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
+          break;
+        case 1: group_q4_avx2<1, 4>(xm, a.ldx, xs + m * G, G, piece, 0, ym, ld, ncols); break;
+        default: break;
+      }
+    }
+  }
+}
+
+#endif  // QD_X86
+
+// ---- Attention over the cache for a few query rows (decode and verify steps) -----------------
+// out (B, H, T, D) = softmax(q k^T * scale, keys where mask is true) v, per head; query head h
+// reads kv head h / (H / H_kv) (grouped-query attention). q (B, H, T, D), k and v (B, H_kv, L, D)
+// (views of the cache: any strides but the last), mask (B or 1, 1, T, L) bool. The result has
+// the memory order (B, T, H, D), so the output projection reads it without a copy.
+//
+// Why: PyTorch's CPU flash attention runs a one-query step as BLAS calls of one row over 512-key
+// blocks, reading the cache at 8-16 GB/s on this machine's 2 GHz cores; here each kv head's keys
+// and values are read once for up to RC query rows: one query row 0.46-0.63x PyTorch's time, 12
+// rows 0.75-0.95x (benchmarks/results/attention_cpu.json).
+//
+// Numerics, per query row, the same on every path: the score of key j is 16 FMA chains over d
+// (chain l: d = l, l + 16, ..., as 16-float vector lanes), then one fixed tree of adds
+// (key_score16), times nothing (q is scaled first); the softmax's max, exponentials (one
+// polynomial, within 2 ulp, exp_nonpos) and sum (16 lane sums in key order, then sum_lanes16's
+// fixed order), and the weighted sum of v run in key order. A row's result
+// depends on its own query, its mask row and the keys only, however the rows are grouped and on
+// any thread count (row-invariant): a verify step attends for a token as a decode step does.
+// More than ATTEND_ROWS query rows (a prefill, a large token tree) go to PyTorch's attention: from
+// about 12 rows on its blocked matmuls do the scores faster than one pass per 4 rows here
+// (benchmarks/results/attention_cpu.json); chains of up to 11 drafts stay row-invariant.
+constexpr int64_t ATTEND_ROWS = 12;
+constexpr int RC = 4;  // query rows per pass over a kv head's keys
+
+#if QD_X86
+// exp(x) for x <= 0: 2^n p(r), x = n ln2 + r (ln2 split in two for an exact n ln2), |r| <= ln2/2,
+// p a degree-7 polynomial (Cephes' expf coefficients).
+__attribute__((target("avx512f"))) inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// (a0 ... a15) -> the vector of their lane sums (lane u: the sum of a_u's 16 lanes), by one
+// fixed tree of adds: within 128-bit quarters (unpack, then shuffle), then across quarters.
+__attribute__((target("avx512f"))) inline __m512 sum16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // quarter q of t_i: [a(2i)0+a(2i)2, a(2i+1)0+a(2i+1)2, a(2i)1+a(2i)3, a(2i+1)1+a(2i+1)3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // quarter q of u_i: keys 4i .. 4i+3, each summed over that quarter
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+#endif  // QD_X86
+
+// The fixed orders of the attention's two reductions (every path): a key's score from its 16
+// lane sums, in sum16's tree; a row's total weight from its 16 lane sums (s_l + s_l+8, then
+// + 4 lanes apart, then (g0 + g2) + (g1 + g3): the order of GCC's _mm512_reduce_add_ps, which
+// the AVX-512 path used before it was written out).
+inline float key_score16(const float* a) {
+  float S[4];
+  for (int q = 0; q < 4; ++q) S[q] = (a[4 * q] + a[4 * q + 2]) + (a[4 * q + 1] + a[4 * q + 3]);
+  return (S[0] + S[2]) + (S[1] + S[3]);
+}
+
+inline float sum_lanes16(const float* s) {
+  float h[8], g[4];
+  for (int l = 0; l < 8; ++l) h[l] = s[l + 8] + s[l];
+  for (int l = 0; l < 4; ++l) g[l] = h[l + 4] + h[l];
+  return (g[0] + g[2]) + (g[1] + g[3]);
+}
+
+// exp_nonpos's operations one float at a time (the portable path).
+inline float exp_nonpos1(float x) {
+  x = x > -87.f ? x : -87.f;  // (max_ps: -87 for a NaN too)
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.f);
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;  // 2^n, n in [-126, 0]: exact, so p 2^n rounds once as scalef
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+struct AttendArgs {
+  const float* q;
+  int64_t qs0, qs1, qs2;  // strides of q (B, H, T, D)
+  const float *k, *v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  const bool* mask;
+  int64_t ms0, ms2, ms3;  // strides of mask (B, 1, T, L); 0 where broadcast
+  float* out;             // (B, T, H, D) contiguous
+  int64_t H, T, D, G, L;
+  float scale;
+};
+
+// One pass of a path: query rows [0, rc) of one kv head, prepared by attend_rows.
+struct AttendPass {
+  int rc;
+  int64_t D, Lp, last;  // keys [0, last) hold every key a row of this pass sees; Lp: the scores' row stride
+  const float* qs;      // rc x D: the scaled queries
+  float* s;             // rc x Lp: scores, then weights
+  const bool* mrow[RC];
+  int64_t ms3;
+  const float *kb, *vb;  // the kv head's keys and values, rows ks / vs apart
+  int64_t ks, vs;
+  float* out[RC];  // each row's D outputs
+};
+
+// A pass's scores past `last` as -inf (the softmax reads whole groups of 16).
+inline void pad_scores(const AttendPass& p) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < p.rc; ++r)
+    for (int64_t j = p.last; j < p.Lp; ++j) p.s[r * p.Lp + j] = ninf;
+}
+
+inline bool key_seen(const AttendPass& p, int r, int64_t j) { return j < p.last && p.mrow[r][j * p.ms3]; }
+
+#if QD_X86
+// out_r = inv_r * sum_j p_r[j] v_j over keys [0, last), for R rows and CW vectors of 16 outputs
+// (compile-time, so the R x CW sums stay in registers), in key order.
+template <int R, int CW>
+__attribute__((target("avx512f"))) void attend_pv(const float* vb, int64_t vs, const float* p, int64_t ldp,
+                                                  int64_t last, const float* inv, float* const* out) {
+  __m512 acc[R][CW];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CW; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < last; ++j) {
+    __m512 vv[CW];
+    for (int c = 0; c < CW; ++c) vv[c] = _mm512_loadu_ps(vb + j * vs + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * ldp + j]);
+      for (int c = 0; c < CW; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(out[r] + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+}
+
+template <int R>
+void attend_pv_rows(int cw, const float* vb, int64_t vs, const float* p, int64_t ldp, int64_t last, const float* inv,
+                    float* const* out) {
+  switch (cw) {
+    case 1: return attend_pv<R, 1>(vb, vs, p, ldp, last, inv, out);
+    case 2: return attend_pv<R, 2>(vb, vs, p, ldp, last, inv, out);
+    case 3: return attend_pv<R, 3>(vb, vs, p, ldp, last, inv, out);
+    default: return attend_pv<R, 4>(vb, vs, p, ldp, last, inv, out);
+  }
+}
+
+void attend_pv_dispatch(int rc, int cw, const float* vb, int64_t vs, const float* p, int64_t ldp, int64_t last,
+                        const float* inv, float* const* out) {
+  switch (rc) {
+    case 1: return attend_pv_rows<1>(cw, vb, vs, p, ldp, last, inv, out);
+    case 2: return attend_pv_rows<2>(cw, vb, vs, p, ldp, last, inv, out);
+    case 3: return attend_pv_rows<3>(cw, vb, vs, p, ldp, last, inv, out);
+    default: return attend_pv_rows<4>(cw, vb, vs, p, ldp, last, inv, out);
+  }
+}
+
+__attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
+  const int64_t D = p.D, Lp = p.Lp, last = p.last, nv = D / 16;
+  const int rc = p.rc;
+  const float* qs = p.qs;
+  float* s = p.s;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // Scores 16 keys at a time: per key, D/16 FMAs into one vector of partial sums; then the 16
+  // vectors are summed across lanes together (sum16): ~3 instructions a key instead of ~9.
+  // Keys past `last` in the final group read key 0 again (always present) and are dropped.
+  for (int64_t j0 = 0; j0 < last; j0 += 16) {
+    const float* kj[16];
+    for (int u = 0; u < 16; ++u) kj[u] = p.kb + (j0 + u < last ? j0 + u : 0) * p.ks;
+    for (int r = 0; r < rc; ++r) {
+      const float* qr = qs + r * D;
+      __m512 acc[16];
+      const __m512 q0 = _mm512_loadu_ps(qr);
+#pragma GCC unroll 16
+      for (int u = 0; u < 16; ++u) acc[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(kj[u]));
+      for (int64_t c = 1; c < nv; ++c) {
+        const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
+#pragma GCC unroll 16
+        for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kj[u] + 16 * c), acc[u]);
+      }
+      __m512 sc = sum16(acc);
+      __mmask16 seen = 0;
+      if (p.ms3 == 1 && j0 + 16 <= last) {  // 16 mask bytes (0 or 1) to 16 bits
+        const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mrow[r] + j0));
+        seen = (__mmask16)_mm512_test_epi32_mask(_mm512_cvtepu8_epi32(m8), _mm512_cvtepu8_epi32(m8));
+      } else {
+        for (int u = 0; u < 16; ++u)
+          if (key_seen(p, r, j0 + u)) seen |= (__mmask16)(1u << u);
+      }
+      _mm512_storeu_ps(s + r * Lp + j0, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), seen, sc));
+    }
+  }
+  pad_scores(p);
+  float inv[RC];
+  for (int r = 0; r < rc; ++r) {
+    float* sr = s + r * Lp;
+    __m512 mx = _mm512_set1_ps(ninf);
+    for (int64_t j = 0; j < last; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+    const float m = _mm512_reduce_max_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m == ninf ? 0.f : m);
+    for (int64_t j = 0; j < last; j += 16) {
+      const __m512 x = _mm512_loadu_ps(sr + j);
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(ninf), _CMP_NEQ_OQ),
+                                           exp_nonpos(_mm512_sub_ps(x, mv)));
+      _mm512_storeu_ps(sr + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, sum);
+    const float l = sum_lanes16(lanes);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key gets zeros
+  }
+  for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // 64 outputs at a time: rc x 4 sums in registers
+    const int cw = (int)std::min<int64_t>(4, nv - c0);
+    float* o[RC];
+    for (int r = 0; r < rc; ++r) o[r] = p.out[r] + 16 * c0;
+    attend_pv_dispatch(rc, cw, p.vb + 16 * c0, p.vs, s, Lp, last, inv, o);
+  }
+}
+
+// ---- attention on AVX2: the same numbers with 8-float vectors ----
+
+// exp_nonpos on 8 lanes (2^n built from its bits where AVX-512 has scalef: both round p 2^n once).
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Four keys' scores from their lane sums, lanes 0-7 (lo) and 8-15 (hi) of each: sum16's tree
+// (within 4-lane quarters, then quarters 0 + 2 and 1 + 3, then those two).
+// (the quarter sums of four keys: quarter q (of the key's 16 lanes or 8 of them) of key u at lane
+// 4 (q % 2) + u)
+__attribute__((target("avx2,fma"))) inline __m256 quarters(const __m256* a) {
+  const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1]));
+  const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3]));
+  return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
+}
+
+__attribute__((target("avx2,fma"))) inline __m128 score4(const __m256* lo, const __m256* hi) {
+  const __m256 both = _mm256_add_ps(quarters(lo), quarters(hi));  // [S0 + S2 | S1 + S3] of keys 0..3
+  return _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+}
+
+// out_r = inv_r * sum_j p_r[j] v_j for R rows, 16 outputs (two vectors) at a time, in key order.
+template <int R>
+__attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, const float* inv) {
+  for (int64_t c = 0; c < p.D; c += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < p.last; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(p.vb + j * p.vs + c), v1 = _mm256_loadu_ps(p.vb + j * p.vs + c + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_set1_ps(p.s[r * p.Lp + j]);
+        acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(p.out[r] + c, _mm256_mul_ps(acc[r][0], _mm256_set1_ps(inv[r])));
+      _mm256_storeu_ps(p.out[r] + c + 8, _mm256_mul_ps(acc[r][1], _mm256_set1_ps(inv[r])));
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
+  const int64_t D = p.D, Lp = p.Lp, last = p.last, nv = D / 16;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // Scores four keys at a time (8 vectors of lane sums); keys past `last` read key 0 and are dropped.
+  for (int64_t j0 = 0; j0 < last; j0 += 4) {
+    const float* kj[4];
+    for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j0 + u < last ? j0 + u : 0) * p.ks;
+    for (int r = 0; r < p.rc; ++r) {
+      const float* qr = p.qs + r * D;
+      __m256 lo[4], hi[4];
+      const __m256 q0 = _mm256_loadu_ps(qr), q1 = _mm256_loadu_ps(qr + 8);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        lo[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[u]));
+        hi[u] = _mm256_mul_ps(q1, _mm256_loadu_ps(kj[u] + 8));
+      }
+      for (int64_t c = 1; c < nv; ++c) {
+        const __m256 qa = _mm256_loadu_ps(qr + 16 * c), qb = _mm256_loadu_ps(qr + 16 * c + 8);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          lo[u] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(kj[u] + 16 * c), lo[u]);
+          hi[u] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kj[u] + 16 * c + 8), hi[u]);
+        }
+      }
+      float sc[4];
+      _mm_storeu_ps(sc, score4(lo, hi));
+      for (int u = 0; u < 4; ++u) p.s[r * Lp + j0 + u] = key_seen(p, r, j0 + u) ? sc[u] : ninf;
+    }
+  }
+  pad_scores(p);
+  float inv[RC];
+  for (int r = 0; r < p.rc; ++r) {
+    float* sr = p.s + r * Lp;
+    __m256 mx = _mm256_set1_ps(ninf);
+    for (int64_t j = 0; j < last; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
+    float m8[8];
+    _mm256_storeu_ps(m8, mx);
+    float m = ninf;
+    for (int l = 0; l < 8; ++l) m = std::max(m, m8[l]);
+    const __m256 mv = _mm256_set1_ps(m == ninf ? 0.f : m);
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0-7 and 8-15 of AVX-512's sum
+    for (int64_t j = 0; j < last; j += 16)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 x = _mm256_loadu_ps(sr + j + 8 * h);
+        const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(ninf), _CMP_NEQ_OQ), exp_nonpos8(_mm256_sub_ps(x, mv)));
+        _mm256_storeu_ps(sr + j + 8 * h, e);
+        sum[h] = _mm256_add_ps(sum[h], e);
+      }
+    float lanes[16];
+    _mm256_storeu_ps(lanes, sum[0]);
+    _mm256_storeu_ps(lanes + 8, sum[1]);
+    const float l = sum_lanes16(lanes);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+  }
+  switch (p.rc) {
+    case 1: return attend_pv_avx2<1>(p, inv);
+    case 2: return attend_pv_avx2<2>(p, inv);
+    case 3: return attend_pv_avx2<3>(p, inv);
+    default: return attend_pv_avx2<4>(p, inv);
+  }
+}
+
+#endif  // QD_X86
+
+// ---- attention, portable: the same operations one float at a time ----
+void attend_portable(AttendPass& p) {
+  const int64_t D = p.D, Lp = p.Lp, last = p.last;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < p.rc; ++r) {
+    const float* qr = p.qs + r * D;
+    float* sr = p.s + r * Lp;
+    for (int64_t j = 0; j < last; ++j) {
+      const float* kj = p.kb + j * p.ks;
+      float lanes[16];
+      for (int l = 0; l < 16; ++l) lanes[l] = qr[l] * kj[l];
+      for (int64_t c = 16; c < D; c += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] = std::fma(qr[c + l], kj[c + l], lanes[l]);
+      sr[j] = key_seen(p, r, j) ? key_score16(lanes) : ninf;
+    }
+  }
+  pad_scores(p);
+  for (int r = 0; r < p.rc; ++r) {
+    float* sr = p.s + r * Lp;
+    float m = ninf;
+    for (int64_t j = 0; j < last; ++j) m = std::max(m, sr[j]);
+    const float mv = m == ninf ? 0.f : m;
+    float lanes[16] = {0.f};
+    for (int64_t j = 0; j < last; ++j) {
+      const float x = sr[j];
+      sr[j] = (x != ninf && x == x) ? exp_nonpos1(x - mv) : 0.f;
+      lanes[j % 16] += sr[j];
+    }
+    const float l = sum_lanes16(lanes);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < last; ++j) acc = std::fma(sr[j], p.vb[j * p.vs + d], acc);
+      p.out[r][d] = acc * inv;
+    }
+  }
+}
+
+// Query rows [i0, i0 + rc) of kv head hk of batch row b (row i is query head hk * G + i / T at
+// query position i % T): the scaled queries, the keys any row sees, then the path's pass.
+void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc, std::vector<float>& buf,
+                 void (*path)(AttendPass&)) {
+  const int64_t D = a.D, L = a.L, T = a.T;
+  const int64_t Lp = (L + 15) / 16 * 16;
+  buf.resize(RC * (D + Lp));
+  AttendPass p;
+  p.rc = rc;
+  p.D = D;
+  p.Lp = Lp;
+  p.last = 0;
+  float* qs = buf.data();
+  p.qs = qs;
+  p.s = buf.data() + RC * D;
+  p.ms3 = a.ms3;
+  for (int r = 0; r < rc; ++r) {
+    const int64_t i = i0 + r, h = hk * a.G + i / T, t = i % T;
+    const float* qp = a.q + b * a.qs0 + h * a.qs1 + t * a.qs2;
+    for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qp[d] * a.scale;
+    p.mrow[r] = a.mask + b * a.ms0 + t * a.ms2;
+    int64_t j = L;
+    while (j > p.last && !p.mrow[r][(j - 1) * a.ms3]) --j;
+    p.last = std::max(p.last, j);
+    p.out[r] = a.out + ((b * T + t) * a.H + h) * D;
+  }
+  p.kb = a.k + b * a.ks0 + hk * a.ks1;
+  p.vb = a.v + b * a.vs0 + hk * a.vs1;
+  p.ks = a.ks2;
+  p.vs = a.vs2;
+  path(p);
+}
+
+// ---- ARM NEON (AArch64): 4-float vectors, 32 registers ----
+// The same sums as the other paths: vfmaq_f32(a, b, c) is a + b * c rounded once (std::fma(b, c, a)),
+// in the same k (key) order; reductions through the shared scalar trees (key_score16, sum_lanes16).
+#if QD_ARM
+
+// Eight weights of a block row as two 4-float vectors (int8 and bfloat16 widened exactly).
+inline void load8_neon(const float* p, float32x4_t& a, float32x4_t& b) {
+  a = vld1q_f32(p);
+  b = vld1q_f32(p + 4);
+}
+inline void load8_neon(const int8_t* p, float32x4_t& a, float32x4_t& b) {
+  const int16x8_t h = vmovl_s8(vld1_s8(p));
+  a = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+  b = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
+}
+inline void load8_neon(const Bf16* p, float32x4_t& a, float32x4_t& b) {
+  const uint16x8_t u = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
+  a = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(u), 16));
+  b = vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(u), 16));
+}
+
+// Four floats at p, of which `left` are real (the rest neither read nor written; zeros read).
+inline float32x4_t load4_left(const float* p, int64_t left) {
+  if (left >= 4) return vld1q_f32(p);
+  float t[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < left; ++i) t[i] = p[i];
+  return vld1q_f32(t);
+}
+inline void store4_left(float* p, float32x4_t v, int64_t left) {
+  if (left >= 4) {
+    vst1q_f32(p, v);
+    return;
+  }
+  float t[4];
+  vst1q_f32(t, v);
+  for (int64_t i = 0; i < left; ++i) p[i] = t[i];
+}
+
+// MR rows x outputs [c0, c0 + 4V) of one block (V even), as block_rows_avx2: MR * V sums in registers.
+template <typename W, int MR, int V>
+void block_rows_neon(const float* x, int64_t ldx, const W* wb, int64_t K, int64_t c0, const float* scale,
+                     const float* bias, float* y, int64_t ldy, int64_t ncols, bool prefetch) {
+  constexpr bool scaled = scaled_format<W>();
+  float32x4_t acc[MR][V];
+  for (int j = 0; j < V; ++j) {
+    const int64_t o = c0 + 4 * j;
+    const float32x4_t b = (bias && !scaled) ? load4_left(bias + o, ncols - o) : vdupq_n_f32(0.f);
+    for (int r = 0; r < MR; ++r) acc[r][j] = b;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const W* src = wb + k * NB + c0;
+    if (prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(wb + k * NB) + PF;
+      for (int line = 0; line < int(NB * sizeof(W)); line += 64) __builtin_prefetch(ahead + line);
+    }
+    float32x4_t xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = vdupq_n_f32(x[r * ldx + k]);
+#pragma GCC unroll 8
+    for (int j = 0; j < V; j += 2) {
+      float32x4_t w0, w1;
+      load8_neon(src + 4 * j, w0, w1);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        acc[r][j] = vfmaq_f32(acc[r][j], xv[r], w0);
+        acc[r][j + 1] = vfmaq_f32(acc[r][j + 1], xv[r], w1);
+      }
+    }
+  }
+  for (int j = 0; j < V; ++j) {
+    const int64_t o = c0 + 4 * j, left = ncols - o;
+    if (left <= 0) break;
+    if (scaled) {
+      const float32x4_t s = load4_left(scale + o, left), b = bias ? load4_left(bias + o, left) : vdupq_n_f32(0.f);
+      for (int r = 0; r < MR; ++r) store4_left(y + r * ldy + o, vfmaq_f32(b, acc[r][j], s), left);
+    } else {
+      for (int r = 0; r < MR; ++r) store4_left(y + r * ldy + o, acc[r][j], left);
+    }
+  }
+}
+
+// Blocks [b0, b1): one row takes the whole block row (16 sums); more rows take it in halves of 32
+// outputs, three rows at a time (24 sums), then two, then one.
+template <typename W>
+void blocks_neon(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, ld = a.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const W* wb = a.w + b * a.K * NB;
+    const float* s = a.scale ? a.scale + b * NB : nullptr;
+    const float* bias = a.bias ? a.bias + b * NB : nullptr;
+    float* y = a.y + b * NB;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    if (M == 1) {
+      block_rows_neon<W, 1, 16>(a.x, a.ldx, wb, a.K, 0, s, bias, y, ld, ncols, true);
+      continue;
+    }
+    for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3)
+        block_rows_neon<W, 3, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+      for (; m + 2 <= M; m += 2)
+        block_rows_neon<W, 2, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+      if (m < M)
+        block_rows_neon<W, 1, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+    }
+  }
+}
+
+// int4, one group of one block: MR rows x H pieces of 8 bytes, bytes [b0, b0 + 8H) of each 32-byte
+// row; vector 4h + u holds outputs b0 + 8h + 4 (u % 2) (+ 32 for u >= 2: the high nibbles). The
+// group's partial sums in registers, the running sums in y, as q4_avx2.
+template <int MR, int H>
+void group_q4_neon(const float* xg, int64_t ldx, const float* xs, int64_t G, const uint8_t* piece, int64_t b0,
+                   float* y, int64_t ldy, int64_t ncols) {
+  float32x4_t part[MR][4 * H];
+  for (int v = 0; v < 4 * H; ++v)
+    for (int r = 0; r < MR; ++r) part[r][v] = vdupq_n_f32(0.f);
+  const uint8x8_t low = vdup_n_u8(15);
+#pragma GCC unroll 4
+  for (int k = 0; k < QG; ++k) {
+    float32x4_t xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = vdupq_n_f32(xg[r * ldx + k]);
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) {
+      const uint8x8_t bytes = vld1_u8(piece + 32 * k + b0 + 8 * h);
+      const uint16x8_t lo = vmovl_u8(vand_u8(bytes, low)), hi = vmovl_u8(vshr_n_u8(bytes, 4));
+      const float32x4_t w[4] = {vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(lo))),
+                                vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(hi)))};
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) part[r][4 * h + u] = vfmaq_f32(part[r][4 * h + u], xv[r], w[u]);
+    }
+  }
+  for (int v = 0; v < 4 * H; ++v) {
+    const int h = v / 4, u = v % 4;
+    const int64_t o = b0 + 8 * h + 4 * (u % 2) + 32 * (u / 2);
+    if (o >= ncols) continue;
+    const int64_t left = ncols - o;
+    const float32x4_t sc = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1024 + 2 * o))));
+    const float32x4_t of = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1152 + 2 * o))));
+    for (int r = 0; r < MR; ++r) {
+      float* yr = y + r * ldy + o;
+      const float32x4_t acc = vfmaq_f32(load4_left(yr, left), part[r][v], sc);
+      store4_left(yr, vfmaq_f32(acc, vdupq_n_f32(xs[r * G]), of), left);
+    }
+  }
+}
+
+// Blocks [b0, b1), group after group, as q4_avx2: four rows at once over 8 bytes (16 outputs),
+// the one, two or three rows left over 32, 16 or 8 bytes.
+void q4_neon(const Q4Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, G = a.G, ld = a.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = a.w + b * G * QGB;
+    float* y = a.y + b * NB;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
+      for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* piece = wb + g * QGB;
+      for (int line = 0; line < int(QGB / 64); ++line) __builtin_prefetch(piece + PF + 64 * line);
+      const float* xg = a.x + g * QG;
+      const float* xs = a.xs + g;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
+          group_q4_neon<4, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols);
+      const float* xm = xg + m * a.ldx;
+      float* ym = y + m * ld;
+      switch (M - m) {
+        case 3:
+          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
+            group_q4_neon<3, 1>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
+          break;
+        case 2:
+          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 16)
+            group_q4_neon<2, 2>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
+          break;
+        case 1: group_q4_neon<1, 4>(xm, a.ldx, xs + m * G, G, piece, 0, ym, ld, ncols); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// exp_nonpos on 4 lanes: exp_nonpos1's operations (vfmsq_f32(x, n, c) = fma(-n, c, x); 2^n from its bits).
+inline float32x4_t exp_nonpos4(float32x4_t x) {
+  x = vmaxq_f32(x, vdupq_n_f32(-87.f));
+  const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));
+  r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+  float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
+  p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+  p = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.f)), p, vmulq_f32(r, r));
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+
+// out_r = inv_r * sum_j p_r[j] v_j for R rows, 16 outputs (four vectors) at a time, in key order.
+template <int R>
+void attend_pv_neon(const AttendPass& p, const float* inv) {
+  for (int64_t c = 0; c < p.D; c += 16) {
+    float32x4_t acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) acc[r][u] = vdupq_n_f32(0.f);
+    for (int64_t j = 0; j < p.last; ++j) {
+      const float* vj = p.vb + j * p.vs + c;
+      const float32x4_t v[4] = {vld1q_f32(vj), vld1q_f32(vj + 4), vld1q_f32(vj + 8), vld1q_f32(vj + 12)};
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const float32x4_t w = vdupq_n_f32(p.s[r * p.Lp + j]);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) acc[r][u] = vfmaq_f32(acc[r][u], w, v[u]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) vst1q_f32(p.out[r] + c + 4 * u, vmulq_f32(acc[r][u], vdupq_n_f32(inv[r])));
+  }
+}
+
+void attend_neon(AttendPass& p) {
+  const int64_t D = p.D, Lp = p.Lp, last = p.last;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // Scores: per key, 16 lane chains over d (four vectors), then key_score16's tree.
+  for (int64_t j = 0; j < last; ++j) {
+    const float* kj = p.kb + j * p.ks;
+    const float32x4_t k0 = vld1q_f32(kj), k1 = vld1q_f32(kj + 4), k2 = vld1q_f32(kj + 8), k3 = vld1q_f32(kj + 12);
+    for (int r = 0; r < p.rc; ++r) {
+      if (!key_seen(p, r, j)) {
+        p.s[r * Lp + j] = ninf;
+        continue;
+      }
+      const float* qr = p.qs + r * D;
+      float32x4_t a0 = vmulq_f32(vld1q_f32(qr), k0), a1 = vmulq_f32(vld1q_f32(qr + 4), k1);
+      float32x4_t a2 = vmulq_f32(vld1q_f32(qr + 8), k2), a3 = vmulq_f32(vld1q_f32(qr + 12), k3);
+      for (int64_t c = 16; c < D; c += 16) {
+        a0 = vfmaq_f32(a0, vld1q_f32(qr + c), vld1q_f32(kj + c));
+        a1 = vfmaq_f32(a1, vld1q_f32(qr + c + 4), vld1q_f32(kj + c + 4));
+        a2 = vfmaq_f32(a2, vld1q_f32(qr + c + 8), vld1q_f32(kj + c + 8));
+        a3 = vfmaq_f32(a3, vld1q_f32(qr + c + 12), vld1q_f32(kj + c + 12));
+      }
+      float lanes[16];
+      vst1q_f32(lanes, a0);
+      vst1q_f32(lanes + 4, a1);
+      vst1q_f32(lanes + 8, a2);
+      vst1q_f32(lanes + 12, a3);
+      p.s[r * Lp + j] = key_score16(lanes);
+    }
+  }
+  pad_scores(p);
+  float inv[RC];
+  const float32x4_t vninf = vdupq_n_f32(ninf);
+  for (int r = 0; r < p.rc; ++r) {
+    float* sr = p.s + r * Lp;
+    float32x4_t mx = vninf;
+    for (int64_t j = 0; j < last; j += 4) mx = vmaxq_f32(mx, vld1q_f32(sr + j));
+    const float m = vmaxvq_f32(mx);
+    const float32x4_t mv = vdupq_n_f32(m == ninf ? 0.f : m);
+    float32x4_t sum[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+    for (int64_t j = 0; j < last; j += 16)
+      for (int h = 0; h < 4; ++h) {
+        const float32x4_t x = vld1q_f32(sr + j + 4 * h);
+        // a key's weight where its score is neither -inf nor NaN (an ordered "not equal")
+        const uint32x4_t keep = vandq_u32(vmvnq_u32(vceqq_f32(x, vninf)), vceqq_f32(x, x));
+        const float32x4_t e = vreinterpretq_f32_u32(
+            vandq_u32(keep, vreinterpretq_u32_f32(exp_nonpos4(vsubq_f32(x, mv)))));
+        vst1q_f32(sr + j + 4 * h, e);
+        sum[h] = vaddq_f32(sum[h], e);
+      }
+    float lanes[16];
+    for (int h = 0; h < 4; ++h) vst1q_f32(lanes + 4 * h, sum[h]);
+    const float l = sum_lanes16(lanes);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+  }
+  switch (p.rc) {
+    case 1: return attend_pv_neon<1>(p, inv);
+    case 2: return attend_pv_neon<2>(p, inv);
+    case 3: return attend_pv_neon<3>(p, inv);
+    default: return attend_pv_neon<4>(p, inv);
+  }
+}
+
+#endif  // QD_ARM
+
+// ---- the paths: every kernel per instruction set (the one place that dispatches) ----
+struct Paths {
+  void (*f32)(const MatArgs<float>&, int64_t, int64_t);
+  void (*i8)(const MatArgs<int8_t>&, int64_t, int64_t);
+  void (*bf16)(const MatArgs<Bf16>&, int64_t, int64_t);
+  void (*q4)(const Q4Args&, int64_t, int64_t);
+  void (*attend)(AttendPass&);
+};
+
+// By enum Isa; a path this architecture cannot have is empty (cpu_has is false for it: never chosen).
+const Paths PATHS[ISA_COUNT] = {
+    {blocks_portable<float>, blocks_portable<int8_t>, blocks_portable<Bf16>, q4_portable, attend_portable},
+#if QD_X86
+    {blocks_avx2<float>, blocks_avx2<int8_t>, blocks_avx2<Bf16>, q4_avx2, attend_avx2},
+    {blocks_avx512<float>, blocks_avx512<int8_t>, blocks_avx512<Bf16>, q4_avx512, attend_avx512},
+#else
+    {}, {},
+#endif
+#if QD_ARM
+    {blocks_neon<float>, blocks_neon<int8_t>, blocks_neon<Bf16>, q4_neon, attend_neon},
+#else
+    {},
+#endif
+};
+
+const Paths& active_paths() { return PATHS[chosen_isa.load(std::memory_order_relaxed)]; }
+
+template <typename W>
+auto path_of(const Paths& p) {
+  if constexpr (std::is_same<W, float>::value) return p.f32;
+  else if constexpr (std::is_same<W, Bf16>::value) return p.bf16;
+  else return p.i8;
+}
+
+// ---- the drivers' torch-free parts (blocked_mm.cpp adds the checks and PyTorch's threads) ----
+// `parallel_for(begin, end, f)` calls f(b0, b1) on pieces of [begin, end), in any order, on any
+// threads: every piece's results are independent of the split.
+
+template <typename W, typename For>
+void matmul(const Paths& paths, const MatArgs<W>& a, int64_t nblk, For&& parallel_for) {
+  const auto path = path_of<W>(paths);
+  parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { path(a, b0, b1); });
+}
+
+// int4's X_g: each row's sum over each group of inputs, in input order (shared by every block).
+inline void q4_row_sums(const float* x, int64_t ldx, int64_t M, int64_t G, float* xs) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int64_t k = 0; k < QG; ++k) t += x[r * ldx + g * QG + k];
+      xs[r * G + g] = t;
+    }
+}
+
+template <typename For>
+void matmul_q4(const Paths& paths, const Q4Args& a, int64_t nblk, For&& parallel_for) {
+  parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { paths.q4(a, b0, b1); });
+}
+
+// Attention's tasks: (batch row, kv head, chunk of RC query rows). (Smaller chunks to even out 3 kv
+// heads over 2 threads were measured slower: each extra chunk reads its head's keys again, and
+// the reads are the cost; splitting the keys instead is the way to balance such a step.)
+// Only for float32, D % 16 == 0, 1 <= T <= ATTEND_ROWS, L > 0 (the caller checks).
+template <typename For>
+void attend_tasks(const Paths& paths, const AttendArgs& a, int64_t B, int64_t Hkv, For&& parallel_for) {
+  const int64_t rows = a.G * a.T;
+  const int rc = RC;
+  const int64_t chunks = (rows + rc - 1) / rc;
+  const auto path = paths.attend;
+  parallel_for(0, B * Hkv * chunks, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> buf;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t c = task % chunks, bh = task / chunks;
+      const int64_t i0 = c * rc;
+      attend_rows(a, bh / Hkv, bh % Hkv, i0, (int)std::min<int64_t>(rc, rows - i0), buf, path);
+    }
+  });
+}
+
+}  // namespace
+
