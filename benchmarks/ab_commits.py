@@ -37,8 +37,8 @@ SMOLLM2 = {
 }
 
 
-def run(tree: Path, args: list[str], tokens: int, threads: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads)}
+def run(tree: Path, args: list[str], tokens: int, threads: int, extra_env: dict | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
     cmd = [sys.executable, "-m", "quickdraft.cli", "generate", "--json", "--temperature", "0", "--ignore-eos",
            "--max-tokens", str(tokens), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree, timeout=1800)
@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--smollm2", action="store_true")
     ap.add_argument("--configs", nargs="*", default=None, help="a subset of the configuration names")
+    ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="environment for both trees, e.g. ATEN_CPU_CAPABILITY=avx2 QUICKDRAFT_ISA=avx2 (a forced path)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--name", default="ab_commits_cpu")
     args = ap.parse_args()
@@ -65,35 +67,48 @@ def main() -> None:
     configs = {**CONFIGS, **(SMOLLM2 if args.smollm2 else {})}
     if args.configs:
         configs = {k: v for k, v in configs.items() if k in args.configs}
+    extra = dict(kv.split("=", 1) for kv in args.env)
     trees = {"a": args.a.resolve(), "b": args.b.resolve()}
     for tree in trees.values():  # warm-up: kernel builds, model fetches, caches
         for cfg in configs.values():
-            run(tree, cfg, 8, args.threads)
+            run(tree, cfg, 8, args.threads, extra)
     rows = {}
     for name, cfg in configs.items():
         got: dict[str, list[dict]] = {"a": [], "b": []}
         for r in range(args.repeats):
             for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
-                got[side].append(run(trees[side], cfg, args.tokens, args.threads))
+                got[side].append(run(trees[side], cfg, args.tokens, args.threads, extra))
         ratios = [b["tokens_per_second"] / a["tokens_per_second"] for a, b in zip(got["a"], got["b"])]
         rows[name] = {"a_tokens_per_second": round(statistics.median(x["tokens_per_second"] for x in got["a"]), 2),
                       "b_tokens_per_second": round(statistics.median(x["tokens_per_second"] for x in got["b"]), 2),
                       "b_over_a": round(statistics.median(ratios), 3), "ratios": [round(x, 3) for x in ratios],
                       "a_acceptance": got["a"][0]["acceptance_rate"], "b_acceptance": got["b"][0]["acceptance_rate"],
-                      "same_tokens": got["a"][0]["token_ids"] == got["b"][0]["token_ids"]}
+                      "same_tokens": got["a"][0]["token_ids"] == got["b"][0]["token_ids"],
+                      "a_runs": [x["tokens_per_second"] for x in got["a"]],
+                      "b_runs": [x["tokens_per_second"] for x in got["b"]]}
         print(name, json.dumps(rows[name]), flush=True)
     trees_desc = {side: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=t, capture_output=True,
                                        text=True).stdout.strip() for side, t in trees.items()}
     prov = provenance("cpu", args.threads, sys.argv, load_before)
-    result = {"trees": trees_desc, "tokens": args.tokens, "repeats": args.repeats, "rows": rows, "provenance": prov}
+    # each tree's speedup of a configuration over its model's plain row, median of the repeats' ratios
+    for name, r in rows.items():
+        plain = f"{name.split()[0]} plain"
+        if plain in rows and plain != name:
+            for side in ("a", "b"):
+                r[f"{side}_vs_plain"] = round(statistics.median(
+                    x / p for x, p in zip(r[f"{side}_runs"], rows[plain][f"{side}_runs"])), 3)
+    result = {"trees": trees_desc, "env": extra, "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
+              "provenance": prov}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = [f"# A/B: {trees_desc['a']} (a) vs {trees_desc['b']} (b), batch 1, greedy, {args.tokens} tokens", "",
-          provenance_line(prov), "", "| configuration | a tok/s | b tok/s | b / a (median of paired) | acceptance a / b |",
-          "|---|---|---|---|---|"]
+          provenance_line(prov), "", f"Environment for both: {extra or 'none'}.", "",
+          "| configuration | a tok/s | b tok/s | b / a (median of paired) | vs plain, a / b | acceptance a / b |",
+          "|---|---|---|---|---|---|"]
     for name, r in rows.items():
         acc = "-" if r["a_acceptance"] is None else f"{r['a_acceptance']:.3f} / {r['b_acceptance']:.3f}"
-        md.append(f"| {name} | {r['a_tokens_per_second']} | {r['b_tokens_per_second']} | {r['b_over_a']:.2f}x | {acc} |")
+        vs = f"{r['a_vs_plain']:.2f}x / {r['b_vs_plain']:.2f}x" if "a_vs_plain" in r else "-"
+        md.append(f"| {name} | {r['a_tokens_per_second']} | {r['b_tokens_per_second']} | {r['b_over_a']:.2f}x | {vs} | {acc} |")
     (args.out_dir / f"{args.name}.md").write_text("\n".join(md) + "\n")
 
 
