@@ -13,6 +13,7 @@ request finishes, the last row moves into its place, so the batch stays dense.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import deque
@@ -33,6 +34,8 @@ from .sampling import (BatchSampling, PenaltyState, SamplingParams, StepRandom, 
 from .tree import tree_mask, tree_structure
 from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify_host, rejection_sample, tree_greedy_verify, tree_rejection_sample
+
+log = logging.getLogger("quickdraft")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,15 +175,13 @@ class Engine:
             self._forward = StepFunction(target, name="target")
             if proposer is not None:
                 proposer.compile(lambda model, name, **kw: StepFunction(model, name=name, **kw))
-        elif config.compile:  # "aot" / "auto": ahead-of-time compiled packages (CPU)
+        # the models whose AOT packages are missing (compile "auto": decoding runs them eagerly)
+        self.aot_missing: list[str] = []
+        self._pending_build = None  # an aot.BackgroundBuild whose packages the next step switches to
+        if config.compile in ("aot", "auto"):  # ahead-of-time compiled packages (CPU)
             from . import aot
 
-            make = aot.load_or_build if config.compile == "aot" else aot.load
-            # a proposer reading hidden states gets the package that returns them with the logits
-            trees = proposer is not None and self.k > 0 and proposer.may_draft_trees(self.k)
-            self._forward = make(target, hidden_at=self._hidden_layers, trees=trees) or target
-            if proposer is not None:
-                proposer.use_forward(make)
+            self.aot_missing = self._use_packages(aot.load_or_build if config.compile == "aot" else aot.load)
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         ctx = target.config.max_position_embeddings
@@ -197,6 +198,53 @@ class Engine:
         self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
         self._admit_singly = 0  # admissions still to make one request per step (after a failed prefill)
         self._stepping: list[_Request] = []  # the requests the current step is prefilling
+
+    def _use_packages(self, make) -> list[str]:
+        """Run the target's and the proposer's forwards through the AOT packages `make(model,
+        **kw)` returns (aot.load, or aot.load_or_build); the models still without theirs (a
+        package missing where one could run) stay as they are and are returned by name."""
+        from . import aot
+
+        missing: list[str] = []
+
+        def tracked(model, **kw):
+            step = make(model, **kw)
+            if aot.unsupported(model) is None and (step is None or (kw.get("trees") and step.tree_runner is None)):
+                missing.append(type(model).__name__)
+            return step
+
+        # a proposer reading hidden states gets the package that returns them with the logits
+        trees = self.proposer is not None and self.k > 0 and self.proposer.may_draft_trees(self.k)
+        self._forward = tracked(self.target, hidden_at=self._hidden_layers, trees=trees) or self._forward
+        if self.proposer is not None:
+            self.proposer.use_forward(tracked)
+        return missing
+
+    def switch_when_built(self, build) -> None:
+        """Switch to the AOT packages `build` (an aot.BackgroundBuild of this engine's missing
+        ones) makes, at the first step boundary after it ends. The packages compute the same
+        steps as the eager forwards, so the switch changes speed, not tokens."""
+        self._pending_build = build
+
+    def _switch_if_built(self) -> None:
+        build = self._pending_build
+        if build is None or not build.done():
+            return
+        self._pending_build = None
+        failure = build.failure()
+        if failure is not None:
+            log.warning("quickdraft: the background AOT build failed (%s); running eagerly", failure)
+            return
+        from . import aot
+
+        start = time.perf_counter()
+        self.aot_missing = self._use_packages(aot.load)
+        if self.aot_missing:
+            log.warning("quickdraft: the background AOT build ended but no package loaded for %s; running those "
+                        "eagerly", ", ".join(self.aot_missing))
+        else:
+            log.info("quickdraft: switched to the AOT steps built in the background (%.0f s after the build "
+                     "started; loaded in %.2f s)", time.perf_counter() - build.started, time.perf_counter() - start)
 
     def warm_up(self) -> None:
         """Compile the decode and verify steps for the query lengths this engine uses (1 and
@@ -292,6 +340,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill waiting requests if any fit, else run one speculative step
         for the running batch. Returns an output (with deltas) per request touched."""
+        if self._pending_build is not None:  # between steps: the only place the forwards may change
+            self._switch_if_built()
         admitted = self._stepping = self._admit()
         touched = self._prefill(admitted) if admitted else self._decode() if self.running else []
         self._stepping = []
