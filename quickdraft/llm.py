@@ -190,7 +190,7 @@ class LLM:
         if not self.aot_build.wait(timeout):
             return False
         with torch.inference_mode():
-            self.engine._switch_if_built()
+            self.engine._switch_if_built(wait=True)
         return True
 
     def _warm_up(self) -> None:

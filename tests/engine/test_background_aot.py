@@ -105,7 +105,7 @@ def test_failed_build_leaves_nothing(target_dir, empty_aot_dir, monkeypatch):
 def test_engine_stays_eager_when_the_background_build_fails(target_dir, empty_aot_dir, caplog):
     plain = LLM(target_dir, method="none", compile=False, dtype="float32")
     llm = LLM(target_dir, method="none", dtype="float32")  # compile=None: "auto"
-    assert llm.aot_build is None and llm.engine.aot_missing == ["Transformer"]  # QUICKDRAFT_AOT_BUILD=0 (conftest)
+    assert llm.aot_build is None and llm.engine.aot_missing == ["the target"]  # QUICKDRAFT_AOT_BUILD=0 (conftest)
     failing = aot.BackgroundBuild("sys.exit", "the compiler died", "failing")
     assert failing.wait(60)
     llm.engine.switch_when_built(failing)
@@ -129,21 +129,24 @@ def test_background_build_switches_mid_generation(target_dir, draft_dir, empty_a
     plain = LLM(target_dir, method="none", compile=False, dtype="float32")
     want = plain.generate([PROMPT], GREEDY)[0].token_ids
     llm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32")
-    assert llm.aot_build is not None and llm.engine.aot_missing == ["Transformer", "Transformer"]
+    assert llm.aot_build is not None and llm.engine.aot_missing == ["the target", "the draft"]
     engine = llm.engine
     rid = engine.add_request(PROMPT, GREEDY)
     packaged, tokens = [], []
     for i in range(60):
-        if i == 3:  # a few eager steps, then the build is awaited (deterministic: the next step switches)
+        if i == 3:  # a few eager steps, then the build is awaited: the next step starts loading its packages
             assert llm.aot_build.wait(600), "the background build did not finish in 10 minutes"
             assert llm.aot_build.failure() is None, llm.aot_build.failure()
+        if i == 4:  # (in a thread, while steps go on) and here awaited: the next step switches
+            assert engine._loading is not None
+            engine._loading.join()
         for out in engine.step():
             assert out.request_id == rid
             tokens += out.new_token_ids
         packaged.append(isinstance(engine._forward, aot.AOTStep))
         if not engine.has_unfinished():
             break
-    assert packaged[:3] == [False] * 3 and all(packaged[3:]) and len(packaged) > 4
+    assert packaged[:4] == [False] * 4 and all(packaged[4:]) and len(packaged) > 5
     assert isinstance(engine.proposer._step, aot.AOTStep) and engine.aot_missing == []
     assert tokens == want
     assert sorted(p.suffix for p in empty_aot_dir.iterdir()) == [".log", ".pt2", ".pt2"]  # no lock, no temporary file
