@@ -27,8 +27,14 @@ package is the compiled step as a shared library: loading it takes a fraction of
   matmuls of more than DENSE_ROWS rows (their dense prefill path, which the package leaves
   out) unless the model is `quant.row_invariant`.
 - `build(model)` compiles (about a minute per model here, once); `load(model)` returns the
-  cached step or None. `LLM(compile="aot")` / `--compile aot` builds what is missing; by default
-  a CPU engine uses a package when one is cached for its model and runs eagerly otherwise.
+  cached step or None. `LLM(compile="aot")` / `--aot` builds what is missing before the first
+  token. By default a CPU engine uses the packages cached for its models; where some are
+  missing it decodes eagerly at once while a `BackgroundBuild` (a separate process at low
+  priority, one thread, outliving this one) builds them, and switches to them at a step
+  boundary when it is done; later processes load them (`QUICKDRAFT_AOT_BUILD=0`: no
+  background build). A build holds a lock per package (`BuildLock`: a second builder waits,
+  a dead or silent holder's lock is broken, never a hang) and writes a temporary file that
+  only a complete build renames into place.
 
 The outputs equal the eager forward's to float rounding (Inductor fuses the elementwise ops);
 tests check greedy decoding through a package against plain decoding and the logits against
@@ -42,8 +48,14 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import platform
+import socket
+import subprocess
+import sys
+import threading
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
@@ -112,7 +124,10 @@ def shape_key(model: nn.Module) -> str:
 
 
 def aot_dir() -> Path:
-    return cache_dir() / "aot"
+    """Where packages live: `QUICKDRAFT_AOT_DIR`, else `<cache>/aot` (a background build is told
+    its parent's folder this way)."""
+    env = os.environ.get("QUICKDRAFT_AOT_DIR")
+    return Path(env).expanduser() if env else cache_dir() / "aot"
 
 
 def package_path(model: nn.Module, hidden_at: tuple[int, ...] | None = None, project: bool | None = None,
@@ -248,18 +263,191 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
         step = (_TreeStep if tree else _Step)(model, hidden_at).eval()
         args = (ids, positions, *keys, cache.k, cache.v)
         dims = ({0: B, 1: T}, {0: B, 1: T}, *key_dims, per_layer, per_layer)
-    with torch.no_grad(), quant.kernels_only():
-        program = export(step, args, dynamic_shapes=dims, strict=False)
-        tmp = path.with_suffix(".tmp.pt2")
-        configs = {"aot_inductor.package_constants_in_so": _embeds_weights(model)}
-        if any(isinstance(m, FastLinear) and (m.fmt == "blocked" or m.blocked) for m in model.modules()):
-            configs.update(kernels.aoti_config())  # direct calls, not the proxy executor
-        if hasattr(torch._inductor.config, "emulate_precision_casts"):
-            configs["emulate_precision_casts"] = True  # bf16 activations rounded where eager rounds them
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
-    tmp.replace(path)  # atomically: a crashed build never leaves a package that looks complete
+    with BuildLock(path):
+        if path.exists():  # built by another process while this one waited for the lock
+            return path
+        for stale in path.parent.glob(f"{path.stem}.*.tmp.pt2"):  # left by a build that was killed
+            stale.unlink(missing_ok=True)
+        # a name of this process's own, renamed into place only when complete: a failed or killed
+        # build never leaves a package that looks complete
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+        try:
+            with torch.no_grad(), quant.kernels_only():
+                program = export(step, args, dynamic_shapes=dims, strict=False)
+                configs = {"aot_inductor.package_constants_in_so": _embeds_weights(model)}
+                if any(isinstance(m, FastLinear) and (m.fmt == "blocked" or m.blocked) for m in model.modules()):
+                    configs.update(kernels.aoti_config())  # direct calls, not the proxy executor
+                if hasattr(torch._inductor.config, "emulate_precision_casts"):
+                    configs["emulate_precision_casts"] = True  # bf16 activations rounded where eager rounds them
+                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
     log.info("quickdraft: AOT step built in %.1f s: %s", time.perf_counter() - start, path)
     return path
+
+
+class BuildLock:
+    """Who builds a package: `<package>.lock`, created exclusively, holding its owner's pid, host
+    and start time, touched every HEARTBEAT_S while held. A second builder waits for it, then
+    finds the package built. A lock is broken (with one line saying why) when its process is
+    gone (same host), when it has not been touched for STALE_S (the holder was killed or its
+    machine stopped), or when it is older than MAX_S: a killed build never blocks the next one.
+    (Two waiters breaking the same stale lock at once can both build: each writes its own
+    temporary file and renames a complete package, so the cost is time, never a broken file.)"""
+
+    HEARTBEAT_S = 10.0
+    STALE_S = 60.0
+    MAX_S = 3600.0
+    POLL_S = 0.5
+
+    def __init__(self, package: Path):
+        self.path = package.with_name(package.name + ".lock")
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def __enter__(self) -> "BuildLock":
+        said = False
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                why = self.stale()
+                if why:
+                    log.warning("quickdraft: breaking the AOT build lock %s (%s)", self.path, why)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                if not said:
+                    log.warning("quickdraft: waiting for another process's build of %s", self.path.name[:-5])
+                    said = True
+                time.sleep(self.POLL_S)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "created": time.time(),
+                           "token": self.token}, f)
+            self._stop.clear()
+            self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="quickdraft-aot-lock")
+            self._beat.start()
+            return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        if self._owner() == self.token:
+            self.path.unlink(missing_ok=True)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:  # broken by someone who judged it stale: nothing to keep alive
+                return
+
+    def _info(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):  # gone, or being written this instant
+            return {}
+
+    def _owner(self) -> str | None:
+        return self._info().get("token")
+
+    def stale(self) -> str | None:
+        """Why the lock's holder no longer builds (then the lock may be broken), or None."""
+        try:
+            touched = self.path.stat().st_mtime
+        except FileNotFoundError:
+            return None  # released meanwhile: the next try takes it
+        info, now = self._info(), time.time()
+        if now - touched > self.STALE_S:
+            return f"not touched for {now - touched:.0f} s"
+        if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int) \
+                and not _alive(info["pid"]):
+            return f"its process {info['pid']} is gone"
+        if isinstance(info.get("created"), (int, float)) and now - info["created"] > self.MAX_S:
+            return f"held for {now - info['created']:.0f} s"
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] != "Z"
+    except (OSError, ValueError, IndexError):
+        return True
+
+
+def background_builds_enabled() -> bool:
+    """Whether a CPU engine may build its missing packages in the background (QUICKDRAFT_AOT_BUILD=0: never)."""
+    return os.environ.get("QUICKDRAFT_AOT_BUILD", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class BackgroundBuild:
+    """Packages built by another process while this one decodes eagerly: `python -c` calling
+    `entry(payload)` (a function that builds them, e.g. LLM(..., compile="aot")), at low priority
+    (nice 10) with one thread, so that the decoding process keeps the other cores. It runs in its
+    own session and outlives this process: a short run that exits before the build is done
+    still leaves the packages for the next start. Its output goes to `log_path`."""
+
+    def __init__(self, entry: str, payload: str, name: str):
+        module, func = entry.rsplit(".", 1)
+        folder = aot_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.log_path = folder / f"build-{name}.log"
+        root = str(Path(__file__).resolve().parents[1])  # this quickdraft, whatever the child's path says
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+                   QUICKDRAFT_AOT_DIR=str(folder), QUICKDRAFT_AOT_BUILD="0",
+                   PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        code = f"import sys; from {module} import {func}; {func}(sys.argv[1])"
+        with open(self.log_path, "wb") as out:
+            self.process = subprocess.Popen([sys.executable, "-c", code, payload], stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.started = time.perf_counter()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def done(self) -> bool:
+        """Whether the build process has ended (a cheap, non-blocking check)."""
+        return self.process.poll() is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the build ends (or `timeout` seconds pass); whether it ended."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def failure(self) -> str | None:
+        """Why the ended build failed (its exit status and its log's last line), or None."""
+        code = self.process.poll()
+        if code == 0:
+            return None
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        return f"exit status {code}" + (f": {lines[-1].strip()}" if lines else "") + f"; log: {self.log_path}"
+
+
+def lower_priority() -> None:
+    """For a background build: nice 10 and one thread, so that decoding keeps its cores."""
+    try:
+        os.nice(10)
+    except (AttributeError, OSError):  # not on this platform / not allowed: it still runs
+        pass
+    torch.set_num_threads(1)
 
 
 class AOTStep:

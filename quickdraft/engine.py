@@ -13,6 +13,8 @@ request finishes, the last row moves into its place, so the batch stays dense.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -33,6 +35,8 @@ from .sampling import (BatchSampling, PenaltyState, SamplingParams, StepRandom, 
 from .tree import tree_mask, tree_structure
 from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify_host, rejection_sample, tree_greedy_verify, tree_rejection_sample
+
+log = logging.getLogger("quickdraft")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,15 +176,14 @@ class Engine:
             self._forward = StepFunction(target, name="target")
             if proposer is not None:
                 proposer.compile(lambda model, name, **kw: StepFunction(model, name=name, **kw))
-        elif config.compile:  # "aot" / "auto": ahead-of-time compiled packages (CPU)
+        # the models whose AOT packages are missing (compile "auto": decoding runs them eagerly)
+        self.aot_missing: list[str] = []
+        self._pending_build = None  # an aot.BackgroundBuild whose packages the next step switches to
+        self._loading: threading.Thread | None = None  # loading them, once the build has ended
+        if config.compile in ("aot", "auto"):  # ahead-of-time compiled packages (CPU)
             from . import aot
 
-            make = aot.load_or_build if config.compile == "aot" else aot.load
-            # a proposer reading hidden states gets the package that returns them with the logits
-            trees = proposer is not None and self.k > 0 and proposer.may_draft_trees(self.k)
-            self._forward = make(target, hidden_at=self._hidden_layers, trees=trees) or target
-            if proposer is not None:
-                proposer.use_forward(make)
+            self.aot_missing = self._use_packages(aot.load_or_build if config.compile == "aot" else aot.load)
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         ctx = target.config.max_position_embeddings
@@ -197,6 +200,87 @@ class Engine:
         self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
         self._admit_singly = 0  # admissions still to make one request per step (after a failed prefill)
         self._stepping: list[_Request] = []  # the requests the current step is prefilling
+
+    def _use_packages(self, make) -> list[str]:
+        """Run the target's and the proposer's forwards through the AOT packages `make(model,
+        **kw)` returns (aot.load, or aot.load_or_build); the models still without theirs (a
+        package missing where one could run) stay as they are and are returned ("the target",
+        "the draft")."""
+        from . import aot
+
+        missing: list[str] = []
+
+        def tracked(model, **kw):
+            step = make(model, **kw)
+            if aot.unsupported(model) is None and (step is None or (kw.get("trees") and step.tree_runner is None)):
+                missing.append("the target" if model is self.target else "the draft")
+            return step
+
+        # a proposer reading hidden states gets the package that returns them with the logits
+        trees = self.proposer is not None and self.k > 0 and self.proposer.may_draft_trees(self.k)
+        step = tracked(self.target, hidden_at=self._hidden_layers, trees=trees)
+        if step is not None:
+            self._forward = step
+        if self.proposer is not None:
+            self.proposer.use_forward(tracked)
+        return missing
+
+    def switch_when_built(self, build) -> None:
+        """Switch to the AOT packages `build` (an aot.BackgroundBuild of this engine's missing
+        ones) makes, at the first step boundary after it ends. The packages compute the same
+        steps as the eager forwards, so the switch changes speed, not tokens."""
+        self._pending_build = build
+
+    def _switch_if_built(self, wait: bool = False) -> None:
+        """Once the build has ended: load its packages in a thread while steps go on (loading
+        imports Inductor and maps the libraries: seconds), then switch to them here, between
+        two steps. `wait`: block until switched (or the build failed)."""
+        build = self._pending_build
+        if build is None or not (build.done() or (wait and build.wait())):
+            return
+        if self._loading is None:
+            failure = build.failure()
+            if failure is not None:
+                self._pending_build = None
+                log.warning("quickdraft: the background AOT build failed (%s); running eagerly", failure)
+                return
+            self._loaded: dict = {}
+            self._loading = threading.Thread(target=self._preload, daemon=True, name="quickdraft-aot-load")
+            self._loading.start()
+        if wait:
+            self._loading.join()
+        if self._loading.is_alive():
+            return
+        self._pending_build, self._loading = None, None
+        loaded, self._loaded = self._loaded, {}
+        if isinstance(loaded, BaseException):
+            log.warning("quickdraft: loading the AOT steps built in the background failed (%s: %s); running eagerly",
+                        type(loaded).__name__, loaded)
+            return
+        self.aot_missing = self._use_packages(lambda model, **kw: loaded.get((id(model), tuple(sorted(kw.items())))))
+        if self.aot_missing:
+            log.warning("quickdraft: the background AOT build ended but no package loaded for %s; running those "
+                        "eagerly", " and ".join(self.aot_missing))
+        else:
+            log.info("quickdraft: switched to the AOT steps built in the background (%.0f s after the build started)",
+                     time.perf_counter() - build.started)
+
+    def _preload(self) -> None:
+        """The packages _use_packages(aot.load) would take, loaded without switching to any (a
+        proposer keeps its model where `make` gives None), into self._loaded by (model, kwargs)."""
+        from . import aot
+
+        loaded = self._loaded
+
+        def load(model, **kw):
+            loaded[(id(model), tuple(sorted(kw.items())))] = aot.load(model, **kw)
+            return None
+
+        try:
+            with torch.inference_mode():
+                self._use_packages(load)  # switches nothing: every `make` gives None
+        except Exception as exc:  # noqa: BLE001 - reported (once) by the step that would switch
+            self._loaded = exc
 
     def warm_up(self) -> None:
         """Compile the decode and verify steps for the query lengths this engine uses (1 and
@@ -295,6 +379,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill waiting requests if any fit, else run one speculative step
         for the running batch. Returns an output (with deltas) per request touched."""
+        if self._pending_build is not None:  # between steps: the only place the forwards may change
+            self._switch_if_built()
         admitted = self._stepping = self._admit()
         touched = self._prefill(admitted) if admitted else self._decode() if self.running else []
         self._stepping = []

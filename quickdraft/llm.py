@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import aot
 from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, EngineConfig, SpecConfig,
                      check_max_num_seqs, check_num_speculative_tokens)
 from .errors import QuickdraftError
@@ -25,6 +27,8 @@ from .sampling import SamplingParams
 Prompt = str | list[int]
 Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant", "content": str}
 Conversation = Sequence[Message]
+
+log = logging.getLogger("quickdraft")
 
 
 def default_model_dirs() -> tuple[Path, Path]:
@@ -65,8 +69,10 @@ class LLM:
                  tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
-        then cached on disk); False: eager. None (default): CUDA graphs on CUDA/ROCm; on CPU the
-        cached ahead-of-time steps when this model's are built, else eager. quantization / draft_quantization: "int8" or "int4" weight-only for the target
+        then cached on disk) before the first token; False: eager. None (default): CUDA graphs on
+        CUDA/ROCm; on CPU the cached ahead-of-time steps, and where they are missing eager steps
+        at once while a low-priority process builds them (`self.aot_build`; the engine switches
+        to them when they are ready; QUICKDRAFT_AOT_BUILD=0: no such build). quantization / draft_quantization: "int8" or "int4" weight-only for the target
         / the draft (output follows the target as loaded, quantised or not; "none": as loaded);
         an EAGLE-3 head on a CPU with quickdraft's kernels is int8 unless draft_quantization says
         otherwise, since its draft step streams its weights and int8 halves that at the same
@@ -143,8 +149,49 @@ class LLM:
                               preallocate=preallocate)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
+        self.aot_build = None  # the background build of missing AOT packages, if this LLM started one
         if compile is True:
             self._warm_up()
+        elif compile == "auto" and self.engine.aot_missing and aot.background_builds_enabled():
+            # the same models in another process, built there (compile="aot"); this one decodes now
+            self._build_in_background(dict(
+                target=str(target), draft=None if draft is None else str(draft), method=method,
+                num_speculative_tokens=num_speculative_tokens, dtype=_dtype_name(dtype), device=str(dev),
+                spec_options=dict(spec_options or {}), quantization=quantization,
+                draft_quantization=draft_quantization, draft_dtype=_dtype_name(draft_dtype)))
+
+    def _build_in_background(self, recipe: dict) -> None:
+        """Start building this engine's missing AOT packages in a low-priority process (aot.
+        BackgroundBuild); the engine switches to them when it is done."""
+        import hashlib
+        import json
+
+        try:
+            payload = json.dumps(recipe, sort_keys=True)
+        except (TypeError, ValueError) as exc:  # a spec option JSON cannot carry: stay eager, say so
+            log.warning("quickdraft: no background AOT build (%s); running eagerly (compile='aot' builds first)", exc)
+            return
+        name = hashlib.sha256(payload.encode()).hexdigest()[:12]
+        try:
+            self.aot_build = aot.BackgroundBuild("quickdraft.llm.build_aot", payload, name)
+        except OSError as exc:
+            log.warning("quickdraft: could not start the background AOT build (%s); running eagerly", exc)
+            return
+        log.warning("quickdraft: compiling the CPU steps of %s in the background (once per model shape; pid %d, log "
+                    "%s); decoding eagerly until they are ready (QUICKDRAFT_AOT_BUILD=0: no background build)",
+                    " and ".join(self.engine.aot_missing), self.aot_build.pid, self.aot_build.log_path)
+        self.engine.switch_when_built(self.aot_build)
+
+    def wait_for_aot(self, timeout: float | None = None) -> bool:
+        """Block until the background AOT build (if any) ends, then switch to its packages now
+        (benchmarks that must measure one kind of step); whether no build is still running."""
+        if self.aot_build is None:
+            return True
+        if not self.aot_build.wait(timeout):
+            return False
+        with torch.inference_mode():
+            self.engine._switch_if_built(wait=True)
+        return True
 
     def _warm_up(self) -> None:
         """Compile the steps now (one short greedy request), not inside the first real one."""
@@ -245,6 +292,24 @@ class LLM:
             agg.merge(o.stats)
         agg.elapsed_s = wall  # throughput of the whole call, not the sum over requests
         self.stats.merge(agg)
+
+
+def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def build_aot(payload: str) -> None:
+    """A background build's process (aot.BackgroundBuild): the models an LLM was made with
+    (`payload`: its arguments as JSON), loaded the same way, their missing packages built."""
+    import json
+    import sys
+
+    aot.lower_priority()
+    start = time.perf_counter()
+    llm = LLM(**json.loads(payload), compile="aot")
+    if llm.engine.aot_missing:
+        sys.exit(f"built, but no package loads for {', '.join(llm.engine.aot_missing)}")
+    print(f"quickdraft: AOT steps ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
 def _head_quantization(asked: str | None, device: torch.device) -> str | None:

@@ -1,0 +1,155 @@
+"""The AOT steps built in the background by default (quickdraft.aot.BackgroundBuild): a CPU
+engine without cached packages decodes eagerly at once, switches to the packages a low-priority
+process builds at a step boundary with the same tokens, and later engines load them; a build
+that fails or is killed leaves nothing half-written and never blocks the next one (BuildLock)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from quickdraft import aot
+from quickdraft.llm import LLM
+from quickdraft.model.loader import load_model
+from quickdraft.model.quant import prepare
+from quickdraft.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPT = [3, 17, 42, 9, 5]
+
+
+@pytest.fixture
+def empty_aot_dir(tmp_path, monkeypatch):
+    """No package cached: this test's own folder instead of the session's."""
+    monkeypatch.setattr("quickdraft.aot.aot_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def _write_lock(package, **info):
+    lock = aot.BuildLock(package)
+    lock.path.write_text(json.dumps(info))
+    return lock
+
+
+def test_lock_of_a_dead_process_is_broken(tmp_path, caplog):
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(done.stdout)
+    lock = _write_lock(tmp_path / "x.pt2", pid=dead, host=socket.gethostname(), created=time.time(), token="t")
+    assert lock.stale() == f"its process {dead} is gone"
+    with caplog.at_level(logging.WARNING, logger="quickdraft"):
+        with aot.BuildLock(tmp_path / "x.pt2") as held:
+            assert json.loads(held.path.read_text())["pid"] == os.getpid()
+    assert "breaking the AOT build lock" in caplog.text
+    assert not lock.path.exists()  # released
+
+
+def test_lock_not_touched_or_too_old_is_stale(tmp_path):
+    now = time.time()
+    live = dict(pid=os.getpid(), host=socket.gethostname(), token="t")
+    lock = _write_lock(tmp_path / "a.pt2", created=now, **live)
+    assert lock.stale() is None  # this process holds it and it was just touched
+    os.utime(lock.path, (now - 120, now - 120))
+    assert lock.stale().startswith("not touched for")  # a holder on another machine, stopped
+    lock = _write_lock(tmp_path / "b.pt2", created=now - 2 * aot.BuildLock.MAX_S, **live)
+    assert lock.stale().startswith("held for")
+
+
+def test_second_builder_waits_for_the_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(aot.BuildLock, "POLL_S", 0.05)
+    order = []
+    first = aot.BuildLock(tmp_path / "p.pt2").__enter__()
+
+    def second():
+        with aot.BuildLock(tmp_path / "p.pt2"):
+            order.append("second")
+
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.5)
+    order.append("first")
+    first.__exit__(None, None, None)
+    t.join(10)
+    assert order == ["first", "second"]
+    assert not first.path.exists()
+
+
+def test_failed_build_leaves_nothing(target_dir, empty_aot_dir, monkeypatch):
+    """A build that dies inside the compiler (as a killed one would) leaves no package, no
+    temporary file and no lock; a temporary file a killed build left is removed by the next."""
+    model = prepare(load_model(target_dir, dtype="float32"))
+    path = aot.package_path(model)
+    leftover = path.with_name(f"{path.stem}.999999.tmp.pt2")
+    leftover.write_bytes(b"half")
+
+    def dies(program, package_path, inductor_configs):
+        with open(package_path, "wb") as f:
+            f.write(b"half a package")
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", dies)
+    with pytest.raises(RuntimeError, match="killed"):
+        aot.build(model)
+    assert list(empty_aot_dir.iterdir()) == []
+    assert aot.load(model) is None
+
+
+def test_engine_stays_eager_when_the_background_build_fails(target_dir, empty_aot_dir, caplog):
+    plain = LLM(target_dir, method="none", compile=False, dtype="float32")
+    llm = LLM(target_dir, method="none", dtype="float32")  # compile=None: "auto"
+    assert llm.aot_build is None and llm.engine.aot_missing == ["the target"]  # QUICKDRAFT_AOT_BUILD=0 (conftest)
+    failing = aot.BackgroundBuild("sys.exit", "the compiler died", "failing")
+    assert failing.wait(60)
+    llm.engine.switch_when_built(failing)
+    with caplog.at_level(logging.WARNING, logger="quickdraft"):
+        got = llm.generate([PROMPT], GREEDY)
+    assert got[0].token_ids == plain.generate([PROMPT], GREEDY)[0].token_ids
+    assert llm.engine._forward is llm.target
+    lines = [r.getMessage() for r in caplog.records if "background AOT build failed" in r.getMessage()]
+    assert len(lines) == 1 and "exit status 1: the compiler died" in lines[0]
+    llm.generate([PROMPT], GREEDY)
+    assert len([r for r in caplog.records if "background AOT build failed" in r.getMessage()]) == 1
+
+
+@pytest.mark.slow
+def test_background_build_switches_mid_generation(target_dir, draft_dir, empty_aot_dir, monkeypatch):
+    """By default (compile=None) a CPU engine without packages starts their build in another
+    process and decodes eagerly; after the build it runs the target's and the draft's packages,
+    switched between two steps of a running request, and the output equals plain eager decoding.
+    The next engine of these models loads them at once (a warm start)."""
+    monkeypatch.setenv("QUICKDRAFT_AOT_BUILD", "1")
+    plain = LLM(target_dir, method="none", compile=False, dtype="float32")
+    want = plain.generate([PROMPT], GREEDY)[0].token_ids
+    llm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32")
+    assert llm.aot_build is not None and llm.engine.aot_missing == ["the target", "the draft"]
+    engine = llm.engine
+    rid = engine.add_request(PROMPT, GREEDY)
+    packaged, tokens = [], []
+    for i in range(60):
+        if i == 3:  # a few eager steps, then the build is awaited: the next step starts loading its packages
+            assert llm.aot_build.wait(600), "the background build did not finish in 10 minutes"
+            assert llm.aot_build.failure() is None, llm.aot_build.failure()
+        if i == 4:  # (in a thread, while steps go on) and here awaited: the next step switches
+            assert engine._loading is not None
+            engine._loading.join()
+        for out in engine.step():
+            assert out.request_id == rid
+            tokens += out.new_token_ids
+        packaged.append(isinstance(engine._forward, aot.AOTStep))
+        if not engine.has_unfinished():
+            break
+    assert packaged[:4] == [False] * 4 and all(packaged[4:]) and len(packaged) > 5
+    assert isinstance(engine.proposer._step, aot.AOTStep) and engine.aot_missing == []
+    assert tokens == want
+    assert sorted(p.suffix for p in empty_aot_dir.iterdir()) == [".log", ".pt2", ".pt2"]  # no lock, no temporary file
+    warm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32")
+    assert warm.aot_build is None and isinstance(warm.engine._forward, aot.AOTStep)
+    assert warm.generate([PROMPT], GREEDY)[0].token_ids == want
