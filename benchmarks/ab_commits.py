@@ -50,6 +50,9 @@ def run(tree: Path, args: list[str], tokens: int, threads: int, extra_env: dict 
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", type=Path, required=True, help="the 'before' tree")
     ap.add_argument("--b", type=Path, default=ROOT, help="the 'after' tree (default: this one)")

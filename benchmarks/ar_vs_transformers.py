@@ -55,6 +55,9 @@ def make_checkpoint(path: Path, seed: int) -> int:
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats (each runs ours and theirs once)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs of each before timing")

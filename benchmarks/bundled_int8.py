@@ -58,6 +58,9 @@ def speed(folder: Path, prompts: list[list[int]], method: str, repeats: int, tok
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser()
     ap.add_argument("--original", type=Path, required=True)
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")

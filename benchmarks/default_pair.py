@@ -94,6 +94,9 @@ def step_times(llm: LLM, k: int, context: int, iters: int) -> dict[str, float]:
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None)

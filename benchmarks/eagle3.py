@@ -125,6 +125,9 @@ def block(llms: dict[str, LLM], prompts: list[list[int]], n: int, threads: int, 
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["bundled"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])

@@ -25,6 +25,9 @@ from quickdraft.model.quant import weight_bytes
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["bundled", "smollm2"], default="bundled")
     ap.add_argument("--head", default=None, help="a head folder (SmolLM2 ships none)")

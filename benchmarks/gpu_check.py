@@ -385,6 +385,9 @@ def aot_cpu(s: Settings) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and part e's files")
     ap.add_argument("--small", action="store_true", help="tiny shapes and few iterations (CPU, tests)")

@@ -771,6 +771,9 @@ def split_list(values: list[str] | None) -> list[str] | None:
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=None, help=f"of {', '.join(MODELS)} (default: both)")
     ap.add_argument("--configs", nargs="+", default=None, help=f"of {', '.join(CONFIGS)} (default: all)")

@@ -124,6 +124,9 @@ def texts_for(model: str, n: int) -> tuple[list, bool]:
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--baseline", default="c136b05", help="the commit before issue 18 ('' = skip question 1)")

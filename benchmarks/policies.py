@@ -32,6 +32,9 @@ from quickdraft.train.corpus import load_corpus
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", type=Path, required=True)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])

@@ -109,6 +109,9 @@ def propose_cost(llms: dict, tokens: list[int], context: int, k: int, iters: int
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
                     help="default: all (draft-sampled-tree only at temperature > 0)")

@@ -276,6 +276,9 @@ def markdown(result: dict) -> list[str]:
 # --- main -------------------------------------------------------------------------------------
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None, help="default: all")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=None,

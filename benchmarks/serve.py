@@ -210,6 +210,9 @@ def write(result: dict, out_dir: Path, name: str) -> list[Path]:
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="1,2,4,8", help="Poisson request rates (req/s), comma-separated")
     ap.add_argument("--num-requests", type=int, default=24, help="requests per rate")

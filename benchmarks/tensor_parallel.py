@@ -114,6 +114,9 @@ def time_generate(llm: LLM, prompts: list[str], threads: int, new_tokens: int = 
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--iters", type=int, default=30)

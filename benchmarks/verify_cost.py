@@ -86,6 +86,9 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def main() -> None:
+    from quickdraft.bench.hardware import steady_steps
+
+    steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["bundled", "smollm2"], default="smollm2")
     ap.add_argument("--threads", type=int, default=1)

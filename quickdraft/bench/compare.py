@@ -44,6 +44,8 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
             llms[(m, k)] = LLM(target, draft=draft if m == "draft" else None, method=m, num_speculative_tokens=k,
                                spec_options=spec_options, dtype=dtype, device=device, **more)
     names = [("none", 0)] + list(llms)
+    for llm in [plain, *llms.values()]:  # a fresh cache's background AOT build: switch before timing
+        llm.wait_for_aot()
     runs = []
     # step costs for the prediction, measured once per batch size
     qs = list(range(1, max(ks) + 2))

@@ -188,3 +188,11 @@ def provenance_line(record: dict) -> str:
 
 def _threads(threads: int | list[int]) -> str:
     return "/".join(map(str, threads)) if isinstance(threads, list) else str(threads)
+
+
+def steady_steps() -> None:
+    """For benchmarks: measure the steps asked for. An engine on a fresh cache otherwise builds
+    its AOT packages in the background and switches to them mid-run (quickdraft.aot); unless the
+    caller set QUICKDRAFT_AOT_BUILD, no background build starts (packages already cached still
+    load, and compile="aot" still builds them before timing)."""
+    os.environ.setdefault("QUICKDRAFT_AOT_BUILD", "0")

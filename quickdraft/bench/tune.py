@@ -100,6 +100,7 @@ def tune(config: TuneConfig, console=None):
             llm = LLM(config.target, draft=draft if needs_draft else None, method=method,
                       num_speculative_tokens=config.k_max, dtype=config.dtype, device=config.device,
                       spec_options=config.spec_options)
+            llm.wait_for_aot()  # a fresh cache's background AOT build: time the steps it switches to
             proposer = llm.engine.proposer
             longest = config.context + 1 + proposer.max_draft_tokens(config.k_max)
             if longest > llm.target.config.max_position_embeddings:
