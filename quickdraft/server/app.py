@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine import RequestOutput
 from ..errors import ContextLengthError, QuickdraftError
+from ..metrics import SpecStats
 from ..sampling import SamplingParams
 from . import logprobs as lpfmt
 from .access import add_access_control
@@ -420,7 +421,7 @@ async def _respond(state: ServerState, request: Request, prepared: _Prepared, ar
             choice["token_ids"] = list(out.token_ids)
         choices.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": state.model_name, "choices": choices, "usage": _usage(prompts, finals)}
+            "model": state.model_name, "choices": choices, "usage": _usage(state, prompts, finals)}
 
 
 async def _collect(job: _Job) -> dict[int, RequestOutput]:
@@ -499,7 +500,7 @@ async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int,
                 finals[index] = out
             yield chunk([choice])
         if include_usage:
-            yield chunk([], usage=_usage(prompts, finals))
+            yield chunk([], usage=_usage(state, prompts, finals))
     except QuickdraftError as exc:
         yield _sse(APIError(500, str(exc), code="engine_error").body())
     finally:
@@ -507,10 +508,25 @@ async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int,
     yield "data: [DONE]\n\n"
 
 
-def _usage(prompts: list[list[int]], outs: dict[int, RequestOutput]) -> dict[str, int]:
+def _usage(state: ServerState, prompts: list[list[int]], outs: dict[int, RequestOutput]) -> dict[str, Any]:
+    """OpenAI's token counts, plus `speculation`: this request's own speculative-decoding
+    figures, summed over its choices (docs/server.md)."""
     p = sum(len(x) for x in prompts)
     c = sum(len(o.token_ids) for o in outs.values())
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "speculation": _speculation(state.llm.engine.config.spec.method, outs)}
+
+
+def _speculation(method: str, outs: dict[int, RequestOutput]) -> dict[str, Any]:
+    """The request's SpecStats (each choice's, merged) under the names its usage shows. Present
+    for every method: plain decoding, or a request that drafted nothing, shows zeros."""
+    s = SpecStats()
+    for out in outs.values():
+        s.merge(out.stats)
+    return {"method": method, "num_drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens,
+            "accepted_tokens": s.num_accepted_tokens, "acceptance_rate": s.acceptance_rate,
+            "mean_acceptance_length": s.mean_acceptance_length, "accepted_per_position": list(s.accepted_per_pos),
+            "num_steps": s.num_steps}
 
 
 def _sse(obj: Any) -> str:

@@ -191,6 +191,121 @@ def test_metrics(server, client):
     assert metric(server, 'request_success_total{finished_reason="length"}') >= 1
 
 
+def per_pos_metric(server) -> list[float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = {int(p): float(v) for p, v in re.findall(
+        r'^spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\} (\S+)$', text, re.M)}
+    return [found.get(i, 0.0) for i in range(max(found, default=-1) + 1)]
+
+
+def check_speculation(spec: dict, completion_tokens: int, n: int = 1) -> None:
+    """The figures agree with each other and with the tokens the request got: every step commits
+    its accepted drafts plus one token of its own, and each choice's prefill gives its first."""
+    assert spec["method"] == "draft"
+    assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"] <= 4 * spec["num_drafts"]
+    assert spec["num_drafts"] <= spec["num_steps"]
+    assert completion_tokens == n + spec["num_steps"] + spec["accepted_tokens"]
+    assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+    assert len(spec["accepted_per_position"]) <= 4
+    assert spec["accepted_per_position"] == sorted(spec["accepted_per_position"], reverse=True)  # a chain
+    if spec["num_drafts"]:
+        assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["num_drafts"])
+        assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["draft_tokens"])
+    else:
+        assert spec["mean_acceptance_length"] == spec["acceptance_rate"] == 0
+
+
+def test_usage_carries_the_requests_own_speculation_figures(server, client):
+    before = {name: metric(server, f"spec_decode_num_{name}_total") for name in ("drafts", "draft_tokens",
+                                                                                 "accepted_tokens")}
+    pos_before = per_pos_metric(server)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=40, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 40 and r.usage.total_tokens == r.usage.prompt_tokens + 40
+    spec = r.usage.speculation  # the openai client keeps the extra field
+    check_speculation(spec, 40)
+    assert spec["num_drafts"] > 0 and spec["draft_tokens"] > 0
+    # this request alone ran: the server's counters grew by exactly its figures, position by position
+    assert metric(server, "spec_decode_num_drafts_total") - before["drafts"] == spec["num_drafts"]
+    assert metric(server, "spec_decode_num_draft_tokens_total") - before["draft_tokens"] == spec["draft_tokens"]
+    assert (metric(server, "spec_decode_num_accepted_tokens_total") - before["accepted_tokens"]
+            == spec["accepted_tokens"])
+    pos_after = per_pos_metric(server)
+    grown = [a - (pos_before[i] if i < len(pos_before) else 0) for i, a in enumerate(pos_after)]
+    assert grown[: len(spec["accepted_per_position"])] == spec["accepted_per_position"]
+    assert sum(grown) == spec["accepted_tokens"]
+    # chat, n > 1: summed over the choices
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def add"}],
+                                          max_completion_tokens=15, temperature=1.0, seed=3, n=3,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 45
+    check_speculation(chat.usage.speculation, 45, n=3)
+    # no drafts asked for: zeros, same shape
+    off = client.completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True, "num_speculative_tokens": 0}).usage.speculation
+    assert off == {"method": "draft", "num_drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                   "acceptance_rate": 0.0, "mean_acceptance_length": 0.0, "accepted_per_position": [],
+                   "num_steps": 9}
+
+
+def test_streamed_usage_carries_the_speculation_figures(server, client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "for i"}],
+                                                 max_tokens=30, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert all(c.usage is None for c in chunks[:-1])
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 30
+    check_speculation(usage.speculation, 30)
+    events = sse_events(post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 25,
+                                                         "temperature": 0, "ignore_eos": True, "n": 2, "stream": True,
+                                                         "stream_options": {"include_usage": True}}).text)
+    assert "usage" not in events[0] or events[0]["usage"] is None
+    check_speculation(events[-1]["usage"]["speculation"], 50, n=2)
+
+
+def test_concurrent_requests_get_their_own_speculation_figures(server):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=60) as c:
+            def ask(prompt, max_tokens, k=None):
+                return c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True, **({} if k is None else
+                                                                               {"num_speculative_tokens": k})})
+            return await asyncio.gather(ask(PROMPTS[11], 48), ask(PROMPTS[12], 12), ask(PROMPTS[13], 30, k=0))
+
+    long, short, plain_one = asyncio.run(run())
+    check_speculation(long.usage.speculation, 48)
+    check_speculation(short.usage.speculation, 12)
+    check_speculation(plain_one.usage.speculation, 30)
+    assert plain_one.usage.speculation["num_drafts"] == 0 and plain_one.usage.speculation["num_steps"] == 29
+    assert long.usage.speculation["num_drafts"] > 0 and short.usage.speculation["num_drafts"] > 0
+    assert long.usage.speculation != short.usage.speculation
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_speculation_figures_of_other_methods(target_dir, method):
+    from quickdraft.server.app import ServerState
+
+    ts = ThreadServer(ServerState(lambda: LLM(target_dir, method=method, num_speculative_tokens=3), MODEL))
+    try:
+        prompt = [0] + [5, 6, 7, 8] * 6  # repeats: something for the n-gram proposer to match
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+        spec = httpx.post(f"{ts.url}/v1/completions", json=body, timeout=60).json()["usage"]["speculation"]
+        assert spec["method"] == method
+        assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"] <= 3 * spec["num_drafts"]
+        assert 30 == 1 + spec["num_steps"] + spec["accepted_tokens"]
+        assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+        if method == "none":
+            assert spec["num_drafts"] == spec["draft_tokens"] == 0 and spec["num_steps"] == 29
+            assert spec["mean_acceptance_length"] == 0 and spec["accepted_per_position"] == []
+        else:
+            assert spec["num_drafts"] > 0
+            assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["num_drafts"])
+    finally:
+        ts.stop()
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 BAD = [
