@@ -1,5 +1,5 @@
 """Where quickdraft's blocked int8 / int4 kernels stop beating the dense path (issue 19): one
-FastLinear of SmolLM2's gate/up (3072x576) and down (576x1536) shapes, its kernel forced
+linear of SmolLM2's gate/up (3072x576) and down (576x1536) shapes, its kernel forced
 (quant.kernels_only) against its dense path (weights converted to bf16, dense GEMM) at 8-256
 rows, best of 7 calls each, ms. Chose quant.BLOCKED_DENSE_ROWS = 64 from it.
 
@@ -18,7 +18,7 @@ import torch
 
 from quickdraft.bench.hardware import loadavg, provenance, provenance_line
 from quickdraft.model import quant
-from quickdraft.model.quant import FastLinear
+from quickdraft.model.quant import make_linear
 
 
 def main() -> None:
@@ -36,8 +36,8 @@ def main() -> None:
     for (o, i) in shapes:
         lin = torch.nn.Linear(i, o, bias=False)
         for fmt in ("int8", "int4"):
-            f = FastLinear([lin], fmt)
-            assert f.blocked
+            f = make_linear([lin], fmt)
+            assert f.calls_kernels
             row = []
             for m in rows:
                 x = torch.randn(m, i)

@@ -3,9 +3,10 @@
 `prepare(model, quantization)` turns a loaded model into its inference form, in place:
 - q/k/v and gate/up projections are fused into one matmul each (`qkv_proj`, `gate_up_proj`);
   the checkpoint's names are what was loaded, the fusion happens after loading;
-- every linear layer (lm_head included) becomes a `FastLinear` in the format that streams
-  the weights fastest on the model's device and dtype, measured with benchmarks/cpu_kernels.py
-  (results in benchmarks/results/cpu_kernels_*.json):
+- every linear layer (lm_head included) becomes a `FastLinear`: one subclass per format and
+  kernel, chosen once by `make_linear`, in the format that streams the weights fastest on the
+  model's device and dtype, measured with benchmarks/cpu_kernels.py (results in
+  benchmarks/results/cpu_kernels_*.json):
 
   | format | where | kernel | decode (1 row) | verify (k+1 rows), prefill |
   |---|---|---|---|---|
@@ -27,6 +28,7 @@ Training never sees these modules: `prepare` is applied by `LLM` after loading.
 from __future__ import annotations
 
 import contextlib
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -123,161 +125,386 @@ def _int4_cpu_pack(q, scale, zero, inner_k_tiles: int = 2):
 
 class FastLinear(nn.Module):
     """y = x W^T + b over one or more checkpoint linears fused along the output dimension
-    (`splits` gives each one's share of the output), stored in one format (see the module doc)."""
+    (`splits` gives each one's share of the output). The common base of the weight formats: one
+    subclass per format (and per kernel that runs it), chosen once by `make_linear`; what the
+    rest of the package needs to know about a format it asks the class (the attributes below),
+    never its buffers."""
 
-    def __init__(self, linears: list[nn.Linear], fmt: str):
+    fmt: ClassVar[str]  # the format's name (see the module doc): reprs, shape keys, benchmarks
+    # why torch.export cannot trace it (quickdraft.aot), or None
+    export_blocker: ClassVar[str | None] = None
+    calls_kernels: ClassVar[bool] = False  # its matmul calls quickdraft's CPU kernels (quickdraft.kernels)
+    # an AOTInductor package must carry its tensors inside (PyTorch's int4 kernel: see quickdraft.aot)
+    embeds_weights: ClassVar[bool] = False
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, splits: list[int]):
         super().__init__()
-        w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
-        biases = [lin.bias for lin in linears]
-        self.splits = [lin.out_features for lin in linears]
+        self.splits = splits
         self.out_features, self.in_features = w.shape
-        self.fmt = fmt
-        self.kernel = False  # int8 / int4: a weight-only kernel runs small matmuls
-        self.blocked = False  # int8 / int4: quickdraft's kernel (blocks of int8 / 4-bit) rather than PyTorch's
-        self.bias = None
-        if any(b is not None for b in biases):
-            self.bias = nn.Parameter(torch.cat([b.detach() if b is not None else w.new_zeros(n)
-                                                for b, n in zip(biases, self.splits)]), requires_grad=False)
-        cpu = w.device.type == "cpu"
-        if fmt == "dense":
-            self.register_buffer("weight", w.clone() if len(linears) == 1 else w)
-        elif fmt == "transposed":
-            self.register_buffer("weight_t", w.t().contiguous())
-        elif fmt == "blocked":
-            self.register_buffer("packed", kernels.pack(w.t().float()))
-            if self.bias is not None:
-                self.bias.data = self.bias.data.float()
-        elif fmt == "onednn":
-            # oneDNN's blocked bf16 layout; an opaque tensor, so kept out of state_dict/to()
-            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1),
-                                 persistent=False)
-        elif fmt == "int8":
-            q, scale = int8_quantize(w)
-            self.blocked = cpu and blocked_supported()
-            if self.blocked:  # quickdraft's kernel: the int8 blocks widened in registers, float32 activations
-                self.kernel = True
-                self.register_buffer("qpacked", kernels.pack(q.t()))
-                self.register_buffer("scales", scale)
-                if self.bias is not None:
-                    self.bias.data = self.bias.data.float()
-            else:
-                self.kernel = has_kernel("_weight_int8pack_mm", w.device)
-                self.register_buffer("qweight", q)
-                self.act_dtype = torch.bfloat16 if cpu else w.dtype  # f32 activations hit a slow path on CPU
-                self.register_buffer("scales", scale.to(self.act_dtype))
-        elif fmt == "int4":
-            native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
-            self.source = "GGUF blocks" if all(n is not None for n in native) else None
-            if self.source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
-                q, scale, zero = (torch.cat(parts) for parts in zip(*native))
-            else:
-                q, scale, zero = int4_quantize(w)
-            offset = zero - 8 * scale
-            qpacked = None
-            if cpu and blocked_supported():  # quickdraft's kernel: nibbles widened in registers, f32 activations
-                try:
-                    qpacked = kernels.pack_int4(q, scale, offset)  # float16 scales and offsets
-                except ValueError:  # beyond float16's range: PyTorch's kernel, bfloat16 scales
-                    qpacked = None
-            self.blocked = qpacked is not None
-            # unpacked copy for dense (prefill) matmuls: w = q * scale + offset per group, with the
-            # scales the small-M kernel uses (float16 in the blocked layout, else bfloat16)
-            sdtype = torch.float16 if self.blocked else torch.bfloat16
-            self.register_buffer("q", q)
-            self.register_buffer("scale", scale.to(sdtype))
-            self.register_buffer("offset", offset.to(sdtype))
-            if self.blocked:
-                self.kernel = True
-                self.register_buffer("qpacked", qpacked)
-                if self.bias is not None:
-                    self.bias.data = self.bias.data.float()
-            else:
-                self.kernel = cpu and has_kernel("_weight_int4pack_mm_for_cpu", w.device)
-                if cpu:
-                    packed, sz = _int4_cpu_pack(q, scale, zero)
-                    self.register_buffer("packed", packed)
-                    self.register_buffer("scales_and_zeros", sz)
-        else:
-            raise QuickdraftError(f"unknown weight format {fmt!r}")
-        # int8 / int4: rows past which a matmul converts the weight and runs a dense GEMM
-        # instead of the kernel (None: the kernel at every row count; see `row_invariant`)
-        self.dense_rows: int | None = BLOCKED_DENSE_ROWS if self.blocked else DENSE_ROWS
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight (out, in) as the matmul sees it, in `dtype`."""
-        if self.fmt == "dense":
-            return self.weight.to(dtype)
-        if self.fmt == "transposed":
-            return self.weight_t.t().to(dtype)
-        if self.fmt == "blocked":
-            return kernels.unpack(self.packed, self.out_features).t().to(dtype)
-        if self.fmt == "int8":
-            return (self._qweight().to(dtype) * self.scales.to(dtype)[:, None])
-        if self.fmt == "int4":
-            q = self.q.unflatten(1, (-1, INT4_GROUP)).to(dtype)
-            return (q * self.scale.to(dtype)[..., None] + self.offset.to(dtype)[..., None]).flatten(1)  # 3x addcmul's speed
-        raise QuickdraftError("a oneDNN-packed weight cannot be read back")
+    @property
+    def kernel_rows(self) -> int | None:
+        """Rows up to which the matmul stays on the one path a traced step (quickdraft.aot) has;
+        None: every row count."""
+        return None
 
-    def _qweight(self) -> torch.Tensor:
-        """The int8 weight (out, in) (a view of the blocks where they are stored blocked)."""
-        return kernels.unpack(self.qpacked, self.out_features).t() if self.blocked else self.qweight
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's result has the same bits whatever the other rows and their count
+        (verify rows equal decode rows; a request's output does not depend on its batch).
+        Promised by quickdraft's kernels; PyTorch's GEMMs do not promise it."""
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        fmt = self.fmt
-        if fmt == "blocked":  # every row count: 2-3 rows cost one, prefill runs as fast as MKL's
-            out = kernels.blocked_mm(x2, self.packed, self.bias, self.out_features)
-            return out.reshape(*shape[:-1], self.out_features)
-        if fmt == "transposed":
-            out = x2 @ self.weight_t if self.bias is None else torch.addmm(self.bias, x2, self.weight_t)
-            return out.reshape(*shape[:-1], self.out_features)
-        if fmt == "onednn":
-            out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-            return out.reshape(*shape[:-1], self.out_features)
-        if fmt == "dense":
-            out = F.linear(x2, self.weight, self.bias)
-        elif not self.kernel or (not _KERNELS_ONLY and self.dense_rows is not None and x2.shape[0] > self.dense_rows):
-            xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
-            if fmt == "int8":  # per-row scales apply to the output: one conversion of the weight
-                out = (F.linear(xd, self._qweight().to(xd.dtype)) * self.scales.to(xd.dtype)).to(x.dtype)
-            else:
-                out = F.linear(xd, self.dequantized(xd.dtype)).to(x.dtype)
-            if self.bias is not None:
-                out = out + self.bias
-        elif self.blocked:
-            out = (kernels.blocked_mm_int8(x2.float(), self.qpacked, self.scales, self.bias, self.out_features)
-                   if fmt == "int8" else kernels.blocked_mm_int4(x2.float(), self.qpacked, self.bias, self.out_features))
-            return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        else:
-            if fmt == "int8":
-                out = torch._weight_int8pack_mm(x2.to(self.act_dtype), self.qweight, self.scales)
-            else:
-                out = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, INT4_GROUP,
-                                                        self.scales_and_zeros)[:, :self.out_features]
-            out = out.to(x.dtype)
-            if self.bias is not None:
-                out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
+        out = self._mm(x.reshape(-1, shape[-1]))
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (M, in) @ W^T + bias -> (M, out)."""
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight (out, in) as the matmul sees it, in `dtype`."""
+        raise NotImplementedError
+
+    def _read(self) -> list[torch.Tensor]:
+        """The tensors a one-row (decode) matmul reads, bias excepted."""
+        raise NotImplementedError
 
     def bytes_read(self) -> int:
         """Bytes a one-row (decode) matmul streams: the tensors its kernel reads."""
-        if self.fmt == "int4":
-            names = (["qpacked"] if self.blocked else ["packed", "scales_and_zeros"] if self.kernel
-                     else ["q", "scale", "offset"])
-        else:
-            names = {"dense": ["weight"], "transposed": ["weight_t"], "onednn": ["packed"], "blocked": ["packed"],
-                     "int8": ["qpacked" if self.blocked else "qweight", "scales"]}[self.fmt]
-        tensors = [getattr(self, n) for n in names] + ([self.bias] if self.bias is not None else [])
+        tensors = self._read() + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def weight_bytes(self) -> int:
+        """Bytes this layer keeps resident (all its tensors)."""
+        return sum(t.numel() * t.element_size() for t in list(self.parameters()) + list(self.buffers()))
+
+    def _describe(self) -> str:
+        return self.fmt
 
     def extra_repr(self) -> str:
         fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
-        fallback = (f" (dequantised per call: no {self.fmt} kernel on this device)"
-                    if self.fmt in ("int8", "int4") and not self.kernel else "")
-        source = f" from {self.source}" if getattr(self, "source", None) else ""
-        source += " (quickdraft's blocked kernel)" if self.blocked else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}{source}{fused}{fallback}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self._describe()}{fused}"
+
+
+class DenseLinear(FastLinear):
+    """`dense`: F.linear, the device's GEMM (not CPU; float16; bfloat16 without native bf16 on CPU)."""
+
+    fmt = "dense"
+
+    def __init__(self, w, bias, splits):
+        super().__init__(w, bias, splits)
+        self.register_buffer("weight", w)
+
+    def _mm(self, x2):
+        return F.linear(x2, self.weight, self.bias)
+
+    def dequantized(self, dtype):
+        return self.weight.to(dtype)
+
+    def _read(self):
+        return [self.weight]
+
+
+class TransposedLinear(FastLinear):
+    """`transposed`: CPU float32 without quickdraft's kernels: `x @ W[in, out]` (MKL sgemm)."""
+
+    fmt = "transposed"
+
+    def __init__(self, w, bias, splits):
+        super().__init__(w, bias, splits)
+        self.register_buffer("weight_t", w.t().contiguous())
+
+    def _mm(self, x2):
+        return x2 @ self.weight_t if self.bias is None else torch.addmm(self.bias, x2, self.weight_t)
+
+    def dequantized(self, dtype):
+        return self.weight_t.t().to(dtype)
+
+    def _read(self):
+        return [self.weight_t]
+
+
+class BlockedLinear(FastLinear):
+    """`blocked`: CPU float32 on quickdraft's kernel at every row count (2-3 rows cost one,
+    prefill runs as fast as MKL's); W in 64-column blocks."""
+
+    fmt = "blocked"
+    calls_kernels = True
+
+    def __init__(self, w, bias, splits):
+        super().__init__(w, None if bias is None else bias.float(), splits)
+        self.register_buffer("packed", kernels.pack(w.t().float()))
+
+    @property
+    def row_invariant(self) -> bool:
+        return True
+
+    def _mm(self, x2):
+        return kernels.blocked_mm(x2, self.packed, self.bias, self.out_features)
+
+    def dequantized(self, dtype):
+        return kernels.unpack(self.packed, self.out_features).t().to(dtype)
+
+    def _read(self):
+        return [self.packed]
+
+
+class OneDNNLinear(FastLinear):
+    """`onednn`: CPU bfloat16 with native bf16 (AMX / AVX512-BF16): oneDNN's packed GEMM. The
+    packed weight is an opaque tensor, kept out of state_dict / to() and unreadable."""
+
+    fmt = "onednn"
+    export_blocker = "oneDNN-packed bfloat16 weights are opaque tensors, which export cannot take"
+
+    def __init__(self, w, bias, splits):
+        super().__init__(w, bias, splits)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1),
+                             persistent=False)
+
+    def _mm(self, x2):
+        return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+
+    def dequantized(self, dtype):
+        raise QuickdraftError("a oneDNN-packed weight cannot be read back")
+
+    def _read(self):
+        return [self.packed]
+
+
+class _Quantised(FastLinear):
+    """int8 / int4: a weight-only kernel for small matmuls; past `dense_rows` rows (None: never)
+    the weight is dequantised to bf16 (CPU) and a dense GEMM runs."""
+
+    def __init__(self, w, bias, splits, dense_rows: int | None):
+        super().__init__(w, bias, splits)
+        self.dense_rows = dense_rows
+
+    @property
+    def kernel_rows(self) -> int | None:
+        return self.dense_rows
+
+    def _mm(self, x2):
+        if self._dense(x2.shape[0]):
+            xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
+            out = self._dense_mm(xd).to(x2.dtype)
+            return out if self.bias is None else out + self.bias
+        return self._kernel_mm(x2)
+
+    def _dense(self, rows: int) -> bool:
+        return not _KERNELS_ONLY and self.dense_rows is not None and rows > self.dense_rows
+
+    def _dense_mm(self, xd: torch.Tensor) -> torch.Tensor:
+        """xd @ W^T in xd's dtype, without the bias."""
+        return F.linear(xd, self.dequantized(xd.dtype))
+
+    def _kernel_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8BlockedLinear(_Quantised):
+    """`int8` on quickdraft's blocked kernel (CPU with AVX-512 or AVX2): per-channel scales, the
+    int8 blocks widened in registers, float32 activations."""
+
+    fmt = "int8"
+    calls_kernels = True
+
+    def __init__(self, w, bias, splits):
+        super().__init__(w, None if bias is None else bias.float(), splits, BLOCKED_DENSE_ROWS)
+        q, scale = int8_quantize(w)
+        self.register_buffer("qpacked", kernels.pack(q.t()))
+        self.register_buffer("scales", scale)
+
+    @property
+    def row_invariant(self) -> bool:
+        return self.dense_rows is None
+
+    def _qweight(self) -> torch.Tensor:
+        """The int8 weight (out, in): a view of the blocks."""
+        return kernels.unpack(self.qpacked, self.out_features).t()
+
+    def _kernel_mm(self, x2):
+        return kernels.blocked_mm_int8(x2.float(), self.qpacked, self.scales, self.bias, self.out_features)
+
+    def _dense_mm(self, xd):  # per-row scales apply to the output: one conversion of the weight
+        return F.linear(xd, self._qweight().to(xd.dtype)) * self.scales.to(xd.dtype)
+
+    def dequantized(self, dtype):
+        return self._qweight().to(dtype) * self.scales.to(dtype)[:, None]
+
+    def _read(self):
+        return [self.qpacked, self.scales]
+
+    def _describe(self):
+        return "int8 (quickdraft's blocked kernel)"
+
+
+class Int8TorchLinear(_Quantised):
+    """`int8` on PyTorch's weight-only kernel (`torch._weight_int8pack_mm`, bf16 activations on
+    CPU), where quickdraft's does not run; dequantised per call where the device has neither."""
+
+    fmt = "int8"
+
+    def __init__(self, w, bias, splits):
+        super().__init__(w, bias, splits, DENSE_ROWS)
+        q, scale = int8_quantize(w)
+        cpu = w.device.type == "cpu"
+        self.kernel = has_kernel("_weight_int8pack_mm", w.device)
+        self.register_buffer("qweight", q)
+        self.act_dtype = torch.bfloat16 if cpu else w.dtype  # f32 activations hit a slow path on CPU
+        self.register_buffer("scales", scale.to(self.act_dtype))
+
+    def _dense(self, rows):
+        return not self.kernel or super()._dense(rows)
+
+    def _kernel_mm(self, x2):
+        out = torch._weight_int8pack_mm(x2.to(self.act_dtype), self.qweight, self.scales).to(x2.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def _dense_mm(self, xd):
+        return F.linear(xd, self.qweight.to(xd.dtype)) * self.scales.to(xd.dtype)
+
+    def dequantized(self, dtype):
+        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+
+    def _read(self):
+        return [self.qweight, self.scales]
+
+    def _describe(self):
+        return "int8" + ("" if self.kernel else " (dequantised per call: no int8 kernel on this device)")
+
+
+class _Int4(_Quantised):
+    """int4 from (q, scale, zero) with w ~ (q - 8) * scale + zero, as `int4_quantize` gives (or a
+    GGUF's 4-bit blocks as they are: `source`)."""
+
+    fmt = "int4"
+
+    def __init__(self, w, bias, splits, dense_rows, source: str | None):
+        super().__init__(w, bias, splits, dense_rows)
+        self.source = source
+
+    def _describe(self):
+        return "int4" + (f" from {self.source}" if self.source else "")
+
+
+class Int4BlockedLinear(_Int4):
+    """`int4` on quickdraft's blocked kernel (CPU with AVX-512 or AVX2): nibbles widened in
+    registers, float16 scales and offsets, float32 activations."""
+
+    calls_kernels = True
+
+    def __init__(self, w, bias, splits, qpacked: torch.Tensor, q, scale, offset, source=None):
+        super().__init__(w, None if bias is None else bias.float(), splits, BLOCKED_DENSE_ROWS, source)
+        self.register_buffer("qpacked", qpacked)
+        # unpacked copy for dense (prefill) matmuls, with the kernel's float16 scales
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale.to(torch.float16))
+        self.register_buffer("offset", offset.to(torch.float16))
+
+    @property
+    def row_invariant(self) -> bool:
+        return self.dense_rows is None
+
+    def _kernel_mm(self, x2):
+        return kernels.blocked_mm_int4(x2.float(), self.qpacked, self.bias, self.out_features)
+
+    def dequantized(self, dtype):
+        return _int4_weight(self.q, self.scale, self.offset, dtype)
+
+    def _read(self):
+        return [self.qpacked]
+
+    def _describe(self):
+        return super()._describe() + " (quickdraft's blocked kernel)"
+
+
+class Int4TorchLinear(_Int4):
+    """`int4` on PyTorch's CPU kernel (`torch._weight_int4pack_mm_for_cpu`, bf16 activations),
+    where quickdraft's does not run (or a scale passes float16's range); dequantised per call on
+    other devices."""
+
+    embeds_weights = True  # Inductor turns the kernel's group size into constants of its own
+
+    def __init__(self, w, bias, splits, q, scale, zero, source=None):
+        super().__init__(w, bias, splits, DENSE_ROWS, source)
+        cpu = w.device.type == "cpu"
+        self.kernel = cpu and has_kernel("_weight_int4pack_mm_for_cpu", w.device)
+        # unpacked copy for dense (prefill) matmuls: w = q * scale + offset per group, bf16 scales
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("offset", (zero - 8 * scale).to(torch.bfloat16))
+        if cpu:
+            packed, sz = _int4_cpu_pack(q, scale, zero)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_and_zeros", sz)
+
+    def _dense(self, rows):
+        return not self.kernel or super()._dense(rows)
+
+    def _kernel_mm(self, x2):
+        out = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                                self.scales_and_zeros)[:, :self.out_features].to(x2.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def dequantized(self, dtype):
+        return _int4_weight(self.q, self.scale, self.offset, dtype)
+
+    def _read(self):
+        return [self.packed, self.scales_and_zeros] if self.kernel else [self.q, self.scale, self.offset]
+
+    def _describe(self):
+        return super()._describe() + ("" if self.kernel else " (dequantised per call: no int4 kernel on this device)")
+
+
+def _int4_weight(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w = q * scale + offset per group of INT4_GROUP inputs, (out, in) in `dtype`."""
+    qg = q.unflatten(1, (-1, INT4_GROUP)).to(dtype)
+    return (qg * scale.to(dtype)[..., None] + offset.to(dtype)[..., None]).flatten(1)  # 3x addcmul's speed
+
+
+def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
+    """`linears` fused along the output dimension into one layer of format `fmt` (see the module
+    doc), on the kernel that runs it here: the one place a format's class is chosen."""
+    w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+    splits = [lin.out_features for lin in linears]
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else w.new_zeros(n) for b, n in zip(biases, splits)])
+    blocked = w.device.type == "cpu" and blocked_supported()
+    if fmt == "dense":
+        return DenseLinear(w.clone() if len(linears) == 1 else w, bias, splits)
+    if fmt == "transposed":
+        return TransposedLinear(w, bias, splits)
+    if fmt == "blocked":
+        return BlockedLinear(w, bias, splits)
+    if fmt == "onednn":
+        return OneDNNLinear(w, bias, splits)
+    # bfloat16 weights widened to float32 in quickdraft's kernel (CPUs without native bf16) get
+    # their class here, beside the formats above, and their name in weight_format.
+    if fmt == "int8":
+        return Int8BlockedLinear(w, bias, splits) if blocked else Int8TorchLinear(w, bias, splits)
+    if fmt == "int4":
+        native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
+        source = "GGUF blocks" if all(n is not None for n in native) else None
+        if source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
+            q, scale, zero = (torch.cat(parts) for parts in zip(*native))
+        else:
+            q, scale, zero = int4_quantize(w)
+        offset = zero - 8 * scale
+        if blocked:
+            try:
+                qpacked = kernels.pack_int4(q, scale, offset)  # float16 scales and offsets
+            except ValueError:  # beyond float16's range: PyTorch's kernel, bfloat16 scales
+                pass
+            else:
+                return Int4BlockedLinear(w, bias, splits, qpacked, q, scale, offset, source)
+        return Int4TorchLinear(w, bias, splits, q, scale, zero, source)
+    raise QuickdraftError(f"unknown weight format {fmt!r}")
 
 
 def weight_format(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:
@@ -302,11 +529,11 @@ def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None =
     fmt = fmt or weight_format(p.device, p.dtype, quantization)
     for module in model.modules():
         if hasattr(module, "fuse_projections"):
-            module.fuse_projections(lambda linears: FastLinear(linears, fmt))
+            module.fuse_projections(lambda linears: make_linear(linears, fmt))
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, FastLinear([child], fmt))
+                setattr(module, name, make_linear([child], fmt))
     return model
 
 
@@ -318,11 +545,10 @@ def row_invariant(model: nn.Module) -> bool:
     blocked_vs_dense_rows_cpu.txt). True when every quantised linear now is row-invariant."""
     ok = True
     for m in model.modules():
-        if isinstance(m, FastLinear) and m.fmt in ("int8", "int4"):
-            if m.blocked:
-                m.dense_rows = None
-            else:
-                ok = False
+        if isinstance(m, (Int8BlockedLinear, Int4BlockedLinear)):
+            m.dense_rows = None
+        elif isinstance(m, _Quantised):
+            ok = False
     return ok
 
 

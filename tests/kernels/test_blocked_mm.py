@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from quickdraft import kernels
-from quickdraft.model.quant import FastLinear, blocked_supported, row_invariant, weight_format
+from quickdraft.model.quant import (Int4BlockedLinear, Int4TorchLinear, Int8BlockedLinear, blocked_supported, make_linear,
+                                    row_invariant, weight_format)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
 
@@ -91,7 +92,7 @@ def test_the_float32_cpu_format_and_its_switch(monkeypatch):
     want = "blocked" if blocked_supported() else "transposed"
     assert weight_format(cpu, torch.float32, None) == want
     lin = torch.nn.Linear(48, 100)
-    fast = FastLinear([lin], "blocked")
+    fast = make_linear([lin], "blocked")
     x = torch.randn(4, 48)
     assert (fast(x) - lin(x)).abs().max() <= 1e-5
     assert torch.equal(fast.dequantized(torch.float32), lin.weight.detach())
@@ -119,10 +120,10 @@ def test_int8_blocks_are_the_scaled_matmul_and_rows_stay_independent(m, k, n, is
 
 def test_int8_format_uses_the_kernel_with_float32_activations():
     lin = torch.nn.Linear(64, 96)
-    fast = FastLinear([lin], "int8")
+    fast = make_linear([lin], "int8")
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: int8 keeps PyTorch's kernel")
-    assert fast.blocked and "blocked kernel" in repr(fast)
+    assert isinstance(fast, Int8BlockedLinear) and "blocked kernel" in repr(fast)
     x = torch.randn(5, 2, 64)
     exact = x @ fast.dequantized(torch.float32).t() + lin.bias
     assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
@@ -181,10 +182,10 @@ def test_int4_bad_operands_are_one_clear_error():
 
 def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
     lin = torch.nn.Linear(64, 96)
-    fast = FastLinear([lin], "int4")
+    fast = make_linear([lin], "int4")
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: int4 keeps PyTorch's kernel")
-    assert fast.blocked and fast.kernel and "blocked kernel" in repr(fast)
+    assert isinstance(fast, Int4BlockedLinear) and "blocked kernel" in repr(fast)
     assert fast.bytes_read() == 2 * 2 * 1280 + 96 * 4  # two blocks of two groups, and the bias
     x = torch.randn(5, 2, 64)
     exact = x @ fast.dequantized(torch.float32).t() + lin.bias
@@ -196,7 +197,7 @@ def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
     huge = torch.nn.Linear(64, 64)
     with torch.no_grad():
         huge.weight.mul_(1e6)
-    assert not FastLinear([huge], "int4").blocked  # scales past float16: PyTorch's kernel
+    assert isinstance(make_linear([huge], "int4"), Int4TorchLinear)  # scales past float16: PyTorch's kernel
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -207,7 +208,7 @@ def test_row_invariant_keeps_every_row_count_on_the_kernel(fmt):
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: PyTorch's kernels")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(FastLinear([torch.nn.Linear(64, 96)], fmt))
+    model = torch.nn.Sequential(make_linear([torch.nn.Linear(64, 96)], fmt))
     big = torch.randn(80, 64)
     alone = torch.cat([model(big[i:i + 1]) for i in range(80)])
     assert not torch.equal(model(big), alone)  # the dense path
