@@ -23,9 +23,9 @@ package is the compiled step as a shared library: loading it takes a fraction of
   output (`-e3d`), the target's embedding handed over like the head's weights
   (`HeadAOTStep`). Token trees (a step with slots and an attention mask: the target's tree
   verify, an EAGLE-3 head's tree depths) have packages of their own (`-t`), built when the
-  proposer may draft trees. Prefill and gathers run eagerly, as before; so do int8 / int4
-  matmuls of more than DENSE_ROWS rows (their dense prefill path, which the package leaves
-  out) unless the model is `quant.row_invariant`.
+  proposer may draft trees. Prefill and gathers run eagerly, as before; so do calls with
+  more rows than a linear keeps on the path the package traced (`FastLinear.kernel_rows`: int8 /
+  int4 on PyTorch's kernels switch to a dense GEMM past 16 rows; quickdraft's kernels never switch).
 - `build(model)` compiles (about a minute per model here, once); `load(model)` returns the
   cached step or None. `LLM(compile="aot")` / `--compile aot` builds what is missing; by default
   a CPU engine uses a package when one is cached for its model and runs eagerly otherwise.

@@ -14,11 +14,17 @@
   | `blocked` | CPU float32 with AVX-512 or AVX2 + FMA | quickdraft's own (`quickdraft.kernels`): W in 64-column blocks, each streamed once for all rows | as MKL's sgemv | k+1 = 2-3 rows cost ~1 row, 4-6 rows ~1.15 (MKL: 1.5-1.9); prefill as MKL |
   | `transposed` | CPU float32 without it (or the kernel could not be built) | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
   | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
-  | `int8` | any | per-channel scales; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): dequantised to bf16, dense GEMM |
-  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight read | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
+  | `int8` | any | per-channel scales; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, the kernel at every row count (prefill ~2x the dense path's time past ~64 rows); PyTorch's: past 16 rows dequantised to bf16, dense GEMM |
+  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight | blocked: k+1 rows ~1 row, the kernel at every row count (as int8); PyTorch's: past 16 rows from an unpacked uint8 copy (1 byte/weight more resident) to bf16, dense GEMM |
 
   Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
   matmul dequantises per call (a fallback, labelled as such in its repr).
+
+Every format on quickdraft's kernels (`blocked`, int8, int4 where they run) is row-invariant
+(`row_invariant`): a row's bits never depend on the rows beside it, so a verify step's rows are
+the decode steps' and a request's output does not depend on its batch. A bfloat16 format on
+quickdraft's kernel (CPUs without native bf16) gets its class beside these, chosen in
+`make_linear` and named in `weight_format`.
 
 Quantisation changes the model: speculative output follows the quantised target exactly
 (lossless with respect to it). A quantised draft only changes how often it is accepted.
@@ -39,14 +45,14 @@ from ..errors import QuickdraftError
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
-# Rows above which a quantised matmul converts its weight to bf16 and runs a dense GEMM (the
-# weight-only kernels are GEMV kernels: from ~16 rows on, conversion + the AMX/AVX512 GEMM wins;
-# measured in benchmarks/results/cpu_kernels_*.json).
+# Rows above which a quantised matmul on PyTorch's weight-only kernels (CPUs without quickdraft's)
+# converts its weight to bf16 and runs a dense GEMM (those are GEMV kernels: from ~16 rows on,
+# conversion + the AMX/AVX512 GEMM wins; measured in benchmarks/results/cpu_kernels_*.json).
+# quickdraft's blocked int8 / int4 kernels run every row count instead: a row's bits then never
+# depend on the rows beside it (exact speculation, seeded requests independent of their batch),
+# at a prefill cost (past ~64 rows conversion + dense GEMM is faster: at 256 rows about 2x per
+# matmul, benchmarks/results/blocked_vs_dense_rows_cpu.txt).
 DENSE_ROWS = 16
-# quickdraft's blocked int8 / int4 kernels stay ahead of conversion + dense GEMM up to ~64 rows
-# (SmolLM2's gate/up and down shapes, 1 thread: at 32 rows 1.45 vs 3.23 ms (int8), 1.95 vs 5.07
-# (int4); at 128 rows the dense path wins), so short prompts skip converting every weight.
-BLOCKED_DENSE_ROWS = 64
 _KERNELS_ONLY = False  # set while exporting a step (quickdraft.aot): no branch on the row count
 
 
@@ -136,6 +142,10 @@ class FastLinear(nn.Module):
     calls_kernels: ClassVar[bool] = False  # its matmul calls quickdraft's CPU kernels (quickdraft.kernels)
     # an AOTInductor package must carry its tensors inside (PyTorch's int4 kernel: see quickdraft.aot)
     embeds_weights: ClassVar[bool] = False
+    # a row's result has the same bits whatever the other rows and their count (verify rows equal
+    # decode rows; a request's output does not depend on its batch): quickdraft's kernels promise
+    # it, PyTorch's GEMMs do not
+    row_invariant: ClassVar[bool] = False
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, splits: list[int]):
         super().__init__()
@@ -149,12 +159,6 @@ class FastLinear(nn.Module):
         None: every row count."""
         return None
 
-    @property
-    def row_invariant(self) -> bool:
-        """Whether a row's result has the same bits whatever the other rows and their count
-        (verify rows equal decode rows; a request's output does not depend on its batch).
-        Promised by quickdraft's kernels; PyTorch's GEMMs do not promise it."""
-        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -234,14 +238,11 @@ class BlockedLinear(FastLinear):
 
     fmt = "blocked"
     calls_kernels = True
+    row_invariant = True
 
     def __init__(self, w, bias, splits):
         super().__init__(w, None if bias is None else bias.float(), splits)
         self.register_buffer("packed", kernels.pack(w.t().float()))
-
-    @property
-    def row_invariant(self) -> bool:
-        return True
 
     def _mm(self, x2):
         return kernels.blocked_mm(x2, self.packed, self.bias, self.out_features)
@@ -276,10 +277,10 @@ class OneDNNLinear(FastLinear):
 
 
 class _Quantised(FastLinear):
-    """int8 / int4: a weight-only kernel for small matmuls; past `dense_rows` rows (None: never)
-    the weight is dequantised to bf16 (CPU) and a dense GEMM runs."""
+    """int8 / int4 on PyTorch's weight-only kernels (or none): the kernel for small matmuls; past
+    `dense_rows` rows the weight is dequantised to bf16 (CPU) and a dense GEMM runs."""
 
-    def __init__(self, w, bias, splits, dense_rows: int | None):
+    def __init__(self, w, bias, splits, dense_rows: int):
         super().__init__(w, bias, splits)
         self.dense_rows = dense_rows
 
@@ -295,7 +296,7 @@ class _Quantised(FastLinear):
         return self._kernel_mm(x2)
 
     def _dense(self, rows: int) -> bool:
-        return not _KERNELS_ONLY and self.dense_rows is not None and rows > self.dense_rows
+        return not _KERNELS_ONLY and rows > self.dense_rows
 
     def _dense_mm(self, xd: torch.Tensor) -> torch.Tensor:
         """xd @ W^T in xd's dtype, without the bias."""
@@ -305,35 +306,26 @@ class _Quantised(FastLinear):
         raise NotImplementedError
 
 
-class Int8BlockedLinear(_Quantised):
-    """`int8` on quickdraft's blocked kernel (CPU with AVX-512 or AVX2): per-channel scales, the
-    int8 blocks widened in registers, float32 activations."""
+class Int8BlockedLinear(FastLinear):
+    """`int8` on quickdraft's blocked kernel (CPU with AVX-512 or AVX2) at every row count:
+    per-channel scales, the int8 blocks widened in registers, float32 activations."""
 
     fmt = "int8"
     calls_kernels = True
+    row_invariant = True
 
     def __init__(self, w, bias, splits):
-        super().__init__(w, None if bias is None else bias.float(), splits, BLOCKED_DENSE_ROWS)
+        super().__init__(w, None if bias is None else bias.float(), splits)
         q, scale = int8_quantize(w)
         self.register_buffer("qpacked", kernels.pack(q.t()))
         self.register_buffer("scales", scale)
 
-    @property
-    def row_invariant(self) -> bool:
-        return self.dense_rows is None
-
-    def _qweight(self) -> torch.Tensor:
-        """The int8 weight (out, in): a view of the blocks."""
-        return kernels.unpack(self.qpacked, self.out_features).t()
-
-    def _kernel_mm(self, x2):
+    def _mm(self, x2):
         return kernels.blocked_mm_int8(x2.float(), self.qpacked, self.scales, self.bias, self.out_features)
 
-    def _dense_mm(self, xd):  # per-row scales apply to the output: one conversion of the weight
-        return F.linear(xd, self._qweight().to(xd.dtype)) * self.scales.to(xd.dtype)
-
     def dequantized(self, dtype):
-        return self._qweight().to(dtype) * self.scales.to(dtype)[:, None]
+        q = kernels.unpack(self.qpacked, self.out_features).t()  # (out, in): a view of the blocks
+        return q.to(dtype) * self.scales.to(dtype)[:, None]
 
     def _read(self):
         return [self.qpacked, self.scales]
@@ -377,60 +369,45 @@ class Int8TorchLinear(_Quantised):
         return "int8" + ("" if self.kernel else " (dequantised per call: no int8 kernel on this device)")
 
 
-class _Int4(_Quantised):
-    """int4 from (q, scale, zero) with w ~ (q - 8) * scale + zero, as `int4_quantize` gives (or a
-    GGUF's 4-bit blocks as they are: `source`)."""
+class Int4BlockedLinear(FastLinear):
+    """`int4` on quickdraft's blocked kernel (CPU with AVX-512 or AVX2) at every row count:
+    nibbles widened in registers, float16 scales and offsets, float32 activations; 0.625 byte per
+    weight, resident and read."""
 
     fmt = "int4"
+    calls_kernels = True
+    row_invariant = True
 
-    def __init__(self, w, bias, splits, dense_rows, source: str | None):
-        super().__init__(w, bias, splits, dense_rows)
+    def __init__(self, w, bias, splits, qpacked: torch.Tensor, source: str | None = None):
+        super().__init__(w, None if bias is None else bias.float(), splits)
+        self.register_buffer("qpacked", qpacked)
         self.source = source
 
-    def _describe(self):
-        return "int4" + (f" from {self.source}" if self.source else "")
-
-
-class Int4BlockedLinear(_Int4):
-    """`int4` on quickdraft's blocked kernel (CPU with AVX-512 or AVX2): nibbles widened in
-    registers, float16 scales and offsets, float32 activations."""
-
-    calls_kernels = True
-
-    def __init__(self, w, bias, splits, qpacked: torch.Tensor, q, scale, offset, source=None):
-        super().__init__(w, None if bias is None else bias.float(), splits, BLOCKED_DENSE_ROWS, source)
-        self.register_buffer("qpacked", qpacked)
-        # unpacked copy for dense (prefill) matmuls, with the kernel's float16 scales
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale.to(torch.float16))
-        self.register_buffer("offset", offset.to(torch.float16))
-
-    @property
-    def row_invariant(self) -> bool:
-        return self.dense_rows is None
-
-    def _kernel_mm(self, x2):
+    def _mm(self, x2):
         return kernels.blocked_mm_int4(x2.float(), self.qpacked, self.bias, self.out_features)
 
     def dequantized(self, dtype):
-        return _int4_weight(self.q, self.scale, self.offset, dtype)
+        return _int4_weight(*kernels.unpack_int4(self.qpacked, self.out_features), dtype)
 
     def _read(self):
         return [self.qpacked]
 
     def _describe(self):
-        return super()._describe() + " (quickdraft's blocked kernel)"
+        return "int4" + (f" from {self.source}" if self.source else "") + " (quickdraft's blocked kernel)"
 
 
-class Int4TorchLinear(_Int4):
+class Int4TorchLinear(_Quantised):
     """`int4` on PyTorch's CPU kernel (`torch._weight_int4pack_mm_for_cpu`, bf16 activations),
     where quickdraft's does not run (or a scale passes float16's range); dequantised per call on
-    other devices."""
+    other devices. From (q, scale, zero), w ~ (q - 8) * scale + zero as `int4_quantize` gives (or
+    a GGUF's 4-bit blocks as they are: `source`)."""
 
+    fmt = "int4"
     embeds_weights = True  # Inductor turns the kernel's group size into constants of its own
 
     def __init__(self, w, bias, splits, q, scale, zero, source=None):
-        super().__init__(w, bias, splits, DENSE_ROWS, source)
+        super().__init__(w, bias, splits, DENSE_ROWS)
+        self.source = source
         cpu = w.device.type == "cpu"
         self.kernel = cpu and has_kernel("_weight_int4pack_mm_for_cpu", w.device)
         # unpacked copy for dense (prefill) matmuls: w = q * scale + offset per group, bf16 scales
@@ -457,7 +434,8 @@ class Int4TorchLinear(_Int4):
         return [self.packed, self.scales_and_zeros] if self.kernel else [self.q, self.scale, self.offset]
 
     def _describe(self):
-        return super()._describe() + ("" if self.kernel else " (dequantised per call: no int4 kernel on this device)")
+        return ("int4" + (f" from {self.source}" if self.source else "")
+                + ("" if self.kernel else " (dequantised per call: no int4 kernel on this device)"))
 
 
 def _int4_weight(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -502,7 +480,7 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
             except ValueError:  # beyond float16's range: PyTorch's kernel, bfloat16 scales
                 pass
             else:
-                return Int4BlockedLinear(w, bias, splits, qpacked, q, scale, offset, source)
+                return Int4BlockedLinear(w, bias, splits, qpacked, source)
         return Int4TorchLinear(w, bias, splits, q, scale, zero, source)
     raise QuickdraftError(f"unknown weight format {fmt!r}")
 
@@ -538,18 +516,10 @@ def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None =
 
 
 def row_invariant(model: nn.Module) -> bool:
-    """Keep `model`'s int8 / int4 matmuls on quickdraft's blocked kernels at every row count,
-    where they run on them, so that a row's result never depends on how many rows share the
-    call (the dense path past BLOCKED_DENSE_ROWS rounds activations to bfloat16). That costs
-    speed on long prompts (about 2x per matmul at 256 rows: benchmarks/results/
-    blocked_vs_dense_rows_cpu.txt). True when every quantised linear now is row-invariant."""
-    ok = True
-    for m in model.modules():
-        if isinstance(m, (Int8BlockedLinear, Int4BlockedLinear)):
-            m.dense_rows = None
-        elif isinstance(m, _Quantised):
-            ok = False
-    return ok
+    """Whether every linear layer of `model` gives a row the same bits whatever the rows beside it
+    (quickdraft's kernels: `blocked`, int8 and int4 where they run): what makes speculative output
+    equal plain output, and a seeded request independent of its batch, at any batch size."""
+    return all(m.row_invariant for m in model.modules() if isinstance(m, FastLinear))
 
 
 def weight_bytes(model: nn.Module) -> int:

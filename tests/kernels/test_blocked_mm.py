@@ -180,40 +180,57 @@ def test_int4_bad_operands_are_one_clear_error():
         kernels.pack_int4(q[:, :40], scale[:, :1], offset[:, :1])
 
 
-def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
+def test_int4_format_uses_the_kernel_and_keeps_only_its_blocks():
     lin = torch.nn.Linear(64, 96)
     fast = make_linear([lin], "int4")
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: int4 keeps PyTorch's kernel")
     assert isinstance(fast, Int4BlockedLinear) and "blocked kernel" in repr(fast)
     assert fast.bytes_read() == 2 * 2 * 1280 + 96 * 4  # two blocks of two groups, and the bias
+    assert fast.weight_bytes() == fast.bytes_read()  # no unpacked copy resident
     x = torch.randn(5, 2, 64)
     exact = x @ fast.dequantized(torch.float32).t() + lin.bias
     assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
-    mid = torch.randn(40, 64)  # past DENSE_ROWS (PyTorch's kernels), within BLOCKED_DENSE_ROWS: still the kernel
-    assert torch.equal(fast(mid), torch.cat([fast(mid[i:i + 1]) for i in range(40)]))
-    big = torch.randn(80, 64)  # past BLOCKED_DENSE_ROWS: the dense path, from the same float16 scales (bf16 GEMM)
-    assert (fast(big) - (big @ fast.dequantized(torch.float32).t() + lin.bias)).abs().max() <= 0.05
     huge = torch.nn.Linear(64, 64)
     with torch.no_grad():
         huge.weight.mul_(1e6)
     assert isinstance(make_linear([huge], "int4"), Int4TorchLinear)  # scales past float16: PyTorch's kernel
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_row_invariant_keeps_every_row_count_on_the_kernel(fmt):
-    """Past BLOCKED_DENSE_ROWS the dense path rounds activations to bf16, so a row's result
-    depends on how many rows share the call; `row_invariant` keeps the kernel (a row's bits are
-    its own), which an EAGLE-3 head needs for seeded requests to ignore their batch."""
+@pytest.mark.parametrize("fmt", ["blocked", "int8", "int4"])
+def test_kernel_formats_are_row_invariant_at_every_row_count(fmt, monkeypatch):
+    """On quickdraft's kernels a row's bits are its own at any row count (past 16 rows, where
+    PyTorch's int8 / int4 kernels switch to a dense GEMM, and past 64, where ours once did):
+    verify rows equal decode rows, a request ignores its batch. PyTorch's are not."""
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: PyTorch's kernels")
     torch.manual_seed(0)
     model = torch.nn.Sequential(make_linear([torch.nn.Linear(64, 96)], fmt))
-    big = torch.randn(80, 64)
-    alone = torch.cat([model(big[i:i + 1]) for i in range(80)])
-    assert not torch.equal(model(big), alone)  # the dense path
     assert row_invariant(model)
-    assert torch.equal(model(big), alone)
+    big = torch.randn(300, 64)
+    alone = torch.cat([model(big[i:i + 1]) for i in range(300)])
+    assert torch.equal(model(big), alone) and torch.equal(model(big[:80]), alone[:80])
+    if fmt != "blocked":
+        monkeypatch.setattr("quickdraft.model.quant.blocked_supported", lambda: False)
+        torch_kernel = torch.nn.Sequential(make_linear([torch.nn.Linear(64, 96)], fmt))
+        assert not row_invariant(torch_kernel)
+        assert not torch.equal(torch_kernel(big), torch.cat([torch_kernel(big[i:i + 1]) for i in range(300)]))
+
+
+def test_model_attention_gives_every_query_row_its_own_bits(isa):
+    """More query rows than kernels.attend takes at once (a prompt padded beside longer ones, a
+    large tree): the model's attention still gives each row the bits of a one-row call."""
+    from quickdraft.model.transformer import ATTEND_ROWS, attention
+
+    q, k, v, mask = _attention_case(2, 8, 4, 2 * ATTEND_ROWS + 5, 300, 64)
+    with torch.no_grad():
+        got = attention(q, k, v, mask)
+        assert got.shape == q.shape and got.transpose(1, 2).is_contiguous()
+        for t in (0, ATTEND_ROWS, 2 * ATTEND_ROWS + 4):
+            assert torch.equal(attention(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1])[:, :, 0], got[:, :, t])
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                            enable_gqa=True)
+    assert (got.double() - want).abs().max() < 1e-5
 
 
 def test_the_kernel_folder_follows_its_own_variable(monkeypatch, tmp_path):
