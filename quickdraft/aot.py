@@ -54,8 +54,8 @@ from torch.utils import _pytree as pytree
 from .cache import CacheView
 from .errors import QuickdraftError
 from . import kernels
-from .model import eagle3, quant, transformer
-from .model.quant import FastLinear
+from .model import eagle3, formats, quant, transformer
+from .model.formats import FastLinear
 from .model.sources import cache_dir
 
 log = logging.getLogger("quickdraft")
@@ -88,7 +88,7 @@ def _calls_kernels(model: nn.Module) -> bool:
 def _source_hash() -> str:
     """The code a package was traced from: a change to the forward invalidates old packages."""
     h = hashlib.sha256()
-    for module in (transformer, quant, kernels, eagle3):
+    for module in (transformer, quant, formats, kernels, eagle3):
         h.update(inspect.getsource(module).encode())
     h.update(kernels.SOURCE.read_bytes())  # the blocked format's kernel, which packages call
     return h.hexdigest()[:16]
@@ -253,7 +253,7 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
         step = (_TreeStep if tree else _Step)(model, hidden_at).eval()
         args = (ids, positions, *keys, cache.k, cache.v)
         dims = ({0: B, 1: T}, {0: B, 1: T}, *key_dims, per_layer, per_layer)
-    with torch.no_grad(), quant.kernels_only():
+    with torch.no_grad(), formats.kernels_only():
         program = export(step, args, dynamic_shapes=dims, strict=False)
         tmp = path.with_suffix(".tmp.pt2")
         configs = {"aot_inductor.package_constants_in_so": _embeds_weights(model)}

@@ -12,7 +12,7 @@ from quickdraft import aot
 from quickdraft.cache import KVCache
 from quickdraft.llm import LLM
 from quickdraft.model.loader import load_model
-from quickdraft.model import quant as quant_mod
+from quickdraft.model import formats, quant as quant_mod
 from quickdraft.model.quant import prepare
 from quickdraft.sampling import SamplingParams
 
@@ -114,7 +114,7 @@ def test_quantised_package(target_dir, quant):
                dtype="float32")
     assert isinstance(spec.engine._forward, aot.AOTStep)
     # quickdraft's kernels run every row count; PyTorch's switch to a dense GEMM past DENSE_ROWS
-    assert spec.engine._forward.max_rows == (aot._MAX_ROWS if quant_mod.blocked_supported() else quant_mod.DENSE_ROWS)
+    assert spec.engine._forward.max_rows == (aot._MAX_ROWS if quant_mod.blocked_supported() else formats.DENSE_ROWS)
     if quant == "int4" and quant_mod.blocked_supported():
         assert not aot._embeds_weights(spec.engine.target)
     plain = LLM(target_dir, method="none", compile="aot", quantization=quant, dtype="float32")

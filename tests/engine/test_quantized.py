@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.model.quant import FastLinear, blocked_supported, onednn_bf16_supported, row_invariant, weight_bytes, weight_format
+from quickdraft.model.formats import FastLinear
+from quickdraft.model.quant import blocked_supported, onednn_bf16_supported, row_invariant, weight_bytes, weight_format
 
 from test_lossless import N, chi2_pvalue, exact_joint, pair, sampled_joint  # noqa: F401
 

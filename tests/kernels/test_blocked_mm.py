@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from quickdraft import kernels
-from quickdraft.model.quant import (Int4BlockedLinear, Int4TorchLinear, Int8BlockedLinear, blocked_supported, make_linear,
-                                    row_invariant, weight_format)
+from quickdraft.model.formats import Int4BlockedLinear, Int4TorchLinear, Int8BlockedLinear
+from quickdraft.model.quant import blocked_supported, make_linear, row_invariant, weight_format
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
 

@@ -8,8 +8,9 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.loader import load_model
-from quickdraft.model.quant import (DENSE_ROWS, Int8BlockedLinear, blocked_supported, int4_quantize,
-                                    make_linear, onednn_bf16_supported, prepare, weight_bytes, weight_format)
+from quickdraft.model.formats import DENSE_ROWS, Int8BlockedLinear, int4_quantize
+from quickdraft.model.quant import (blocked_supported, make_linear, onednn_bf16_supported, prepare, weight_bytes,
+                                    weight_format)
 
 FORMATS = (["dense", "transposed", "int8", "int4"] + (["onednn"] if onednn_bf16_supported() else [])
            + (["blocked"] if blocked_supported() else []))
@@ -95,7 +96,7 @@ def test_bytes_read_per_token_counts_each_format(target_dir):
 def test_quantised_linear_without_a_kernel_dequantises(fmt, monkeypatch):
     """A device without PyTorch's weight-only kernel (int8 / int4 on CUDA) gets the same
     product from the dequantised weight, and says so in its repr."""
-    monkeypatch.setattr("quickdraft.model.quant.has_kernel", lambda op, device: False)
+    monkeypatch.setattr("quickdraft.model.formats.has_kernel", lambda op, device: False)
     monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")  # nor quickdraft's own
     lins = linears()
     fallback = make_linear(lins, fmt)
