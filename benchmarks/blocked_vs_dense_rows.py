@@ -1,7 +1,8 @@
-"""Where quickdraft's blocked int8 / int4 kernels stop beating the dense path (issue 19): one
-FastLinear of SmolLM2's gate/up (3072x576) and down (576x1536) shapes, its kernel forced
-(quant.kernels_only) against its dense path (weights converted to bf16, dense GEMM) at 8-256
-rows, best of 7 calls each, ms. Chose quant.BLOCKED_DENSE_ROWS = 64 from it.
+"""What running quickdraft's blocked int8 / int4 kernels at every row count costs a prefill
+(issue 19, issue 36): one linear of SmolLM2's gate/up (3072x576) and down (576x1536) shapes on
+its kernel (what runs at every row count: a row's bits are its own) against a dense path
+(weights dequantised to bf16 per call, dense GEMM; what ran past 64 rows before) at 8-256 rows,
+best of 7 calls each, ms.
 
     python benchmarks/blocked_vs_dense_rows.py 1 --out benchmarks/results/blocked_vs_dense_rows_cpu.txt
     python benchmarks/blocked_vs_dense_rows.py --tiny   # a smoke test: one small shape, two row counts
@@ -15,10 +16,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from quickdraft.bench.hardware import loadavg, provenance, provenance_line
-from quickdraft.model import quant
-from quickdraft.model.quant import FastLinear
+from quickdraft.model.quant import make_linear
 
 
 def main() -> None:
@@ -36,8 +37,8 @@ def main() -> None:
     for (o, i) in shapes:
         lin = torch.nn.Linear(i, o, bias=False)
         for fmt in ("int8", "int4"):
-            f = FastLinear([lin], fmt)
-            assert f.blocked
+            f = make_linear([lin], fmt)
+            assert f.calls_kernels
             row = []
             for m in rows:
                 x = torch.randn(m, i)
@@ -48,9 +49,8 @@ def main() -> None:
 
                     def call():
                         if mode == "kernel":
-                            with quant.kernels_only():
-                                return f(x)
-                        return f(x)
+                            return f(x)
+                        return F.linear(x.bfloat16(), f.dequantized(torch.bfloat16)).float()
 
                     best = 1e9
                     for _ in range(tries):

@@ -57,7 +57,7 @@ def _int8(w):
 
 
 def _int4(w, group=32):
-    from quickdraft.model.quant import int4_pack  # the engine's own packing
+    from quickdraft.model.formats import int4_pack  # the engine's own packing
     return int4_pack(w, group)
 
 
@@ -103,7 +103,7 @@ def candidates():
         pass
     from quickdraft import kernels  # quickdraft's own small-M kernels (quickdraft/kernels), where they build
     if kernels.available():
-        from quickdraft.model.quant import int4_quantize
+        from quickdraft.model.formats import int4_quantize
 
         def q4(w):
             q, scale, zero = int4_quantize(w)

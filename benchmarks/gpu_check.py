@@ -317,7 +317,7 @@ def _generate(llm, prompts, tokens: int, device: torch.device) -> tuple[list[lis
 
 def weight_formats(device: torch.device, s: Settings) -> dict:
     from quickdraft.llm import LLM
-    from quickdraft.model.quant import FastLinear
+    from quickdraft.model.formats import FastLinear
 
     prompts = ["def fibonacci(n):", "The capital of France is", "Once upon a time", "import numpy as np\n"]
     tokens = 16 if s is SMALL else 96

@@ -23,9 +23,9 @@ package is the compiled step as a shared library: loading it takes a fraction of
   output (`-e3d`), the target's embedding handed over like the head's weights
   (`HeadAOTStep`). Token trees (a step with slots and an attention mask: the target's tree
   verify, an EAGLE-3 head's tree depths) have packages of their own (`-t`), built when the
-  proposer may draft trees. Prefill and gathers run eagerly, as before; so do int8 / int4
-  matmuls of more than DENSE_ROWS rows (their dense prefill path, which the package leaves
-  out) unless the model is `quant.row_invariant`.
+  proposer may draft trees. Prefill and gathers run eagerly, as before; so do calls with
+  more rows than a linear keeps on the path the package traced (`FastLinear.kernel_rows`: int8 /
+  int4 on PyTorch's kernels switch to a dense GEMM past 16 rows; quickdraft's kernels never switch).
 - `build(model)` compiles (about a minute per model here, once); `load(model)` returns the
   cached step or None. `LLM(compile="aot")` / `--aot` builds what is missing before the first
   token. By default a CPU engine uses the packages cached for its models; where some are
@@ -66,8 +66,8 @@ from torch.utils import _pytree as pytree
 from .cache import CacheView
 from .errors import QuickdraftError
 from . import kernels
-from .model import eagle3, quant, transformer
-from .model.quant import DENSE_ROWS, FastLinear
+from .model import eagle3, formats, quant, transformer
+from .model.formats import FastLinear
 from .model.sources import cache_dir
 
 log = logging.getLogger("quickdraft")
@@ -85,16 +85,22 @@ def unsupported(model: nn.Module) -> str | None:
         # torch 2.11 builds such packages but dies with a segmentation fault loading them
         # (seen on the H200 machine: benchmarks/results/gpu_check_h200_formats.md)
         return f"AOT steps need torch >= {MIN_TORCH} (this is {torch.__version__})"
-    if any(isinstance(m, FastLinear) and m.fmt == "onednn" for m in model.modules()):
-        return "oneDNN-packed bfloat16 weights are opaque tensors, which export cannot take"
-    return None
+    return next((m.export_blocker for m in _linears(model) if m.export_blocker), None)
+
+
+def _linears(model: nn.Module) -> list[FastLinear]:
+    return [m for m in model.modules() if isinstance(m, FastLinear)]
+
+
+def _calls_kernels(model: nn.Module) -> bool:
+    return any(m.calls_kernels for m in _linears(model))
 
 
 @functools.lru_cache(maxsize=1)
 def _source_hash() -> str:
     """The code a package was traced from: a change to the forward invalidates old packages."""
     h = hashlib.sha256()
-    for module in (transformer, quant, kernels, eagle3):
+    for module in (transformer, quant, formats, kernels, eagle3):
         h.update(inspect.getsource(module).encode())
     for source in kernels.SOURCES:  # the blocked format's kernels, which packages call
         h.update(source.read_bytes())
@@ -102,7 +108,7 @@ def _source_hash() -> str:
 
 
 def _embeds_weights(model: nn.Module) -> bool:
-    return any(isinstance(m, FastLinear) and m.fmt == "int4" and not m.blocked for m in model.modules())
+    return any(m.embeds_weights for m in _linears(model))
 
 
 def _fingerprint(model: nn.Module, project: bool | None = None) -> str:
@@ -115,7 +121,7 @@ def _fingerprint(model: nn.Module, project: bool | None = None) -> str:
 
 def shape_key(model: nn.Module) -> str:
     """What a package depends on besides the weights."""
-    formats = [(name, m.fmt, m.out_features, m.in_features) for name, m in model.named_modules()
+    formats = [(name, type(m).__name__, m.out_features, m.in_features) for name, m in model.named_modules()
                if isinstance(m, FastLinear)]
     spec = {"config": asdict(model.config), "dtype": str(model.dtype), "formats": formats,
             "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
@@ -272,10 +278,10 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
         # build never leaves a package that looks complete
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
         try:
-            with torch.no_grad(), quant.kernels_only():
+            with torch.no_grad(), formats.kernels_only():
                 program = export(step, args, dynamic_shapes=dims, strict=False)
                 configs = {"aot_inductor.package_constants_in_so": _embeds_weights(model)}
-                if any(isinstance(m, FastLinear) and (m.fmt == "blocked" or m.blocked) for m in model.modules()):
+                if _calls_kernels(model):
                     configs.update(kernels.aoti_config())  # direct calls, not the proxy executor
                 if hasattr(torch._inductor.config, "emulate_precision_casts"):
                     configs["emulate_precision_casts"] = True  # bf16 activations rounded where eager rounds them
@@ -513,12 +519,10 @@ class AOTStep:
 
 
 def _max_rows(model: nn.Module) -> int:
-    """Rows a package call may have: int8 / int4 matmuls switch to their dense path past
-    DENSE_ROWS rows in eager mode (which the package, built on the kernels, leaves out), unless
-    the model is row-invariant (kernels at every row count, like the package)."""
-    switching = any(isinstance(m, FastLinear) and m.fmt in ("int8", "int4") and m.dense_rows is not None
-                    for m in model.modules())
-    return DENSE_ROWS if switching else _MAX_ROWS
+    """Rows a package call may have: the fewest up to which a linear stays on the path the
+    package traced (`FastLinear.kernel_rows`; past them, eager mode switches paths, e.g. a
+    quantised matmul on PyTorch's kernel to its dense path), else _MAX_ROWS."""
+    return min((m.kernel_rows for m in _linears(model) if m.kernel_rows is not None), default=_MAX_ROWS)
 
 
 def _tree_call_fits(positions, cache, kv_len, slots, attn_mask, rows: int, max_rows: int) -> bool:
@@ -597,8 +601,7 @@ def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | No
     if not path.exists():
         return None
     try:
-        if any(isinstance(m, FastLinear) and (m.fmt == "blocked" or m.blocked) for m in model.modules()) \
-                and not kernels.available():
+        if _calls_kernels(model) and not kernels.available():
             raise QuickdraftError("the package calls quickdraft's CPU kernel, which is not available")
         runner = _direct(torch._inductor.aoti_load_package(str(path)))
         if _embeds_weights(model):

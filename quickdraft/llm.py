@@ -17,7 +17,7 @@ from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device, resolve_dtype
-from .model.quant import blocked_supported, prepare, row_invariant
+from .model.quant import blocked_supported, prepare
 from .model.eagle3 import is_eagle3_head
 from .model.sources import CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
@@ -136,7 +136,6 @@ class LLM:
 
                 self.draft = prepare(load_eagle3(draft, self.target, resolve_dtype(draft_dtype, self.target.config, dev)
                                                  if draft_dtype else None), _head_quantization(draft_quantization, dev))
-                row_invariant(self.draft)  # a seeded request's drafts never depend on its batch neighbours
             elif cls.needs_draft_model:
                 draft_dir = checkpoint_dir(draft)
                 self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev,
@@ -316,8 +315,8 @@ def _head_quantization(asked: str | None, device: torch.device) -> str | None:
     """An EAGLE-3 head's weight format: as asked, else int8 on a CPU where quickdraft's int8
     kernel runs (a head's draft step is bound by reading its weights: the bundled head's step
     was 15% of a target step in float32, 9.5% in int8, with the same acceptance on both shipped
-    heads: benchmarks/results/eagle3_aot_head_cpu.md), else as loaded. The head's quantised
-    matmuls then stay on the kernel at every row count (`row_invariant`)."""
+    heads: benchmarks/results/eagle3_aot_head_cpu.md), else as loaded. On quickdraft's kernel
+    the head's matmuls are row-invariant, like the target's (`quant.row_invariant`)."""
     if asked is not None:
         return asked
     return "int8" if device.type == "cpu" and blocked_supported() else None

@@ -3,9 +3,10 @@
 `prepare(model, quantization)` turns a loaded model into its inference form, in place:
 - q/k/v and gate/up projections are fused into one matmul each (`qkv_proj`, `gate_up_proj`);
   the checkpoint's names are what was loaded, the fusion happens after loading;
-- every linear layer (lm_head included) becomes a `FastLinear` in the format that streams
-  the weights fastest on the model's device and dtype, measured with benchmarks/cpu_kernels.py
-  (results in benchmarks/results/cpu_kernels_*.json):
+- every linear layer (lm_head included) becomes a `formats.FastLinear`: one class per format
+  and kernel, chosen once by `make_linear`, in the format that streams the weights fastest on the
+  model's device and dtype, measured with benchmarks/cpu_kernels.py (results in
+  benchmarks/results/cpu_kernels_*.json):
 
   | format | where | kernel | decode (1 row) | verify (k+1 rows), prefill |
   |---|---|---|---|---|
@@ -13,11 +14,17 @@
   | `blocked` | CPU float32 with AVX-512 or AVX2 + FMA | quickdraft's own (`quickdraft.kernels`): W in 64-column blocks, each streamed once for all rows | as MKL's sgemv | k+1 = 2-3 rows cost ~1 row, 4-6 rows ~1.15 (MKL: 1.5-1.9); prefill as MKL |
   | `transposed` | CPU float32 without it (or the kernel could not be built) | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
   | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
-  | `int8` | any | per-channel scales; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): dequantised to bf16, dense GEMM |
-  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight read | blocked: k+1 rows ~1 row, kernel up to 64 rows; beyond (PyTorch's: 16): from an unpacked uint8 copy (1 byte/weight resident) to bf16, dense GEMM |
+  | `int8` | any | per-channel scales; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, the kernel at every row count (prefill ~2x the dense path's time past ~64 rows); PyTorch's: past 16 rows dequantised to bf16, dense GEMM |
+  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight | blocked: k+1 rows ~1 row, the kernel at every row count (as int8); PyTorch's: past 16 rows from an unpacked uint8 copy (1 byte/weight more resident) to bf16, dense GEMM |
 
   Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
   matmul dequantises per call (a fallback, labelled as such in its repr).
+
+Every format on quickdraft's kernels (`blocked`, int8, int4 where they run) is row-invariant
+(`row_invariant`): a row's bits never depend on the rows beside it, so a verify step's rows are
+the decode steps' and a request's output does not depend on its batch. A bfloat16 format on
+quickdraft's kernel (CPUs without native bf16) gets its class in `formats`, chosen in
+`make_linear` and named in `weight_format`.
 
 Quantisation changes the model: speculative output follows the quantised target exactly
 (lossless with respect to it). A quantised draft only changes how often it is accepted.
@@ -26,38 +33,15 @@ Training never sees these modules: `prepare` is applied by `LLM` after loading.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
 from ..errors import QuickdraftError
+from .formats import (BlockedLinear, DenseLinear, FastLinear, Int4BlockedLinear, Int4TorchLinear, Int8BlockedLinear,
+                      Int8TorchLinear, OneDNNLinear, TransposedLinear, int4_quantize)
 
 QUANTIZATIONS = ("none", "int8", "int4")
-INT4_GROUP = 32
-# Rows above which a quantised matmul converts its weight to bf16 and runs a dense GEMM (the
-# weight-only kernels are GEMV kernels: from ~16 rows on, conversion + the AMX/AVX512 GEMM wins;
-# measured in benchmarks/results/cpu_kernels_*.json).
-DENSE_ROWS = 16
-# quickdraft's blocked int8 / int4 kernels stay ahead of conversion + dense GEMM up to ~64 rows
-# (SmolLM2's gate/up and down shapes, 1 thread: at 32 rows 1.45 vs 3.23 ms (int8), 1.95 vs 5.07
-# (int4); at 128 rows the dense path wins), so short prompts skip converting every weight.
-BLOCKED_DENSE_ROWS = 64
-_KERNELS_ONLY = False  # set while exporting a step (quickdraft.aot): no branch on the row count
-
-
-@contextlib.contextmanager
-def kernels_only():
-    """Quantised matmuls take their kernel path whatever the row count (a traced graph has one
-    path; its caller keeps it to at most DENSE_ROWS rows)."""
-    global _KERNELS_ONLY
-    _KERNELS_ONLY = True
-    try:
-        yield
-    finally:
-        _KERNELS_ONLY = False
 
 
 def onednn_bf16_supported() -> bool:
@@ -74,210 +58,45 @@ def blocked_supported() -> bool:
     return kernels.available() and kernels.isa() in kernels.VECTOR_ISAS
 
 
-def has_kernel(op: str, device: torch.device) -> bool:
-    """Whether this PyTorch build has a kernel for aten `op` on `device` (the weight-only matmuls
-    exist for CPU, some for MPS, none for CUDA in PyTorch itself)."""
-    key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}.get(device.type)
-    try:
-        return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
-    except (AttributeError, RuntimeError):
-        return device.type == "cpu"
-
-
-def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q int8 (out, in), scale float32 (out,))."""
-    w = w.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
-
-
-def int4_quantize(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise 4-bit: q in 0..15 (out, in) uint8, scale and zero (out, in/group)
-    float32, with w ~ (q - 8) * scale + zero (the convention of PyTorch's int4 kernels)."""
-    out_f, in_f = w.shape
-    if in_f % group:
-        raise QuickdraftError(f"int4 needs input sizes divisible by {group}; this layer has {in_f}")
-    wg = w.detach().float().reshape(out_f, in_f // group, group)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = (hi - lo).clamp(min=1e-8) / 15
-    q = torch.clamp(torch.round((wg - lo[..., None]) / scale[..., None]), 0, 15).to(torch.uint8)
-    return q.reshape(out_f, in_f), scale, lo + 8 * scale
-
-
-def int4_pack(w: torch.Tensor, group: int = INT4_GROUP, inner_k_tiles: int = 2):
-    """w (out, in) in PyTorch's CPU int4 layout: (packed uint8, scales_and_zeros (in/group, out, 2)
-    bfloat16) for `torch._weight_int4pack_mm_for_cpu`."""
-    q, scale, zero = int4_quantize(w, group)
-    return _int4_cpu_pack(q, scale, zero, inner_k_tiles)
-
-
-def _int4_cpu_pack(q, scale, zero, inner_k_tiles: int = 2):
-    pad = -q.shape[0] % 16  # the kernel packs output rows in sixteens: pad with zero rows
-    if pad:
-        q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
-        scale, zero = torch.cat([scale, scale.new_ones(pad, scale.shape[1])]), torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), inner_k_tiles)
-    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return packed, sz
-
-
-class FastLinear(nn.Module):
-    """y = x W^T + b over one or more checkpoint linears fused along the output dimension
-    (`splits` gives each one's share of the output), stored in one format (see the module doc)."""
-
-    def __init__(self, linears: list[nn.Linear], fmt: str):
-        super().__init__()
-        w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
-        biases = [lin.bias for lin in linears]
-        self.splits = [lin.out_features for lin in linears]
-        self.out_features, self.in_features = w.shape
-        self.fmt = fmt
-        self.kernel = False  # int8 / int4: a weight-only kernel runs small matmuls
-        self.blocked = False  # int8 / int4: quickdraft's kernel (blocks of int8 / 4-bit) rather than PyTorch's
-        self.bias = None
-        if any(b is not None for b in biases):
-            self.bias = nn.Parameter(torch.cat([b.detach() if b is not None else w.new_zeros(n)
-                                                for b, n in zip(biases, self.splits)]), requires_grad=False)
-        cpu = w.device.type == "cpu"
-        if fmt == "dense":
-            self.register_buffer("weight", w.clone() if len(linears) == 1 else w)
-        elif fmt == "transposed":
-            self.register_buffer("weight_t", w.t().contiguous())
-        elif fmt == "blocked":
-            self.register_buffer("packed", kernels.pack(w.t().float()))
-            if self.bias is not None:
-                self.bias.data = self.bias.data.float()
-        elif fmt == "onednn":
-            # oneDNN's blocked bf16 layout; an opaque tensor, so kept out of state_dict/to()
-            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1),
-                                 persistent=False)
-        elif fmt == "int8":
-            q, scale = int8_quantize(w)
-            self.blocked = cpu and blocked_supported()
-            if self.blocked:  # quickdraft's kernel: the int8 blocks widened in registers, float32 activations
-                self.kernel = True
-                self.register_buffer("qpacked", kernels.pack(q.t()))
-                self.register_buffer("scales", scale)
-                if self.bias is not None:
-                    self.bias.data = self.bias.data.float()
-            else:
-                self.kernel = has_kernel("_weight_int8pack_mm", w.device)
-                self.register_buffer("qweight", q)
-                self.act_dtype = torch.bfloat16 if cpu else w.dtype  # f32 activations hit a slow path on CPU
-                self.register_buffer("scales", scale.to(self.act_dtype))
-        elif fmt == "int4":
-            native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
-            self.source = "GGUF blocks" if all(n is not None for n in native) else None
-            if self.source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
-                q, scale, zero = (torch.cat(parts) for parts in zip(*native))
-            else:
-                q, scale, zero = int4_quantize(w)
-            offset = zero - 8 * scale
-            qpacked = None
-            if cpu and blocked_supported():  # quickdraft's kernel: nibbles widened in registers, f32 activations
-                try:
-                    qpacked = kernels.pack_int4(q, scale, offset)  # float16 scales and offsets
-                except ValueError:  # beyond float16's range: PyTorch's kernel, bfloat16 scales
-                    qpacked = None
-            self.blocked = qpacked is not None
-            # unpacked copy for dense (prefill) matmuls: w = q * scale + offset per group, with the
-            # scales the small-M kernel uses (float16 in the blocked layout, else bfloat16)
-            sdtype = torch.float16 if self.blocked else torch.bfloat16
-            self.register_buffer("q", q)
-            self.register_buffer("scale", scale.to(sdtype))
-            self.register_buffer("offset", offset.to(sdtype))
-            if self.blocked:
-                self.kernel = True
-                self.register_buffer("qpacked", qpacked)
-                if self.bias is not None:
-                    self.bias.data = self.bias.data.float()
-            else:
-                self.kernel = cpu and has_kernel("_weight_int4pack_mm_for_cpu", w.device)
-                if cpu:
-                    packed, sz = _int4_cpu_pack(q, scale, zero)
-                    self.register_buffer("packed", packed)
-                    self.register_buffer("scales_and_zeros", sz)
+def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
+    """`linears` fused along the output dimension into one layer of format `fmt` (see the module
+    doc), on the kernel that runs it here: the one place a format's class is chosen."""
+    w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+    splits = [lin.out_features for lin in linears]
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else w.new_zeros(n) for b, n in zip(biases, splits)])
+    blocked = w.device.type == "cpu" and blocked_supported()
+    if fmt == "dense":
+        return DenseLinear(w.clone() if len(linears) == 1 else w, bias, splits)
+    if fmt == "transposed":
+        return TransposedLinear(w, bias, splits)
+    if fmt == "blocked":
+        return BlockedLinear(w, bias, splits)
+    if fmt == "onednn":
+        return OneDNNLinear(w, bias, splits)
+    # bfloat16 weights widened to float32 in quickdraft's kernel (CPUs without native bf16) get
+    # their class here, beside the formats above, and their name in weight_format.
+    if fmt == "int8":
+        return Int8BlockedLinear(w, bias, splits) if blocked else Int8TorchLinear(w, bias, splits)
+    if fmt == "int4":
+        native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
+        source = "GGUF blocks" if all(n is not None for n in native) else None
+        if source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
+            q, scale, zero = (torch.cat(parts) for parts in zip(*native))
         else:
-            raise QuickdraftError(f"unknown weight format {fmt!r}")
-        # int8 / int4: rows past which a matmul converts the weight and runs a dense GEMM
-        # instead of the kernel (None: the kernel at every row count; see `row_invariant`)
-        self.dense_rows: int | None = BLOCKED_DENSE_ROWS if self.blocked else DENSE_ROWS
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight (out, in) as the matmul sees it, in `dtype`."""
-        if self.fmt == "dense":
-            return self.weight.to(dtype)
-        if self.fmt == "transposed":
-            return self.weight_t.t().to(dtype)
-        if self.fmt == "blocked":
-            return kernels.unpack(self.packed, self.out_features).t().to(dtype)
-        if self.fmt == "int8":
-            return (self._qweight().to(dtype) * self.scales.to(dtype)[:, None])
-        if self.fmt == "int4":
-            q = self.q.unflatten(1, (-1, INT4_GROUP)).to(dtype)
-            return (q * self.scale.to(dtype)[..., None] + self.offset.to(dtype)[..., None]).flatten(1)  # 3x addcmul's speed
-        raise QuickdraftError("a oneDNN-packed weight cannot be read back")
-
-    def _qweight(self) -> torch.Tensor:
-        """The int8 weight (out, in) (a view of the blocks where they are stored blocked)."""
-        return kernels.unpack(self.qpacked, self.out_features).t() if self.blocked else self.qweight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        fmt = self.fmt
-        if fmt == "blocked":  # every row count: 2-3 rows cost one, prefill runs as fast as MKL's
-            out = kernels.blocked_mm(x2, self.packed, self.bias, self.out_features)
-            return out.reshape(*shape[:-1], self.out_features)
-        if fmt == "transposed":
-            out = x2 @ self.weight_t if self.bias is None else torch.addmm(self.bias, x2, self.weight_t)
-            return out.reshape(*shape[:-1], self.out_features)
-        if fmt == "onednn":
-            out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-            return out.reshape(*shape[:-1], self.out_features)
-        if fmt == "dense":
-            out = F.linear(x2, self.weight, self.bias)
-        elif not self.kernel or (not _KERNELS_ONLY and self.dense_rows is not None and x2.shape[0] > self.dense_rows):
-            xd = x2.to(torch.bfloat16) if x2.device.type == "cpu" else x2
-            if fmt == "int8":  # per-row scales apply to the output: one conversion of the weight
-                out = (F.linear(xd, self._qweight().to(xd.dtype)) * self.scales.to(xd.dtype)).to(x.dtype)
+            q, scale, zero = int4_quantize(w)
+        offset = zero - 8 * scale
+        if blocked:
+            try:
+                qpacked = kernels.pack_int4(q, scale, offset)  # float16 scales and offsets
+            except ValueError:  # beyond float16's range: PyTorch's kernel, bfloat16 scales
+                pass
             else:
-                out = F.linear(xd, self.dequantized(xd.dtype)).to(x.dtype)
-            if self.bias is not None:
-                out = out + self.bias
-        elif self.blocked:
-            out = (kernels.blocked_mm_int8(x2.float(), self.qpacked, self.scales, self.bias, self.out_features)
-                   if fmt == "int8" else kernels.blocked_mm_int4(x2.float(), self.qpacked, self.bias, self.out_features))
-            return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        else:
-            if fmt == "int8":
-                out = torch._weight_int8pack_mm(x2.to(self.act_dtype), self.qweight, self.scales)
-            else:
-                out = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, INT4_GROUP,
-                                                        self.scales_and_zeros)[:, :self.out_features]
-            out = out.to(x.dtype)
-            if self.bias is not None:
-                out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
-
-    def bytes_read(self) -> int:
-        """Bytes a one-row (decode) matmul streams: the tensors its kernel reads."""
-        if self.fmt == "int4":
-            names = (["qpacked"] if self.blocked else ["packed", "scales_and_zeros"] if self.kernel
-                     else ["q", "scale", "offset"])
-        else:
-            names = {"dense": ["weight"], "transposed": ["weight_t"], "onednn": ["packed"], "blocked": ["packed"],
-                     "int8": ["qpacked" if self.blocked else "qweight", "scales"]}[self.fmt]
-        tensors = [getattr(self, n) for n in names] + ([self.bias] if self.bias is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def extra_repr(self) -> str:
-        fused = f", fused {self.splits}" if len(self.splits) > 1 else ""
-        fallback = (f" (dequantised per call: no {self.fmt} kernel on this device)"
-                    if self.fmt in ("int8", "int4") and not self.kernel else "")
-        source = f" from {self.source}" if getattr(self, "source", None) else ""
-        source += " (quickdraft's blocked kernel)" if self.blocked else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}{source}{fused}{fallback}"
+                return Int4BlockedLinear(w, bias, splits, qpacked, source)
+        return Int4TorchLinear(w, bias, splits, q, scale, zero, source)
+    raise QuickdraftError(f"unknown weight format {fmt!r}")
 
 
 def weight_format(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:
@@ -302,28 +121,19 @@ def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None =
     fmt = fmt or weight_format(p.device, p.dtype, quantization)
     for module in model.modules():
         if hasattr(module, "fuse_projections"):
-            module.fuse_projections(lambda linears: FastLinear(linears, fmt))
+            module.fuse_projections(lambda linears: make_linear(linears, fmt))
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, FastLinear([child], fmt))
+                setattr(module, name, make_linear([child], fmt))
     return model
 
 
 def row_invariant(model: nn.Module) -> bool:
-    """Keep `model`'s int8 / int4 matmuls on quickdraft's blocked kernels at every row count,
-    where they run on them, so that a row's result never depends on how many rows share the
-    call (the dense path past BLOCKED_DENSE_ROWS rounds activations to bfloat16). That costs
-    speed on long prompts (about 2x per matmul at 256 rows: benchmarks/results/
-    blocked_vs_dense_rows_cpu.txt). True when every quantised linear now is row-invariant."""
-    ok = True
-    for m in model.modules():
-        if isinstance(m, FastLinear) and m.fmt in ("int8", "int4"):
-            if m.blocked:
-                m.dense_rows = None
-            else:
-                ok = False
-    return ok
+    """Whether every linear layer of `model` gives a row the same bits whatever the rows beside it
+    (quickdraft's kernels: `blocked`, int8 and int4 where they run): what makes speculative output
+    equal plain output, and a seeded request independent of its batch, at any batch size."""
+    return all(m.row_invariant for m in model.modules() if isinstance(m, FastLinear))
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -120,16 +120,28 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
+# Query rows kernels.attend takes on its own kernel (blocked_mm.cpp's ATTEND_ROWS); it hands more to
+# PyTorch's attention, whose bits for a row depend on the query and key counts.
+ATTEND_ROWS = 12
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) where mask) v, grouped-query heads: q (B, H, T, D), k / v (B, H_kv,
     L, D), mask bool (B, 1, T, L). Inference on CPU in float32 runs quickdraft's kernel
     (kernels.attend: one read of each kv head's cache for several query rows, the same bits for a
-    token whatever the rows beside it; more than 12 query rows go on to PyTorch's attention inside
-    it); elsewhere, and under autograd, PyTorch's attention."""
+    token whatever the rows beside it), ATTEND_ROWS query rows a call: a prompt's prefill padded
+    beside longer prompts, a large token tree, a verify step of k >= 12 give each row the bits a
+    decode step gives it; elsewhere, and under autograd, PyTorch's attention."""
     if (q.device.type == "cpu" and q.dtype == torch.float32 and mask.dtype == torch.bool
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and q.shape[-1] % 16 == 0 and kernels.available()):
-        return kernels.attend(q, k, v, mask, q.shape[-1] ** -0.5)
+        scale, T = q.shape[-1] ** -0.5, q.shape[2]
+        if not isinstance(T, int) or T <= ATTEND_ROWS:  # (a symbolic T: an exported step, one call)
+            return kernels.attend(q, k, v, mask, scale)
+        parts = [kernels.attend(q[:, :, s:s + ATTEND_ROWS], k, v, mask[:, :, s:s + ATTEND_ROWS], scale)
+                 for s in range(0, T, ATTEND_ROWS)]
+        # each part is (B, H, t, D) over (B, t, H, D) memory: joined in that order, as one call's result
+        return torch.cat([p.transpose(1, 2) for p in parts], dim=1).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 

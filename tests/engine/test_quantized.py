@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.model.quant import FastLinear, onednn_bf16_supported, weight_bytes, weight_format
+from quickdraft.model.formats import FastLinear
+from quickdraft.model.quant import blocked_supported, onednn_bf16_supported, row_invariant, weight_bytes, weight_format
 
 from test_lossless import N, chi2_pvalue, exact_joint, pair, sampled_joint  # noqa: F401
 
@@ -94,3 +95,51 @@ def test_quantised_models_keep_the_distribution(pair, target_quant, draft_quant)
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
     assert 0.05 < llm.stats.acceptance_rate < 0.95
     assert chi2_pvalue(counts, exact_joint(target, SamplingParams(), quantization=target_quant)) > 1e-3
+
+
+# 16 ragged prompts (2-24 tokens): a batch's verify step has 16 x (k + 1) = 96 rows and its prefill
+# 16 x 24, past every row count where a matmul used to switch paths (PyTorch's int8 / int4 kernels:
+# 16; quickdraft's, to a bf16 dense GEMM, before it stayed on the kernel: 64) and past attention's
+# (12 query rows: quickdraft's kernel, beyond it PyTorch's)
+BATCH = [[0] + [(7 * i + 3 * j) % 300 + 2 for j in range(1 + (5 * i) % 23)] for i in range(16)]
+EXACT = [None, "int8", "int4"]  # float32 (the default CPU format), int8, int4; bfloat16: once it has its kernel
+
+
+def needs_row_invariant_kernels():
+    if not blocked_supported():
+        pytest.skip("no vector path (AVX-512, AVX2) here: PyTorch's GEMMs promise no row invariance")
+
+
+@pytest.mark.parametrize("quant", EXACT)
+def test_speculative_output_equals_plain_past_every_row_threshold(target_dir, quant):
+    """Greedy, k = 5, a batch of 16 ragged prompts: the speculative output is the same target's
+    plain output, and plain decoding of a prompt gives the same tokens alone and in the batch;
+    the tokens' logprobs too, to the bit (a verify row's logits are the decode row's)."""
+    needs_row_invariant_kernels()
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    plain = LLM(target_dir, method="none", quantization=quant)
+    # the float32 target drafts for its quantised self: most drafts are accepted, some are not
+    spec = LLM(target_dir, target_dir, num_speculative_tokens=5, quantization=quant, draft_dtype="float32")
+    assert row_invariant(plain.target) and row_invariant(spec.target) and row_invariant(spec.draft)
+    want = [(o.token_ids, o.logprobs) for o in plain.generate(BATCH, greedy)]
+    assert [(o.token_ids, o.logprobs) for o in spec.generate(BATCH, greedy)] == want
+    assert 0 < spec.stats.num_accepted_tokens < spec.stats.num_draft_tokens or quant is None
+    alone = [plain.generate([BATCH[i]], greedy)[0] for i in (0, 7)]
+    assert [(o.token_ids, o.logprobs) for o in alone] == [want[0], want[7]]
+
+
+@pytest.mark.parametrize("quant", EXACT)
+def test_seeded_request_does_not_depend_on_its_batch(target_dir, draft_dir, quant):
+    """A seeded sampled request (its prompt 4 tokens, so alone its prefill has 4 rows) gives the
+    same tokens and logprobs (to the bit) alone and beside 15 others, plain and speculative (k = 5,
+    a draft quantised alike)."""
+    needs_row_invariant_kernels()
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True, logprobs=1)
+    others = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True) for i in range(15)]
+    prompt = BATCH[12][:4]
+    prompts = BATCH[:7] + [prompt] + BATCH[8:]  # the seeded one in the middle
+    for llm in (LLM(target_dir, method="none", quantization=quant),
+                LLM(target_dir, draft_dir, num_speculative_tokens=5, quantization=quant, draft_quantization=quant)):
+        alone = llm.generate([prompt], seeded)[0]
+        beside = llm.generate(prompts, others[:7] + [seeded] + others[7:])[7]
+        assert (beside.token_ids, beside.logprobs) == (alone.token_ids, alone.logprobs)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from quickdraft import kernels
-from quickdraft.model.quant import FastLinear, blocked_supported, row_invariant, weight_format
+from quickdraft.model.formats import Int4BlockedLinear, Int4TorchLinear, Int8BlockedLinear
+from quickdraft.model.quant import blocked_supported, make_linear, row_invariant, weight_format
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
 
@@ -91,7 +92,7 @@ def test_the_float32_cpu_format_and_its_switch(monkeypatch):
     want = "blocked" if blocked_supported() else "transposed"
     assert weight_format(cpu, torch.float32, None) == want
     lin = torch.nn.Linear(48, 100)
-    fast = FastLinear([lin], "blocked")
+    fast = make_linear([lin], "blocked")
     x = torch.randn(4, 48)
     assert (fast(x) - lin(x)).abs().max() <= 1e-5
     assert torch.equal(fast.dequantized(torch.float32), lin.weight.detach())
@@ -119,10 +120,10 @@ def test_int8_blocks_are_the_scaled_matmul_and_rows_stay_independent(m, k, n, is
 
 def test_int8_format_uses_the_kernel_with_float32_activations():
     lin = torch.nn.Linear(64, 96)
-    fast = FastLinear([lin], "int8")
+    fast = make_linear([lin], "int8")
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: int8 keeps PyTorch's kernel")
-    assert fast.blocked and "blocked kernel" in repr(fast)
+    assert isinstance(fast, Int8BlockedLinear) and "blocked kernel" in repr(fast)
     x = torch.randn(5, 2, 64)
     exact = x @ fast.dequantized(torch.float32).t() + lin.bias
     assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
@@ -179,40 +180,57 @@ def test_int4_bad_operands_are_one_clear_error():
         kernels.pack_int4(q[:, :40], scale[:, :1], offset[:, :1])
 
 
-def test_int4_format_uses_the_kernel_and_its_dense_path_agrees():
+def test_int4_format_uses_the_kernel_and_keeps_only_its_blocks():
     lin = torch.nn.Linear(64, 96)
-    fast = FastLinear([lin], "int4")
+    fast = make_linear([lin], "int4")
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: int4 keeps PyTorch's kernel")
-    assert fast.blocked and fast.kernel and "blocked kernel" in repr(fast)
+    assert isinstance(fast, Int4BlockedLinear) and "blocked kernel" in repr(fast)
     assert fast.bytes_read() == 2 * 2 * 1280 + 96 * 4  # two blocks of two groups, and the bias
+    assert fast.weight_bytes() == fast.bytes_read()  # no unpacked copy resident
     x = torch.randn(5, 2, 64)
     exact = x @ fast.dequantized(torch.float32).t() + lin.bias
     assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
-    mid = torch.randn(40, 64)  # past DENSE_ROWS (PyTorch's kernels), within BLOCKED_DENSE_ROWS: still the kernel
-    assert torch.equal(fast(mid), torch.cat([fast(mid[i:i + 1]) for i in range(40)]))
-    big = torch.randn(80, 64)  # past BLOCKED_DENSE_ROWS: the dense path, from the same float16 scales (bf16 GEMM)
-    assert (fast(big) - (big @ fast.dequantized(torch.float32).t() + lin.bias)).abs().max() <= 0.05
     huge = torch.nn.Linear(64, 64)
     with torch.no_grad():
         huge.weight.mul_(1e6)
-    assert not FastLinear([huge], "int4").blocked  # scales past float16: PyTorch's kernel
+    assert isinstance(make_linear([huge], "int4"), Int4TorchLinear)  # scales past float16: PyTorch's kernel
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_row_invariant_keeps_every_row_count_on_the_kernel(fmt):
-    """Past BLOCKED_DENSE_ROWS the dense path rounds activations to bf16, so a row's result
-    depends on how many rows share the call; `row_invariant` keeps the kernel (a row's bits are
-    its own), which an EAGLE-3 head needs for seeded requests to ignore their batch."""
+@pytest.mark.parametrize("fmt", ["blocked", "int8", "int4"])
+def test_kernel_formats_are_row_invariant_at_every_row_count(fmt, monkeypatch):
+    """On quickdraft's kernels a row's bits are its own at any row count (past 16 rows, where
+    PyTorch's int8 / int4 kernels switch to a dense GEMM, and past 64, where ours once did):
+    verify rows equal decode rows, a request ignores its batch. PyTorch's are not."""
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: PyTorch's kernels")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(FastLinear([torch.nn.Linear(64, 96)], fmt))
-    big = torch.randn(80, 64)
-    alone = torch.cat([model(big[i:i + 1]) for i in range(80)])
-    assert not torch.equal(model(big), alone)  # the dense path
+    model = torch.nn.Sequential(make_linear([torch.nn.Linear(64, 96)], fmt))
     assert row_invariant(model)
-    assert torch.equal(model(big), alone)
+    big = torch.randn(300, 64)
+    alone = torch.cat([model(big[i:i + 1]) for i in range(300)])
+    assert torch.equal(model(big), alone) and torch.equal(model(big[:80]), alone[:80])
+    if fmt != "blocked":
+        monkeypatch.setattr("quickdraft.model.quant.blocked_supported", lambda: False)
+        torch_kernel = torch.nn.Sequential(make_linear([torch.nn.Linear(64, 96)], fmt))
+        assert not row_invariant(torch_kernel)
+        assert not torch.equal(torch_kernel(big), torch.cat([torch_kernel(big[i:i + 1]) for i in range(300)]))
+
+
+def test_model_attention_gives_every_query_row_its_own_bits(isa):
+    """More query rows than kernels.attend takes at once (a prompt padded beside longer ones, a
+    large tree): the model's attention still gives each row the bits of a one-row call."""
+    from quickdraft.model.transformer import ATTEND_ROWS, attention
+
+    q, k, v, mask = _attention_case(2, 8, 4, 2 * ATTEND_ROWS + 5, 300, 64)
+    with torch.no_grad():
+        got = attention(q, k, v, mask)
+        assert got.shape == q.shape and got.transpose(1, 2).is_contiguous()
+        for t in (0, ATTEND_ROWS, 2 * ATTEND_ROWS + 4):
+            assert torch.equal(attention(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1])[:, :, 0], got[:, :, t])
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                            enable_gqa=True)
+    assert (got.double() - want).abs().max() < 1e-5
 
 
 def test_the_kernel_folder_follows_its_own_variable(monkeypatch, tmp_path):

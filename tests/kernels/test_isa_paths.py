@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel libr
 
 PATHS = kernels.cpu_isas() if kernels.available() else ()
 # 1..16: every row grouping of every path (1 row; 2-3 rows; groups of 3, 4 and 6 and their
-# remainders); 17, 24, 40 and 65: past the formats' switch points (DENSE_ROWS 16, BLOCKED_DENSE_ROWS 64)
+# remainders); 17, 24, 40 and 65: past PyTorch's int8 / int4 switch (DENSE_ROWS 16) and 64 (where ours once switched)
 ROWS = list(range(1, 17)) + [17, 24, 40, 65]
 
 

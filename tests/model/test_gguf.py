@@ -319,7 +319,7 @@ def test_4bit_blocks_load_into_int4_as_they_are(tmp_path, qtype):
     the same values as the dequantised file, up to float rounding and the kernel's bf16 scales;
     and the quantised target's speculative output equals its own plain output."""
     from quickdraft.model.gguf import _dequantize, int4_groups
-    from quickdraft.model.quant import FastLinear
+    from quickdraft.model.formats import FastLinear
 
     source = hf_model("llama", vocab_size("gpt2"), **WIDE)
     path = write_gguf(tmp_path / "q4.gguf", source, "llama", qtype=qtype)

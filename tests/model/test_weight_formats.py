@@ -8,8 +8,9 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.loader import load_model
-from quickdraft.model.quant import (BLOCKED_DENSE_ROWS, DENSE_ROWS, FastLinear, blocked_supported, int4_quantize, onednn_bf16_supported, prepare,
-                                    weight_bytes, weight_format)
+from quickdraft.model.formats import DENSE_ROWS, Int8BlockedLinear, int4_quantize
+from quickdraft.model.quant import (blocked_supported, make_linear, onednn_bf16_supported, prepare, weight_bytes,
+                                    weight_format)
 
 FORMATS = (["dense", "transposed", "int8", "int4"] + (["onednn"] if onednn_bf16_supported() else [])
            + (["blocked"] if blocked_supported() else []))
@@ -21,11 +22,13 @@ def linears(dtype=torch.float32, bias=True):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 5, DENSE_ROWS + 3, BLOCKED_DENSE_ROWS])  # (x2: rows of 2)
+# (x2: rows of 2) past PyTorch's int8 / int4 switch to a dense GEMM (16 rows) and past 64, where
+# quickdraft's int8 / int4 kernels once switched too
+@pytest.mark.parametrize("rows", [1, 5, DENSE_ROWS + 3, 40])
 def test_fused_linear_computes_each_projection(fmt, rows):
     dtype = torch.bfloat16 if fmt == "onednn" else torch.float32
     lins = linears(dtype)
-    fused = FastLinear(lins, fmt)
+    fused = make_linear(lins, fmt)
     x = torch.randn(rows, 2, 64).to(dtype)
     parts = fused(x).split(fused.splits, dim=-1)
     assert fused.splits == [96, 32, 32] and fused(x).dtype == dtype
@@ -85,7 +88,7 @@ def test_bytes_read_per_token_counts_each_format(target_dir):
     assert bytes_read_per_token(f32) == 4 * (linear + small + cfg.hidden_size)  # lm_head its own copy
     int8 = prepare(load_model(target_dir), "int8")
     rows = sum(m.weight.shape[0] for m in plain.modules() if isinstance(m, torch.nn.Linear))
-    scale_bytes = 4 if int8.lm_head.blocked else 2  # float32 scales for quickdraft's kernel, bf16 for PyTorch's
+    scale_bytes = 4 if isinstance(int8.lm_head, Int8BlockedLinear) else 2  # float32 scales for quickdraft's kernel, bf16 for PyTorch's
     assert bytes_read_per_token(int8) == linear + scale_bytes * rows + 4 * (small + cfg.hidden_size)
 
 
@@ -93,10 +96,10 @@ def test_bytes_read_per_token_counts_each_format(target_dir):
 def test_quantised_linear_without_a_kernel_dequantises(fmt, monkeypatch):
     """A device without PyTorch's weight-only kernel (int8 / int4 on CUDA) gets the same
     product from the dequantised weight, and says so in its repr."""
-    monkeypatch.setattr("quickdraft.model.quant.has_kernel", lambda op, device: False)
+    monkeypatch.setattr("quickdraft.model.formats.has_kernel", lambda op, device: False)
     monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")  # nor quickdraft's own
     lins = linears()
-    fallback = FastLinear(lins, fmt)
+    fallback = make_linear(lins, fmt)
     assert not fallback.kernel and "dequantised per call" in repr(fallback)
     x = torch.randn(3, 64)
     exact = x @ fallback.dequantized(torch.float32).t() + torch.cat([lin.bias for lin in lins])

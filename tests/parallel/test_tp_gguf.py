@@ -176,7 +176,8 @@ def test_int4_keeps_each_ranks_own_4bit_blocks(files, name, lm_head):
     """quantization="int4": every rank's linears hold their slices of the file's 4-bit blocks
     (not re-quantised), and the logits are the single-process int4 model's up to the order
     of the partial sums."""
-    from quickdraft.model.quant import FastLinear, prepare
+    from quickdraft.model.formats import FastLinear
+    from quickdraft.model.quant import prepare
 
     path = files(name)
     ref = prepare(load_model(path, dtype="float32", quantization="int4"), "int4")
