@@ -177,8 +177,8 @@ def test_penalized_sampling_matches_the_penalized_target(pair, head, method, opt
     unpenalised one."""
     target, draft = pair
     k = 0 if method == "none" else 2
-    llm = LLM(target, draft={"draft": draft, "eagle3": head}.get(method), method=method, num_speculative_tokens=k,
-              max_num_seqs=N // 4, spec_options=options)
+    llm = LLM(target, draft={"draft": draft, "eagle3": head}.get(method), method=method,
+              num_speculative_tokens=k or 2, max_num_seqs=N // 4, spec_options=options)  # (k: ignored by "none")
     params = {**PENALIZED, **kw}
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **params))
     probs = exact_joint_penalized(target, SamplingParams(**params))
