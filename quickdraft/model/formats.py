@@ -5,8 +5,8 @@ the package asks the class what it needs (`row_invariant`, `kernel_rows`, `calls
 `embeds_weights`, `export_blocker`, `bytes_read`, `dequantized`), never its buffers. See
 `quant`'s doc for where each format runs and what it costs.
 
-A new format (e.g. bfloat16 widened to float32 in quickdraft's kernel, for CPUs without native
-bf16) is one more class here, chosen in `quant.make_linear` and named in `quant.weight_format`.
+A new format is one more class here, chosen in `quant.make_linear` and named in
+`quant.weight_format`.
 """
 
 from __future__ import annotations
@@ -205,6 +205,30 @@ class BlockedLinear(FastLinear):
 
     def _mm(self, x2):
         return kernels.blocked_mm(x2, self.packed, self.bias, self.out_features)
+
+    def dequantized(self, dtype):
+        return kernels.unpack(self.packed, self.out_features).t().to(dtype)
+
+    def _read(self):
+        return [self.packed]
+
+
+class BlockedBF16Linear(FastLinear):
+    """`blocked_bf16`: CPU bfloat16 weights on quickdraft's kernel at every row count, widened to
+    float32 in registers (exact): half the bytes of `blocked`, float32 sums in the same order, so
+    row-invariant on any CPU with a vector path, native bf16 or not. Activations come in and go
+    out in the model's dtype (bfloat16); the sums are float32."""
+
+    fmt = "blocked_bf16"
+    calls_kernels = True
+    row_invariant = True
+
+    def __init__(self, w, bias, splits):
+        super().__init__(w, None if bias is None else bias.float(), splits)
+        self.register_buffer("packed", kernels.pack_bf16(w.t()))
+
+    def _mm(self, x2):
+        return kernels.blocked_mm_bf16(x2.float(), self.packed, self.bias, self.out_features)
 
     def dequantized(self, dtype):
         return kernels.unpack(self.packed, self.out_features).t().to(dtype)

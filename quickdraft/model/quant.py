@@ -13,18 +13,17 @@
   | `dense` | not CPU; float16 | F.linear | the device's GEMM | same |
   | `blocked` | CPU float32 with AVX-512 or AVX2 + FMA | quickdraft's own (`quickdraft.kernels`): W in 64-column blocks, each streamed once for all rows | as MKL's sgemv | k+1 = 2-3 rows cost ~1 row, 4-6 rows ~1.15 (MKL: 1.5-1.9); prefill as MKL |
   | `transposed` | CPU float32 without it (or the kernel could not be built) | `x @ W[in, out]` (MKL sgemm) | streams ~25% faster than F.linear | same kernel |
-  | `onednn` | CPU bfloat16 with native bf16 | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX |
+  | `blocked_bf16` | CPU bfloat16 with AVX-512 or AVX2 + FMA (native bf16 or not) | quickdraft's blocked kernel, bf16 blocks widened to float32 in registers (exact), float32 sums | half of `blocked`'s bytes (SmolLM2's lm_head: 0.47x its time at 1 row) | as `blocked`; prefill on the kernel |
+  | `onednn` | CPU bfloat16 with native bf16 where quickdraft's kernels do not run | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX (not row-invariant) |
   | `int8` | any | per-channel scales; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (int8 blocks widened in registers, float32 activations), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, the kernel at every row count (prefill ~2x the dense path's time past ~64 rows); PyTorch's: past 16 rows dequantised to bf16, dense GEMM |
   | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (nibbles widened in registers, float16 scales and offsets, float32 activations), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight | blocked: k+1 rows ~1 row, the kernel at every row count (as int8); PyTorch's: past 16 rows from an unpacked uint8 copy (1 byte/weight more resident) to bf16, dense GEMM |
 
   Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
   matmul dequantises per call (a fallback, labelled as such in its repr).
 
-Every format on quickdraft's kernels (`blocked`, int8, int4 where they run) is row-invariant
-(`row_invariant`): a row's bits never depend on the rows beside it, so a verify step's rows are
-the decode steps' and a request's output does not depend on its batch. A bfloat16 format on
-quickdraft's kernel (CPUs without native bf16) gets its class in `formats`, chosen in
-`make_linear` and named in `weight_format`.
+Every format on quickdraft's kernels (`blocked`, `blocked_bf16`, int8, int4 where they run) is
+row-invariant (`row_invariant`): a row's bits never depend on the rows beside it, so a verify
+step's rows are the decode steps' and a request's output does not depend on its batch.
 
 Quantisation changes the model: speculative output follows the quantised target exactly
 (lossless with respect to it). A quantised draft only changes how often it is accepted.
@@ -38,7 +37,7 @@ from torch import nn
 
 from .. import kernels
 from ..errors import QuickdraftError
-from .formats import (BlockedLinear, DenseLinear, FastLinear, Int4BlockedLinear, Int4TorchLinear, Int8BlockedLinear,
+from .formats import (BlockedBF16Linear, BlockedLinear, DenseLinear, FastLinear, Int4BlockedLinear, Int4TorchLinear, Int8BlockedLinear,
                       Int8TorchLinear, OneDNNLinear, TransposedLinear, int4_quantize)
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -76,8 +75,8 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
         return BlockedLinear(w, bias, splits)
     if fmt == "onednn":
         return OneDNNLinear(w, bias, splits)
-    # bfloat16 weights widened to float32 in quickdraft's kernel (CPUs without native bf16) get
-    # their class here, beside the formats above, and their name in weight_format.
+    if fmt == "blocked_bf16":
+        return BlockedBF16Linear(w, bias, splits)
     if fmt == "int8":
         return Int8BlockedLinear(w, bias, splits) if blocked else Int8TorchLinear(w, bias, splits)
     if fmt == "int4":
@@ -109,8 +108,8 @@ def weight_format(device: torch.device, dtype: torch.dtype, quantization: str | 
         return "dense"
     if dtype == torch.float32:
         return "blocked" if blocked_supported() else "transposed"
-    if dtype == torch.bfloat16 and onednn_bf16_supported():
-        return "onednn"
+    if dtype == torch.bfloat16:  # exact (row-invariant) first; oneDNN's GEMM where our kernels do not run
+        return "blocked_bf16" if blocked_supported() else "onednn" if onednn_bf16_supported() else "dense"
     return "dense"
 
 

@@ -246,3 +246,20 @@ def test_head_packages_equal_the_eager_head(tmp_path, target_step):
         for a, b in zip(want, got):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(caches[1].k[0], caches[0].k[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_bfloat16_package_on_the_kernels_equals_eager(target_dir):
+    """A bfloat16 target on quickdraft's kernels (`blocked_bf16`, its AOTInductor C entry point):
+    the package's greedy tokens are the eager model's."""
+    from quickdraft.model.quant import blocked_supported
+
+    if not blocked_supported():
+        pytest.skip("no vector path for quickdraft's kernels here")
+    prompts = [[3, 17, 42, 9], [5, 6, 7, 8, 9, 10, 11]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    eager = LLM(target_dir, method="none", compile=False, dtype="bfloat16")
+    packaged = LLM(target_dir, method="none", compile="aot", dtype="bfloat16")
+    assert isinstance(packaged.engine._forward, aot.AOTStep)
+    assert [o.token_ids for o in packaged.generate(prompts, greedy)] == \
+        [o.token_ids for o in eager.generate(prompts, greedy)]

@@ -36,8 +36,8 @@ def test_default_formats_are_fused_and_packed(target_dir, draft_dir):
     layer = llm.target.model.layers[0]
     assert layer.self_attn.q_proj is None and layer.self_attn.qkv_proj.splits[0] == layer.self_attn.qkv_proj.in_features
     assert layer.mlp.gate_up_proj is not None and not any(isinstance(m, torch.nn.Linear) for m in llm.target.modules())
-    if onednn_bf16_supported():
-        assert formats(LLM(target_dir, method="none", dtype="bfloat16").target) == {"onednn"}
+    bf16 = "blocked_bf16" if blocked_supported() else "onednn" if onednn_bf16_supported() else "dense"
+    assert formats(LLM(target_dir, method="none", dtype="bfloat16").target) == {bf16}
 
 
 @pytest.mark.parametrize("dtype,quant", PRECISIONS)
@@ -46,7 +46,7 @@ def test_quantised_target_speculative_output_equals_its_plain_output(target_dir,
     plain = LLM(target_dir, method="none", dtype=dtype, quantization=quant)
     spec = LLM(target_dir, target_dir, num_speculative_tokens=3, dtype=dtype, quantization=quant,
                draft_dtype="float32")
-    assert formats(spec.target) == {quant or ("onednn" if onednn_bf16_supported() else "dense")}
+    assert formats(spec.target) == {quant or weight_format(torch.device("cpu"), torch.bfloat16, None)}
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert spec.stats.num_accepted_tokens > 0
@@ -102,7 +102,9 @@ def test_quantised_models_keep_the_distribution(pair, target_quant, draft_quant)
 # 16; quickdraft's, to a bf16 dense GEMM, before it stayed on the kernel: 64) and past attention's
 # (12 query rows: quickdraft's kernel, beyond it PyTorch's)
 BATCH = [[0] + [(7 * i + 3 * j) % 300 + 2 for j in range(1 + (5 * i) % 23)] for i in range(16)]
-EXACT = [None, "int8", "int4"]  # float32 (the default CPU format), int8, int4; bfloat16: once it has its kernel
+# float32 (the default CPU format), int8, int4, and bfloat16 (its weights widened in the kernel,
+# attention widened to float32)
+EXACT = [("float32", None), ("float32", "int8"), ("float32", "int4"), ("bfloat16", None)]
 
 
 def needs_row_invariant_kernels():
@@ -110,26 +112,27 @@ def needs_row_invariant_kernels():
         pytest.skip("no vector path (AVX-512, AVX2) here: PyTorch's GEMMs promise no row invariance")
 
 
-@pytest.mark.parametrize("quant", EXACT)
-def test_speculative_output_equals_plain_past_every_row_threshold(target_dir, quant):
+@pytest.mark.parametrize("dtype,quant", EXACT)
+def test_speculative_output_equals_plain_past_every_row_threshold(target_dir, dtype, quant):
     """Greedy, k = 5, a batch of 16 ragged prompts: the speculative output is the same target's
     plain output, and plain decoding of a prompt gives the same tokens alone and in the batch;
     the tokens' logprobs too, to the bit (a verify row's logits are the decode row's)."""
     needs_row_invariant_kernels()
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
-    plain = LLM(target_dir, method="none", quantization=quant)
+    plain = LLM(target_dir, method="none", dtype=dtype, quantization=quant)
     # the float32 target drafts for its quantised self: most drafts are accepted, some are not
-    spec = LLM(target_dir, target_dir, num_speculative_tokens=5, quantization=quant, draft_dtype="float32")
+    spec = LLM(target_dir, target_dir, num_speculative_tokens=5, dtype=dtype, quantization=quant,
+               draft_dtype="float32", draft_quantization="none")
     assert row_invariant(plain.target) and row_invariant(spec.target) and row_invariant(spec.draft)
     want = [(o.token_ids, o.logprobs) for o in plain.generate(BATCH, greedy)]
     assert [(o.token_ids, o.logprobs) for o in spec.generate(BATCH, greedy)] == want
-    assert 0 < spec.stats.num_accepted_tokens < spec.stats.num_draft_tokens or quant is None
+    assert 0 < spec.stats.num_accepted_tokens < spec.stats.num_draft_tokens or (dtype, quant) == ("float32", None)
     alone = [plain.generate([BATCH[i]], greedy)[0] for i in (0, 7)]
     assert [(o.token_ids, o.logprobs) for o in alone] == [want[0], want[7]]
 
 
-@pytest.mark.parametrize("quant", EXACT)
-def test_seeded_request_does_not_depend_on_its_batch(target_dir, draft_dir, quant):
+@pytest.mark.parametrize("dtype,quant", EXACT)
+def test_seeded_request_does_not_depend_on_its_batch(target_dir, draft_dir, dtype, quant):
     """A seeded sampled request (its prompt 4 tokens, so alone its prefill has 4 rows) gives the
     same tokens and logprobs (to the bit) alone and beside 15 others, plain and speculative (k = 5,
     a draft quantised alike)."""
@@ -138,8 +141,9 @@ def test_seeded_request_does_not_depend_on_its_batch(target_dir, draft_dir, quan
     others = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True) for i in range(15)]
     prompt = BATCH[12][:4]
     prompts = BATCH[:7] + [prompt] + BATCH[8:]  # the seeded one in the middle
-    for llm in (LLM(target_dir, method="none", quantization=quant),
-                LLM(target_dir, draft_dir, num_speculative_tokens=5, quantization=quant, draft_quantization=quant)):
+    for llm in (LLM(target_dir, method="none", dtype=dtype, quantization=quant),
+                LLM(target_dir, draft_dir, num_speculative_tokens=5, dtype=dtype, quantization=quant,
+                    draft_quantization=quant)):
         alone = llm.generate([prompt], seeded)[0]
         beside = llm.generate(prompts, others[:7] + [seeded] + others[7:])[7]
         assert (beside.token_ids, beside.logprobs) == (alone.token_ids, alone.logprobs)

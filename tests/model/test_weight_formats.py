@@ -13,7 +13,7 @@ from quickdraft.model.quant import (blocked_supported, make_linear, onednn_bf16_
                                     weight_format)
 
 FORMATS = (["dense", "transposed", "int8", "int4"] + (["onednn"] if onednn_bf16_supported() else [])
-           + (["blocked"] if blocked_supported() else []))
+           + (["blocked", "blocked_bf16"] if blocked_supported() else []))
 
 
 def linears(dtype=torch.float32, bias=True):
@@ -26,7 +26,7 @@ def linears(dtype=torch.float32, bias=True):
 # quickdraft's int8 / int4 kernels once switched too
 @pytest.mark.parametrize("rows", [1, 5, DENSE_ROWS + 3, 40])
 def test_fused_linear_computes_each_projection(fmt, rows):
-    dtype = torch.bfloat16 if fmt == "onednn" else torch.float32
+    dtype = torch.bfloat16 if fmt in ("onednn", "blocked_bf16") else torch.float32
     lins = linears(dtype)
     fused = make_linear(lins, fmt)
     x = torch.randn(rows, 2, 64).to(dtype)
@@ -34,13 +34,14 @@ def test_fused_linear_computes_each_projection(fmt, rows):
     assert fused.splits == [96, 32, 32] and fused(x).dtype == dtype
     for lin, part in zip(lins, parts):
         ref = lin(x).float()
-        tol = {"dense": 1e-5, "transposed": 1e-5, "blocked": 1e-5, "onednn": 0.03, "int8": 0.03, "int4": 0.2}[fmt]
+        tol = {"dense": 1e-5, "transposed": 1e-5, "blocked": 1e-5, "onednn": 0.03, "blocked_bf16": 0.03, "int8": 0.03,
+               "int4": 0.2}[fmt]
         assert (part.float() - ref).abs().max() <= tol * ref.abs().max()
     if fmt != "onednn":  # the stored weight is what the matmul uses
         w = fused.dequantized(torch.float32)
         b = torch.cat([lin.bias for lin in lins]).float()
         exact = x.float() @ w.t() + b
-        tol = 1e-5 if fmt in ("dense", "transposed", "blocked") else 0.02  # bf16 activations in the kernels
+        tol = 1e-5 if fmt in ("dense", "transposed", "blocked") else 0.02  # bf16 activations / outputs
         assert (fused(x).float() - exact).abs().max() <= tol * exact.abs().max()
 
 
