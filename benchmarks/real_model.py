@@ -94,7 +94,7 @@ def shipped_draft() -> Path | None:
         draft = default_draft(MODEL)
     except QuickdraftError:
         return None
-    return None if is_eagle3_head(draft) else draft
+    return None if draft is None or is_eagle3_head(draft) else draft
 
 
 def draft_hf_folder(draft: Path) -> Path:
