@@ -48,7 +48,7 @@ def _children(pid: int) -> list[tuple[int, str]]:
 def test_torchrun_generate_equals_the_single_process(expected):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "quickdraft.cli", "generate", PROMPT, "--max-tokens", "24", "--ignore-eos", "--json",
+           "-m", "quickdraft.cli", "generate", PROMPT, "--max-tokens", "24", "--ignore-eos", "--json", "--temperature", "0",
            "--tensor-parallel-size", "2", "--no-compile"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
