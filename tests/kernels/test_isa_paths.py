@@ -15,6 +15,8 @@ import torch
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 
+from test_blocked_mm import _attention_case
+
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
 
 PATHS = kernels.cpu_isas() if kernels.available() else ()
@@ -91,15 +93,6 @@ def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, threads):
         x = _x(m, k, m)
         assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, bias, n), threads), f"int4 m={m}")
         assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, None, n), threads), f"int4 m={m}")
-
-
-def _attention_case(B, H, Hkv, T, L, D, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
-    k = torch.randn(B + 1, Hkv, L + 9, D, generator=g)[:B, :, :L]
-    v = torch.randn(B + 1, Hkv, L + 9, D, generator=g)[:B, :, :L]
-    pos = torch.randint(L // 2, L, (B, T), generator=g)
-    return q, k, v, (torch.arange(L) <= pos[..., None])[:, None]
 
 
 @pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 8, 4, 1, 300, 64), (3, 9, 3, 5, 77, 64), (2, 4, 4, 11, 40, 128),
