@@ -36,7 +36,7 @@ class QuickdraftReplica:
 
     def __init__(self, llm_kwargs: dict[str, Any], served_model_name: str, max_queue: int, threads: int | None,
                  api_key: str | None = None, allowed_origins: list[str] | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, web: bool = True):
         import torch
 
         from .llm import LLM
@@ -47,12 +47,13 @@ class QuickdraftReplica:
         self.llm = LLM(**dict(llm_kwargs, preallocate=True))  # loaded before the replica takes requests
         self.state = ServerState(lambda: self.llm, served_model_name, max_queue=max_queue, chat_template=chat_template)
         self.access = (api_key, allowed_origins)
+        self.web = web
 
     def __serve_build_asgi_app__(self):
         from .server.app import build_app
 
         api_key, origins = self.access
-        return build_app(self.state, api_key=api_key, allowed_origins=origins)
+        return build_app(self.state, api_key=api_key, allowed_origins=origins, web=self.web)
 
     def record_routing_stats(self) -> dict[str, float]:
         """What this replica reports to Ray Serve: its load and how well it speculates."""
@@ -77,9 +78,9 @@ class QuickdraftReplica:
 def deployment(llm_kwargs: dict[str, Any], replicas: int, served_model_name: str = "quickdraft-default",
                max_queue: int = 256, cpus_per_replica: float | None = None, gpus_per_replica: float = 0,
                api_key: str | None = None, allowed_origins: list[str] | None = None, chat_template: str | None = None,
-               threads: int | None = None):
+               threads: int | None = None, web: bool = True):
     """The Ray Serve application: `replicas` engines over `llm_kwargs` (LLM's arguments), each
-    serving with `quickdraft serve`'s options (served name, queue, API key, CORS, chat template).
+    serving with `quickdraft serve`'s options (served name, queue, API key, CORS, chat template, web page).
     threads: torch's CPU threads in each replica (default: on CPUs, the replica's share of the cores)."""
     if replicas < 1:
         raise QuickdraftError(f"--replicas must be >= 1, got {replicas}")
@@ -100,7 +101,8 @@ def deployment(llm_kwargs: dict[str, Any], replicas: int, served_model_name: str
         max_ongoing_requests=max_num_seqs + max_queue,
         ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
         health_check_period_s=2, health_check_timeout_s=30,
-    ).bind(llm_kwargs, served_model_name, max_queue, threads, api_key, allowed_origins, chat_template)
+    ).bind(llm_kwargs, served_model_name, max_queue, threads, api_key, allowed_origins, chat_template,
+           web)
 
 
 def _value(text: str):
@@ -115,10 +117,10 @@ def _value(text: str):
 def build(args: dict[str, str]):
     """`serve run quickdraft.deploy:build replicas=2 target=... method=...`: LLM's keyword
     arguments as key=value (numbers and true/false parsed), plus replicas, served_model_name,
-    max_queue, cpus_per_replica, gpus_per_replica, threads."""
+    max_queue, cpus_per_replica, gpus_per_replica, threads, web."""
     kwargs = {k: _value(str(v)) for k, v in args.items()}
     own = {k: kwargs.pop(k) for k in ("replicas", "served_model_name", "max_queue", "cpus_per_replica",
-                                      "gpus_per_replica", "threads") if k in kwargs}
+                                      "gpus_per_replica", "threads", "web") if k in kwargs}
     return deployment(kwargs, int(own.pop("replicas", 2)), **own)
 
 

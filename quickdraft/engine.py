@@ -98,6 +98,17 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per generated token (SamplingParams.logprobs)
     new_logprobs: list[TokenLogprob] | None = None  # since the previous output (new_token_ids')
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
+    token_origins: list[str] = field(default_factory=list)  # per generated token: an ORIGINS word
+    new_token_origins: list[str] = field(default_factory=list)  # since the previous output (new_token_ids')
+
+
+# Where each generated token came from (RequestOutput.token_origins): the prefill's first token;
+# a draft token the verifier accepted; the token a step samples from the target itself (the
+# recovered token at a rejection, the bonus token after full acceptance, or a step that drafted
+# nothing). Counted per request, PREFILL + TARGET tokens = prefills + steps and DRAFT tokens =
+# accepted drafts (SpecStats), unless an eos or stop string cut the last step short.
+PREFILL, DRAFT, TARGET = "prefill", "draft", "target"
+ORIGINS = (PREFILL, DRAFT, TARGET)
 
 
 class _Request:
@@ -118,6 +129,7 @@ class _Request:
         """Nothing generated yet (a new request, or one whose prefill is retried)."""
         self.tokens = list(self.prompt)  # prompt + generated, committed
         self.output: list[int] = []
+        self.origins: list[str] = []  # per output token (ORIGINS)
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.detok = Detokenizer(tokenizer, self.prompt) if tokenizer is not None else None
@@ -144,7 +156,8 @@ class _Request:
                             new_text=self.text[self.sent_text:visible],
                             logprobs=None if lps is None else list(lps),
                             new_logprobs=None if lps is None else lps[self.sent_ids:],
-                            prompt_logprobs=self.prompt_logprobs)
+                            prompt_logprobs=self.prompt_logprobs, token_origins=list(self.origins),
+                            new_token_origins=self.origins[self.sent_ids:])
         self.sent_ids, self.sent_text = len(self.output), visible
         return out
 
@@ -480,7 +493,7 @@ class Engine:
             tokens = race(probs, rnd.exponential(Stream.SAMPLE, probs.shape[-1]))
         lps = self._logprobs(requests, raw[:, None], tokens[:, None])
         for i, (r, t) in enumerate(zip(requests, tokens.tolist())):
-            self._append(r, [t], None if lps is None else lps[i])
+            self._append(r, [t], None if lps is None else lps[i], origins=(PREFILL,))
         return requests
 
     def _logprobs(self, rows: list[_Request], logits: torch.Tensor, tokens: torch.Tensor) -> list | None:
@@ -554,7 +567,8 @@ class Engine:
             self.stats.observe(d, n, per_pos)
             if self.policy is not None:
                 self.policy.observe(r.spec_state, d, n)
-            self._append(r, toks[: n + 1], None if result.logprobs is None else result.logprobs[b])
+            self._append(r, toks[: n + 1], None if result.logprobs is None else result.logprobs[b],
+                         origins=(DRAFT,) * n + (TARGET,))
         if self.policy is not None:
             self.policy.observe_step(len(rows), k, time.perf_counter() - started)
         return list(rows)
@@ -658,13 +672,15 @@ class Engine:
                            accepted_nodes=[[i for i in row if i >= 0] for row in host["path"]],
                            target_tokens=host["target_tokens"], hidden=hidden, logprobs=lps)
 
-    def _append(self, r: _Request, tokens: list[int], logprobs: list[list[float]] | None = None) -> None:
-        """Commit emitted tokens (with their packed logprobs when asked), cutting at eos, a stop
-        string or max_tokens."""
+    def _append(self, r: _Request, tokens: list[int], logprobs: list[list[float]] | None = None, *,
+                origins: tuple[str, ...]) -> None:
+        """Commit emitted tokens (with their packed logprobs when asked, and each one's origin),
+        cutting at eos, a stop string or max_tokens."""
         stops = r.params.stop
         for i, t in enumerate(tokens):
             r.tokens.append(t)
             r.output.append(t)
+            r.origins.append(origins[i])
             if r.logprobs is not None and logprobs is not None:
                 r.logprobs.append(_token_logprob(logprobs[i], t, r.params.logprobs))
             if r.detok is not None:

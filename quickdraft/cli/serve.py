@@ -58,6 +58,8 @@ def serve_command(
     allowed_origins: Optional[str] = typer.Option(None, "--allowed-origins", help="Comma-separated browser "
                                                   "origins allowed to call the API cross-origin (CORS), e.g. "
                                                   "https://app.example.com; none by default."),
+    web: bool = typer.Option(True, "--web/--no-web", help="Serve the chat page at / (it shows each token's "
+                             "origin: draft, target, prefill; docs/web.md)."),
 ) -> None:
     """Serve the OpenAI API (completions, chat completions, streaming) with speculative decoding."""
     try:
@@ -106,7 +108,7 @@ def serve_command(
         origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
         _serve_replicas(llm_kwargs, replicas, host, port, dict(served_model_name=name, max_queue=max_queue,
                                                                api_key=api_key or None, allowed_origins=origins,
-                                                               chat_template=template, threads=threads))
+                                                               chat_template=template, threads=threads, web=web))
     opts.apply_threads(threads)
 
     if tp and opts.torchrun_follower():  # torchrun's ranks > 0 serve rank 0's steps, not HTTP
@@ -118,16 +120,17 @@ def serve_command(
         fail(f"--request-timeout must be > 0, got {request_timeout}")
     state = ServerState(load, name, max_queue=max_queue, chat_template=template, request_timeout=request_timeout)
     origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
-    app = build_app(state, api_key=api_key or None, allowed_origins=origins)
+    app = build_app(state, api_key=api_key or None, allowed_origins=origins, web=web)
     config = uvicorn_config(app, host, port, log_level, request_timeout)
     server = uvicorn.Server(config)
     shown_host = f"[{host}]" if ":" in host else host
 
     def ready() -> None:
         engine = state.llm.engine
+        page = f"; chat page at http://{shown_host}:{port}/" if web else ""
         print(f"quickdraft: serving {name!r} at http://{shown_host}:{port}/v1 "
               f"(method {engine.config.spec.method}, k {engine.k}, max {engine.config.max_num_seqs} running, "
-              f"context {engine.max_model_len}); ready", flush=True)
+              f"context {engine.max_model_len}){page}; ready", flush=True)
 
     def load_failed(message: str) -> None:
         server.should_exit = True

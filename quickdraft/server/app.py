@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine import RequestOutput
+from ..model.tokenizer import Detokenizer
 from ..errors import ContextLengthError, QuickdraftError
 from ..metrics import SpecStats
 from ..sampling import SamplingParams
@@ -49,6 +50,7 @@ from .async_engine import EngineDead, EngineError, QueueFull, now
 from .metrics import RequestTimer
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body, precheck
 from .state import ServerState  # with build_app, the entry point (serve.py, tests)
+from .web import add_web_page
 
 log = logging.getLogger("quickdraft.server")
 
@@ -107,9 +109,11 @@ class _Job:
 
 # ---- the app ------------------------------------------------------------------------------
 
-def build_app(state: ServerState, api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+def build_app(state: ServerState, api_key: str | None = None, allowed_origins: list[str] | None = None,
+              web: bool = True) -> FastAPI:
     """The server's app over `state` (which it starts and stops with the app's lifespan);
-    `api_key`: required on /v1/*; `allowed_origins`: browser origins allowed (CORS)."""
+    `api_key`: required on /v1/*; `allowed_origins`: browser origins allowed (CORS); `web`:
+    serve the chat page at / (web.py)."""
     app = FastAPI(title="quickdraft", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     add_access_control(app, api_key, allowed_origins,
@@ -122,6 +126,8 @@ def build_app(state: ServerState, api_key: str | None = None, allowed_origins: l
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    if web:
+        add_web_page(app)
     return app
 
 
@@ -399,7 +405,7 @@ async def _respond(state: ServerState, request: Request, prepared: _Prepared, ar
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         stream = _stream(state, job, rid, created, len(subs), prompts, chat, include_usage, req.return_token_ids,
-                         shape)
+                         req.return_token_origins, shape)
         return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(job.close),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
@@ -419,6 +425,8 @@ async def _respond(state: ServerState, request: Request, prepared: _Prepared, ar
         shape.add(choice, index, out, out.logprobs, first=True)
         if req.return_token_ids:
             choice["token_ids"] = list(out.token_ids)
+        if req.return_token_origins:
+            _add_origins(choice, out.token_origins, shape.token_texts(index, out.token_ids))
         choices.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name, "choices": choices, "usage": _usage(state, prompts, finals)}
@@ -442,6 +450,18 @@ class _Shape:
         self.echo = prepared.echo
         self.subs = prepared.subs
         self.offsets: dict[int, int] = {}  # completions: text offset reached per choice (streaming)
+        self.detoks: dict[int, Detokenizer] = {}  # return_token_origins: each token's text, per choice
+
+    def token_texts(self, index: int, token_ids: list[int]) -> list[str] | None:
+        """The text each of these tokens (the choice's next ones) adds, as the engine's detokenizer
+        spells it ("" for a token that ends inside a character: the next one carries it); None
+        without a tokenizer."""
+        if self.tok is None:
+            return None
+        if index not in self.detoks:
+            self.detoks[index] = Detokenizer(self.tok, self.subs[index].prompt)
+        detok = self.detoks[index]
+        return [detok.add(t) for t in token_ids]
 
     def echo_text(self, index: int) -> str:
         return "" if self.echo is None else self.echo[index // self.req.n]
@@ -466,7 +486,8 @@ class _Shape:
 
 
 async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int, prompts: list[list[int]],
-                  chat: bool, include_usage: bool, return_token_ids: bool, shape: _Shape) -> AsyncIterator[str]:
+                  chat: bool, include_usage: bool, return_token_ids: bool, return_token_origins: bool,
+                  shape: _Shape) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices: list[dict], **extra) -> str:
@@ -484,7 +505,8 @@ async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int,
             first = index not in started
             echo = first and shape.echo is not None
             if (not out.new_text and not out.finished and not echo
-                    and not ((return_token_ids or shape.n is not None) and out.new_token_ids)):
+                    and not ((return_token_ids or return_token_origins or shape.n is not None)
+                             and out.new_token_ids)):
                 continue
             started.add(index)
             choice: dict[str, Any] = {"index": index, "logprobs": None,
@@ -496,6 +518,8 @@ async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int,
             shape.add(choice, index, out, out.new_logprobs, first)
             if return_token_ids:
                 choice["token_ids"] = list(out.new_token_ids)
+            if return_token_origins:
+                _add_origins(choice, out.new_token_origins, shape.token_texts(index, out.new_token_ids))
             if out.finished:
                 finals[index] = out
             yield chunk([choice])
@@ -506,6 +530,14 @@ async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int,
     finally:
         job.close()
     yield "data: [DONE]\n\n"
+
+
+def _add_origins(choice: dict[str, Any], origins: list[str], texts: list[str] | None) -> None:
+    """The token-origin extension (return_token_origins): per token, its origin (engine.ORIGINS)
+    and its text."""
+    choice["token_origins"] = list(origins)
+    if texts is not None:
+        choice["token_texts"] = texts
 
 
 def _usage(state: ServerState, prompts: list[list[int]], outs: dict[int, RequestOutput]) -> dict[str, Any]:

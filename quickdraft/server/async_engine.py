@@ -74,8 +74,9 @@ Command = AddRequest | AbortRequest | Stop
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queue: int):
+    def __init__(self, engine: Engine, max_queue: int, on_step=None):
         self.engine = engine
+        self.on_step = on_step  # called with each step's seconds (on the engine thread; the metrics)
         self.max_queue = max_queue
         self.capacity = engine.config.max_num_seqs + max_queue  # requests held at once
         self.pending = 0  # requests submitted and not yet finished (touched by the event loop only)
@@ -144,7 +145,10 @@ class AsyncEngine:
                 if not engine.has_unfinished():
                     continue
                 try:
+                    started = time.perf_counter()
                     outputs = engine.step()
+                    if self.on_step is not None:
+                        self.on_step(time.perf_counter() - started)
                 except EngineFailure:  # nothing more can be served (a tensor-parallel rank is gone)
                     raise
                 except Exception as exc:  # fail only the requests this step worked on

@@ -54,6 +54,9 @@ class ServerMetrics:
         self.itl = Histogram("inter_token_latency_seconds",
                              "Time between output tokens (a step's time shared by the tokens it emitted).",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.step_time = Histogram("engine_step_seconds", "Time of one engine step (a prefill, or a decode / "
+                                   "verify step of the running batch).", buckets=_LATENCY_BUCKETS,
+                                   registry=self.registry)
         self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter("request_success", "Finished requests by finish reason.", ["finished_reason"],

@@ -126,6 +126,7 @@ class _Sampling(BaseModel):
     ignore_eos: StrictBool = False  # extra field (vLLM)
     num_speculative_tokens: StrictInt | None = Field(None, ge=0)  # extra field: this request's own k cap
     return_token_ids: StrictBool = False  # extra field (vLLM): token ids beside the text, per chunk when streaming
+    return_token_origins: StrictBool = False  # extra field: each token's origin and text (docs/server.md)
     user: StrictStr | None = None
     presence_penalty: _number("presence_penalty") | None = None
     frequency_penalty: _number("frequency_penalty") | None = None

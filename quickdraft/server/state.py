@@ -51,7 +51,7 @@ class ServerState:
             if llm.tokenizer is not None:
                 llm.tokenizer.release_gil = True  # prompts are tokenized on worker threads
                 llm.tokenizer.max_token_chars  # computed once, now
-            engine = AsyncEngine(llm.engine, self.max_queue)
+            engine = AsyncEngine(llm.engine, self.max_queue, on_step=self.metrics.step_time.observe)
             engine.on_dead = self.on_engine_dead
             engine.start(loop)
         except Exception as exc:  # noqa: BLE001 - reported and turned into an exit by the CLI
