@@ -155,6 +155,7 @@ async function answer(history, k) {
         if (e.status === 400 && e.param === "messages" && /chat template/.test(e.message) && $("mode").value === "auto"
             && !noChatTemplate) {
           noChatTemplate = true;
+          $("status").textContent = "no chat template on this model: the page asks for completions of your text";
           continue;
         }
         throw e;
@@ -220,8 +221,8 @@ function originClass(o) { return "tok o-" + (ORIGINS.includes(o) ? o : "other");
 
 function render(msg) {
   const box = el("div", "msg " + msg.role);
-  box.append(el("div", "role", msg.role === "user" ? "you" : msg.k !== undefined && msg.k !== null
-    ? `model · k = ${msg.k}` : "model"));
+  const role = el("div", "role");
+  box.append(role);
   const body = el("div", "body");
   box.append(body);
   const footer = el("div");
@@ -229,6 +230,8 @@ function render(msg) {
   $("messages").append(box);
   let shown = 0; // tokens already in the body
   const update = () => {
+    role.textContent = msg.role === "user" ? "you" : ["model", msg.mode === "completion" ? "completion" : null,
+      msg.k !== undefined && msg.k !== null ? `k = ${msg.k}` : null].filter(Boolean).join(" · ");
     if (msg.role === "user" || !msg.tokens) {
       body.textContent = msg.content;
     } else {
