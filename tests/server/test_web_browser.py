@@ -154,6 +154,8 @@ def test_page_chats_with_the_bundled_pair_and_shows_each_tokens_origin(browser, 
         plain = json.loads(p.locator(".msg.assistant .stats").nth(1).get_attribute("data-figures"))
         assert sent(page, "/v1/completions")["num_speculative_tokens"] == 0
         assert plain["counts"] == {"prefill": 1, "target": MAX_TOKENS - 1} and plain["num_drafts"] == 0
+        speedup = p.locator(".msg.assistant").nth(1).locator("[data-key=speedup] b").inner_text()
+        assert speedup == f"{figures['tokens_per_s'] / plain['tokens_per_s']:.2f}×"
 
         # stop: the answer ends where it was, the server drops the request
         p.fill("#max_tokens", "1000")

@@ -133,9 +133,10 @@ function mode() {
   return m === "auto" ? (noChatTemplate ? "completion" : "chat") : m;
 }
 
-async function answer(history, k) {
-  // stream one answer to `history` (ending with the user's message) into a new message
-  const msg = { role: "assistant", content: "", tokens: [], stats: null, k: k };
+async function answer(history, k, compared) {
+  // stream one answer to `history` (ending with the user's message) into a new message;
+  // `compared`: the tokens/s of the answer this one repeats without speculation
+  const msg = { role: "assistant", content: "", tokens: [], stats: null, k: k, compared: compared };
   conversation.push(msg);
   const view = render(msg);
   controller = new AbortController();
@@ -284,6 +285,9 @@ function statsView(msg) {
   }
   for (const o of Object.keys(s.counts)) item(o, String(s.counts[o]), "origin-" + o);
   if (msg.finish) item("finish", msg.finish, "finish");
+  if (msg.compared && s.tokens_per_s) {
+    item("speculation's speedup", fmt(msg.compared / s.tokens_per_s) + "×", "speedup");
+  }
   if (s.accepted_per_position && s.num_drafts) {
     const chart = el("span", "chart");
     chart.title = "acceptance by draft position: accepted at position i / drafting steps";
@@ -304,7 +308,7 @@ function actions(msg) {
   b.onclick = () => {
     const i = conversation.indexOf(msg);
     if (controller || i < 1) return;
-    answer(conversation.slice(0, i).filter((m) => m.role === "user" || !m.error), 0);
+    answer(conversation.slice(0, i).filter((m) => m.role === "user" || !m.error), 0, msg.stats.tokens_per_s);
   };
   box.append(b);
   return box;
