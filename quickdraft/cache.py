@@ -1,4 +1,4 @@
-"""Preallocated KV cache indexed by position.
+"""KV cache indexed by position, and the KV memory budget it grows within.
 
 Every slot (a row of the running batch) owns `capacity` positions per layer. A forward
 writes each token's key/value at its absolute position; attention reads keys at
@@ -10,10 +10,17 @@ can hold different lengths and accept different numbers of tokens in the same st
 Padding tokens (position -1) are written to one extra "trash" column past the
 capacity, which no query ever attends to; this keeps writes branch-free and shapes
 static for later CUDA-graph capture.
+
+The engine sizes the cache (rows x positions) for the requests it runs and resizes it as they
+come and go (`resize`: a copy of every cached entry, exact), within a `KVBudget`: the bytes all
+KV memory may take (the target's rows, the proposer's caches, and anything else that registers a
+claim, such as a prefix cache).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +78,18 @@ class KVCache:
         return cls(cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, capacity,
                    cfg.head_dim, p.dtype, p.device)
 
+    @staticmethod
+    def token_bytes(model) -> int:
+        """Bytes one position of one row takes in `model`'s cache (keys and values, every layer):
+        2 x layers x kv_heads x head_dim x the element size (a tensor-parallel target: this
+        rank's share of the heads)."""
+        per_rank = getattr(model, "kv_token_bytes", None)
+        if per_rank is not None:
+            return per_rank()
+        cfg = model.config
+        element = model.model.embed_tokens.weight.element_size()  # for_model's dtype
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
+
     def rows(self, start: int, end: int) -> CacheView:
         return CacheView([k[start:end] for k in self.k], [v[start:end] for v in self.v], self.capacity, self, start)
 
@@ -82,6 +101,28 @@ class KVCache:
         for layer in range(len(self.k)):
             self.k[layer][dst, :, :length] = self.k[layer][src, :, :length]
             self.v[layer][dst, :, :length] = self.v[layer][src, :, :length]
+
+    def resize(self, max_slots: int, capacity: int, keep: int) -> None:
+        """Become `max_slots` rows of `capacity` positions, keeping rows 0..keep-1's entries at
+        positions below min(old, new capacity) bit for bit (the caller keeps every row's length
+        within the new capacity). New memory is zeroed; the old tensors are freed as each layer
+        is copied, so the peak is one layer more than the larger of the two sizes."""
+        if max_slots == self.max_slots and capacity == self.capacity:
+            return
+        rows, cols = min(keep, max_slots, self.max_slots), min(capacity, self.capacity)
+        for layers in (self.k, self.v):
+            for i, t in enumerate(layers):
+                new = t.new_zeros(max_slots, t.shape[1], capacity + 1, t.shape[3])
+                new[:rows, :, :cols] = t[:rows, :, :cols]
+                layers[i] = new
+                del t
+        self.max_slots, self.capacity = max_slots, capacity
+        if self.k and self.k[0].device.type == "cuda":
+            for t in self.k + self.v:
+                try:
+                    torch._dynamo.mark_static_address(t)
+                except (AttributeError, RuntimeError):
+                    break
 
     def grow(self, capacity: int) -> None:
         """Make room for `capacity` positions per slot, keeping what is cached."""
@@ -108,3 +149,74 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def row_bytes(token_bytes: int, capacity: int) -> int:
+    """Bytes of one cache row of `capacity` positions (+ the trash column)."""
+    return token_bytes * (capacity + 1)
+
+
+class KVBudget:
+    """The bytes all KV memory of one engine may take, and who holds how much of it.
+
+    Holders `claim` what they hold under a name (the engine's rows: "rows"); a holder that can
+    give memory back (a prefix cache evicting) registers `release(nbytes) -> freed bytes`,
+    which `make_room` calls when another holder needs more than is free. `token_bytes` is the
+    bytes one position of one request takes: the target's cache plus the proposer's own."""
+
+    def __init__(self, total: int, token_bytes: int):
+        self.total = int(total)
+        self.token_bytes = int(token_bytes)
+        self.claims: dict[str, int] = {}
+        self._releasers: dict[str, Callable[[int], int]] = {}
+
+    def claim(self, name: str, nbytes: int) -> None:
+        """`name` now holds `nbytes` (replacing what it held before)."""
+        self.claims[name] = int(nbytes)
+
+    @property
+    def used(self) -> int:
+        return sum(self.claims.values())
+
+    def free_for(self, name: str) -> int:
+        """Bytes `name` may hold in all: the total less what every other holder holds."""
+        return self.total - sum(n for who, n in self.claims.items() if who != name)
+
+    def on_pressure(self, name: str, release: Callable[[int], int]) -> None:
+        """`release(nbytes)` frees up to nbytes of `name`'s memory (updating its claim) and returns
+        the bytes freed; called by make_room."""
+        self._releasers[name] = release
+
+    def make_room(self, name: str, nbytes: int) -> bool:
+        """Whether `name` can hold `nbytes` in all, asking the other holders to release memory
+        first where it cannot yet."""
+        for who, release in self._releasers.items():
+            short = nbytes - self.free_for(name)
+            if short <= 0:
+                break
+            if who != name:
+                release(short)
+        return nbytes <= self.free_for(name)
+
+    def row_tokens(self) -> int:
+        """The positions one row can hold when it has the whole budget."""
+        return max(0, self.total // self.token_bytes - 1)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new allocations on `device` now: the CUDA allocator's free memory on a
+    GPU, else the host's available memory (Linux: MemAvailable; elsewhere the free pages)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30  # nothing says: assume a small machine

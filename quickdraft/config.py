@@ -9,6 +9,7 @@ option: a silently wrong model is the worst possible failure for this engine.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,7 +160,17 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5  # k: draft tokens proposed per step (per request, at most)
 MAX_NUM_SPECULATIVE_TOKENS = 64  # the longest speculation any configuration may ask for
-DEFAULT_MAX_NUM_SEQS = 32  # rows of the running batch (KV-cache slots; a server preallocates them all: 64 would take ~24 GB for SmolLM2 at its 8,192-token context in float32)
+DEFAULT_MAX_NUM_SEQS = 32  # rows of the running batch (KV-cache slots, allocated as requests need them)
+# The KV memory budget (kv_cache_memory) when none is given: a fraction of the memory available
+# when the engine starts (after the weights are loaded). On a CPU the memory is shared with the OS
+# and everything else, and the caches are only taken as requests need them: half of what is
+# available leaves the rest for activations, logits and the other processes. On a GPU the device
+# is ours: most of what is free, less room for activations, logits and CUDA graphs.
+DEFAULT_KV_CACHE_MEMORY_CPU = 0.5
+DEFAULT_KV_CACHE_MEMORY_GPU = 0.8
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30,
+                 "t": 2**40}
 
 
 def _is_int(value: Any) -> bool:
@@ -180,6 +191,47 @@ def check_max_num_seqs(value: Any) -> int:
     if not _is_int(value) or value < 1:
         raise QuickdraftError(f"max_num_seqs must be an integer >= 1, got {value!r}")
     return value
+
+
+def check_kv_cache_memory(value: Any) -> int | float | None:
+    """The KV memory budget (kv_cache_memory, --kv-cache-memory): None (the default: a fraction
+    of the available memory, DEFAULT_KV_CACHE_MEMORY_*), a byte count (an integer >= 1, or text
+    such as "4GiB", "512MB", "1e9"), or a fraction of the available memory in (0, 1] (a float, or
+    text such as "0.5"). Returns None, an int (bytes) or a float (a fraction)."""
+    if value is None:
+        return None
+    bad = QuickdraftError(f"kv_cache_memory must be a byte count (e.g. 4GiB, 512MB, 1000000000) or a fraction "
+                          f"of the available memory in (0, 1] (e.g. 0.5), got {value!r}", field="kv_cache_memory")
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
+        if m is None or m.group(2) not in _MEMORY_UNITS:
+            raise bad
+        number, unit = float(m.group(1)), m.group(2)
+        if not unit and number <= 1 and "." in m.group(1):
+            value = number  # "0.5": a fraction
+        else:
+            value = int(number * _MEMORY_UNITS[unit])
+            if value < 1:
+                raise bad
+            return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad
+    if isinstance(value, int):
+        if value < 1:
+            raise bad
+        return value
+    if not 0 < value <= 1:
+        raise bad
+    return float(value)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count for people: 1.5 GiB, 46.1 KiB."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -206,15 +258,20 @@ class SpecConfig:
 class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # rows of the running batch (KV-cache slots)
-    max_model_len: int | None = None  # cache length per slot; None = the target's context length
+    max_model_len: int | None = None  # tokens per request; None = the target's context, or what the KV budget holds
     # The decode / verify / draft steps: False eager; True torch.compile (quickdraft.compile); "aot"
     # ahead-of-time compiled packages on CPU, built when missing; "auto" such packages when cached
     # (quickdraft.aot), else eager.
     compile: bool | str = False
-    preallocate: bool = False  # caches for max_num_seqs x max_model_len at once (a server); else sized per batch
+    # On a GPU: the caches for as many rows of max_model_len as the budget holds (up to max_num_seqs),
+    # allocated at the first request and never resized (static shapes and addresses for CUDA graphs;
+    # a server). Otherwise, and on a CPU always, the caches grow as requests need them, within the budget.
+    preallocate: bool = False
+    kv_cache_memory: int | float | str | None = None  # the KV budget: check_kv_cache_memory
 
     def __post_init__(self) -> None:
         check_max_num_seqs(self.max_num_seqs)
+        object.__setattr__(self, "kv_cache_memory", check_kv_cache_memory(self.kv_cache_memory))
         if self.max_model_len is not None and self.max_model_len < 2:
             raise QuickdraftError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.compile not in (False, True, "aot", "auto"):

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVCache, to_device
-from .config import EngineConfig
+from .cache import KVBudget, KVCache, available_memory, row_bytes, to_device
+from .config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
+                     format_bytes)
 from .errors import ContextLengthError, QuickdraftError
 from .metrics import SpecStats
 from .model.tokenizer import Detokenizer, Tokenizer
@@ -199,12 +200,12 @@ class Engine:
             self.aot_missing = self._use_packages(aot.load_or_build if config.compile == "aot" else aot.load)
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
-        ctx = target.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or ctx, ctx)
-        # Fixed-size caches (max_num_seqs rows x max_model_len) let requests join a running batch
-        # at any time; sized per batch (offline generate), they only fit what waited at the start.
-        self.fixed_size = config.max_model_len is not None or config.preallocate
         self.device = target.device
+        self.budget = self._make_budget(config)
+        self.max_model_len = self._max_model_len(config)
+        # On a GPU a server's caches are allocated once, at their largest (static shapes and addresses
+        # for CUDA graphs: config.preallocate); else they grow and shrink as requests need them.
+        self.fixed_size = config.preallocate and self.device.type != "cpu"
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.cache: KVCache | None = None
@@ -213,6 +214,78 @@ class Engine:
         self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
         self._admit_singly = 0  # admissions still to make one request per step (after a failed prefill)
         self._stepping: list[_Request] = []  # the requests the current step is prefilling
+
+    # ---- the KV memory budget ----------------------------------------------------------
+
+    def _make_budget(self, config: EngineConfig) -> KVBudget:
+        """The KV budget: config.kv_cache_memory bytes, or that fraction of the memory available
+        now (after the weights loaded); by default a fraction (DEFAULT_KV_CACHE_MEMORY_*) of it,
+        but never more than max_num_seqs rows of the longest request could use."""
+        token_bytes = KVCache.token_bytes(self.target)
+        if self.proposer is not None and self.k > 0:
+            token_bytes += self.proposer.kv_token_bytes()
+        asked = config.kv_cache_memory
+        if isinstance(asked, int):
+            return KVBudget(asked, token_bytes)
+        cpu = self.device.type == "cpu"
+        fraction = asked if asked is not None else DEFAULT_KV_CACHE_MEMORY_CPU if cpu else DEFAULT_KV_CACHE_MEMORY_GPU
+        total = int(fraction * available_memory(self.device))
+        if asked is None:
+            ctx = min(config.max_model_len or self.target.config.max_position_embeddings,
+                      self.target.config.max_position_embeddings)
+            total = min(total, config.max_num_seqs * row_bytes(token_bytes, ctx + self._draft_room + 1))
+        return KVBudget(total, token_bytes)
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        """Tokens per request (prompt + max_tokens): the model's context, what one request can
+        hold within the budget, and config.max_model_len, whichever is least."""
+        ctx = self.target.config.max_position_embeddings
+        self.budget_len = self.budget.row_tokens() - self._draft_room - 1  # one request with the whole budget
+        if self.budget_len < 2:
+            raise QuickdraftError(
+                f"the KV cache budget ({format_bytes(self.budget.total)}) holds {max(0, self.budget.row_tokens())} "
+                f"positions at {format_bytes(self.budget.token_bytes)} per token: too few for one request "
+                f"({self._draft_room + 3} at least); give kv_cache_memory more", field="kv_cache_memory")
+        if config.max_model_len is not None and config.max_model_len > self.budget_len:
+            raise QuickdraftError(
+                f"max_model_len {config.max_model_len} does not fit the KV cache budget "
+                f"({format_bytes(self.budget.total)} holds {self.budget_len} tokens for one request at "
+                f"{format_bytes(self.budget.token_bytes)} per token): lower max_model_len or raise kv_cache_memory",
+                field="max_model_len")
+        return min(config.max_model_len or ctx, ctx, self.budget_len)
+
+    def memory_summary(self) -> str:
+        """One line for a server's log: the budget, bytes per token, max_model_len, and the
+        requests of that length the budget holds at once."""
+        b = self.budget
+        full = b.total // row_bytes(b.token_bytes, self.max_model_len + self._draft_room + 1)
+        how = "allocated once" if self.fixed_size else "taken as requests need it"
+        return (f"KV cache budget {format_bytes(b.total)} ({how}), {b.token_bytes:,} bytes per token, "
+                f"max_model_len {self.max_model_len} (the model's context "
+                f"{self.target.config.max_position_embeddings}), {full} requests of that length at once")
+
+    def context_text(self) -> str:
+        """What bounds max_model_len, for errors: the model's context, or the KV budget."""
+        ctx = self.target.config.max_position_embeddings
+        if self.max_model_len == self.budget_len and self.budget_len < ctx:
+            return (f"the longest request the KV cache budget holds ({self.max_model_len} tokens: "
+                    f"{format_bytes(self.budget.total)} at {format_bytes(self.budget.token_bytes)} per token; "
+                    f"the model's context is {ctx})")
+        return f"the model's context length ({self.max_model_len})"
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV caches hold now (the target's and the proposer's rows)."""
+        return self.budget.claims.get("rows", 0)
+
+    def release_caches(self) -> None:
+        """With no request running: free the caches (the next request allocates what it needs).
+        A no-op while requests run, and for caches allocated once (config.preallocate on a GPU)."""
+        if self.running or self.cache is None or self.fixed_size:
+            return
+        self.cache = None
+        if self.proposer is not None:
+            self.proposer.resize(0, 0, 0)
+        self.budget.claim("rows", 0)
 
     def _use_packages(self, make) -> list[str]:
         """Run the target's and the proposer's forwards through the AOT packages `make(model,
@@ -321,7 +394,7 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_model_len:  # the prompt's fault if no max_tokens fits
             raise ContextLengthError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(prompt) + params.max_tokens} exceeds the model's context length ({self.max_model_len})",
+                f"{len(prompt) + params.max_tokens} exceeds {self.context_text()}",
                 field="prompt" if len(prompt) >= self.max_model_len else "max_tokens")
         if params.prompt_logprobs is not None and getattr(self.target, "split_head", False):
             raise QuickdraftError("prompt_logprobs need the whole lm_head on rank 0; this tensor-parallel target splits "
@@ -406,19 +479,26 @@ class Engine:
         return len(r.prompt) + r.params.max_tokens + self._draft_room + 1  # + room for drafts past the end
 
     def _admit(self) -> list[_Request]:
+        """Take waiting requests, in order, while the batch has a row for the next one and the
+        caches can hold it (within the KV budget); the caches then grow to hold them. A request
+        that does not fit yet waits (the budget frees up as running requests finish)."""
         if not self.waiting:
             return []
-        if not self.running:
-            self._size_cache()
-        admitted = []
-        while (self.waiting and len(self.running) + len(admitted) < self.cache.max_slots
-               and self._capacity_needed(self.waiting[0]) <= self.cache.capacity):
+        admitted: list[_Request] = []
+        rows = len(self.running)
+        capacity = max((self._capacity_needed(r) for r in self.running), default=0)
+        while self.waiting and rows < self.config.max_num_seqs:
+            need = max(capacity, self._capacity_needed(self.waiting[0]))
+            if not self._fits(rows + 1, need):
+                break
             admitted.append(self.waiting.popleft())
+            rows, capacity = rows + 1, need
             if self._admit_singly:
                 self._admit_singly -= 1
                 break
+        if admitted:
+            self._size_cache(rows, capacity)
         return admitted
-
     def recover_failed_step(self) -> tuple[list[_Request], bool]:
         """After step() raised: if it was prefilling, take those requests out of the batch,
         reset, and return them with True; else return the running batch with False (whose
@@ -439,18 +519,49 @@ class Engine:
         self.waiting.extendleft(reversed(requests))
         self._admit_singly = len(requests)
 
-    def _size_cache(self) -> None:
+    def _full_capacity(self) -> int:
+        return self.max_model_len + self._draft_room + 1
+
+    def _fixed_rows(self) -> int:
+        """Rows of max_model_len the caches allocated once hold: what the budget affords, up to max_num_seqs."""
+        afford = self.budget.free_for("rows") // row_bytes(self.budget.token_bytes, self._full_capacity())
+        return max(1, min(self.config.max_num_seqs, afford))
+
+    def _fits(self, rows: int, capacity: int) -> bool:
+        """Whether caches of `rows` x `capacity` positions fit (the budget, or the fixed caches)."""
         if self.fixed_size:
-            slots, capacity = self.config.max_num_seqs, self.max_model_len + self._draft_room + 1
-        else:  # the engine is idle: size the caches for the requests now waiting
-            batch = list(self.waiting)[: self.config.max_num_seqs]
-            slots, capacity = len(batch), max(self._capacity_needed(r) for r in batch)
+            return rows <= (self.cache.max_slots if self.cache is not None else self._fixed_rows())
+        return self.budget.make_room("rows", rows * row_bytes(self.budget.token_bytes, capacity))
+
+    def _size_cache(self, rows: int, capacity: int) -> None:
+        """Make the caches hold `rows` rows of `capacity` positions, keeping the running rows'
+        entries exactly. Growth is geometric (rows and positions to the next power of two, at
+        least doubling) so that it copies rarely; where that exceeds the budget, the least that
+        fits (_fits checked that rows x capacity does)."""
         c = self.cache
-        if c is None or c.max_slots < slots or c.capacity < capacity:
-            self.cache = None
-            self.cache = KVCache.for_model(self.target, slots, capacity)
-            if self.proposer is not None:
-                self.proposer.reserve(slots, capacity)
+        if c is not None and c.max_slots >= rows and c.capacity >= capacity:
+            return
+        if self.fixed_size:
+            shape = (self._fixed_rows(), self._full_capacity())
+        else:
+            r0, c0 = (0, 0) if c is None else (c.max_slots, c.capacity)
+            grown_rows = r0 if rows <= r0 else min(self.config.max_num_seqs, max(_pow2(rows), 2 * r0))
+            grown_cap = c0 if capacity <= c0 else min(self._full_capacity(), max(_pow2(capacity), 2 * c0))
+            free = self.budget.free_for("rows")
+            token_bytes = self.budget.token_bytes
+            shape = next(((r, p) for r, p in ((grown_rows, grown_cap), (max(r0, rows), max(c0, capacity)),
+                                               (rows, max(c0, capacity)), (max(r0, rows), capacity))
+                          if r * row_bytes(token_bytes, p) <= free), (rows, capacity))
+        keep = len(self.running)
+        if c is None:
+            self.cache = KVCache.for_model(self.target, *shape)
+        else:
+            c.resize(*shape, keep)
+        if self.proposer is not None:
+            self.proposer.resize(*shape, keep)
+        self.budget.claim("rows", shape[0] * row_bytes(self.budget.token_bytes, shape[1]))
+        log.debug("quickdraft: KV caches now %d rows x %d positions (%s)", shape[0], shape[1],
+                  format_bytes(self.kv_cache_bytes()))
 
     def _prefill(self, requests: list[_Request]) -> list[_Request]:
         start = len(self.running)
@@ -726,6 +837,11 @@ class Engine:
             self.running.pop()
         if changed:
             self._batch_sampling = None
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _limit_depth(draft: Draft, ks: list[int]) -> Draft:

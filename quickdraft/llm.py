@@ -12,7 +12,7 @@ import torch
 
 from . import aot
 from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, EngineConfig, SpecConfig,
-                     check_max_num_seqs, check_num_speculative_tokens)
+                     check_kv_cache_memory, check_max_num_seqs, check_num_speculative_tokens)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
@@ -66,7 +66,8 @@ class LLM:
                  profile: str | Path | None = None, compile: bool | str | None = None,
                  quantization: str | None = None, draft_quantization: str | None = None,
                  preallocate: bool = False, draft_dtype: str | torch.dtype | None = None,
-                 tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None):
+                 tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None,
+                 kv_cache_memory: int | float | str | None = None):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
         then cached on disk) before the first token; False: eager. None (default): CUDA graphs on
@@ -78,14 +79,20 @@ class LLM:
         otherwise, since its draft step streams its weights and int8 halves that at the same
         acceptance (README, "EAGLE-3"). draft_dtype: the
         draft's precision when it should differ from the target's (`dtype`); it changes
-        acceptance and speed only, never the output's distribution. preallocate: KV
-        caches for max_num_seqs requests of max_model_len tokens at once, so requests can join
-        a running batch whenever a row is free (what a server wants); else they are sized for
-        each batch of generate(). tensor_parallel_size: the target split over this many ranks
+        acceptance and speed only, never the output's distribution. kv_cache_memory: the
+        KV memory budget of every request's caches (the target's and the proposer's): bytes (an
+        int, or "4GiB", "512MB") or a fraction of the memory available after loading ("0.5", 0.5);
+        default a fraction of it (config.DEFAULT_KV_CACHE_MEMORY_CPU / _GPU). The caches grow as
+        requests need them within it, and max_model_len defaults to what the model and the budget
+        allow (docs/server.md, "KV memory"). preallocate: on a GPU, allocate the caches once at
+        their largest (as many rows of max_model_len as the budget holds, up to max_num_seqs:
+        static shapes for CUDA graphs; a server); on a CPU the caches grow as needed whatever it
+        says. tensor_parallel_size: the target split over this many ranks
         (quickdraft.parallel; processes spawned here, or joined under torchrun);
         tensor_parallel_options: lm_head ("rank0" | "vocab"), timeout_s (collectives)."""
         check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
         check_max_num_seqs(max_num_seqs)
+        check_kv_cache_memory(kv_cache_memory)
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():
@@ -145,7 +152,7 @@ class LLM:
         if compile is None:
             compile = True if dev.type == "cuda" else "auto"
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
-                              preallocate=preallocate)
+                              preallocate=preallocate, kv_cache_memory=kv_cache_memory)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
         self.aot_build = None  # the background build of missing AOT packages, if this LLM started one

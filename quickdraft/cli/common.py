@@ -19,7 +19,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_NUM_SPECULATIVE_TOKENS,
+from ..config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, DEFAULT_MAX_NUM_SEQS,
+                      DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_NUM_SPECULATIVE_TOKENS, check_kv_cache_memory,
                       check_max_num_seqs, check_num_speculative_tokens)
 from ..errors import QuickdraftError
 from ..sampling import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams, check_field
@@ -178,6 +179,13 @@ def max_num_seqs_option(default: int = DEFAULT_MAX_NUM_SEQS, why: str = ""):
 
 
 MAX_NUM_SEQS = max_num_seqs_option()
+KV_CACHE_MEMORY = typer.Option(None, "--kv-cache-memory", help="KV memory budget of all requests' caches (the "
+                               "target's and the draft's): bytes (4GiB, 512MB, 1000000000) or a fraction of the "
+                               "memory available after loading (0.5). Caches grow as requests need them within it; "
+                               f"default {DEFAULT_KV_CACHE_MEMORY_CPU:g} of the available RAM on a CPU, "
+                               f"{DEFAULT_KV_CACHE_MEMORY_GPU:g} of the free memory on a GPU (never more than "
+                               "--max-num-seqs requests of the model's context use).",
+                               callback=checked(check_kv_cache_memory, "--kv-cache-memory"))
 THREADS = typer.Option(None, "--threads", help="CPU threads torch uses (default: PyTorch's, one per core).",
                        callback=checked(check_threads))
 TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates per depth (>1 = token tree).")

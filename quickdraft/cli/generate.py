@@ -50,6 +50,7 @@ def generate(
     tensor_parallel_size: int = opts.TENSOR_PARALLEL_SIZE,
     tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
     threads: Optional[int] = opts.THREADS,
+    kv_cache_memory: Optional[str] = opts.KV_CACHE_MEMORY,
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from ..llm import LLM
@@ -64,7 +65,7 @@ def generate(
     tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
               spec_options=options, policy=policy, profile=profile, compile="aot" if aot else compile, quantization=quantization,
-              draft_quantization=draft_quantization, draft_dtype=draft_dtype, **tp)
+              draft_quantization=draft_quantization, draft_dtype=draft_dtype, kv_cache_memory=kv_cache_memory, **tp)
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = parse_ids(prompt, "--ids (PROMPT)") if ids else prompt

@@ -28,9 +28,10 @@ def serve_command(
     port: int = typer.Option(8000, "--port"),
     max_num_seqs: int = opts.MAX_NUM_SEQS,
     max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting for a slot at most (then 429)."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context per request "
-                                                "(default: the model's). KV caches for --max-num-seqs requests "
-                                                "of this length are allocated at start-up."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Tokens per request, prompt and "
+                                                "answer (default: the model's context, or what --kv-cache-memory "
+                                                "holds for one request if less)."),
+    kv_cache_memory: Optional[str] = opts.KV_CACHE_MEMORY,
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients "
                                                     "send (default: the target path, or 'quickdraft-default')."),
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="A jinja chat template file "
@@ -95,7 +96,7 @@ def serve_command(
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
                       profile=None if profile is None else str(profile), compile="aot" if aot else compile,
                       quantization=quantization, draft_quantization=draft_quantization, draft_dtype=draft_dtype,
-                      preallocate=True, **tp)
+                      preallocate=True, kv_cache_memory=kv_cache_memory, **tp)
 
     def load():
         from ..llm import LLM
@@ -128,6 +129,7 @@ def serve_command(
     def ready() -> None:
         engine = state.llm.engine
         page = f"; chat page at http://{shown_host}:{port}/" if web else ""
+        print(f"quickdraft: {engine.memory_summary()}", flush=True)
         print(f"quickdraft: serving {name!r} at http://{shown_host}:{port}/v1 "
               f"(method {engine.config.spec.method}, k {engine.k}, max {engine.config.max_num_seqs} running, "
               f"context {engine.max_model_len}){page}; ready", flush=True)

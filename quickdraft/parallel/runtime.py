@@ -165,6 +165,11 @@ class TensorParallelTarget(nn.Module):
         return self._call("new_cache", dict(cache=cid, slots=max_slots, capacity=capacity),
                           local=lambda: ShardedKVCache(self, cid, max_slots, capacity))
 
+    def kv_token_bytes(self) -> int:
+        """KVCache.token_bytes' hook: one position of one row of this rank's cache."""
+        cfg = self.plan.cfg
+        return 2 * cfg.num_hidden_layers * self.plan.kv_heads * cfg.head_dim * self.dtype.itemsize
+
     def release(self) -> None:
         """One user is done with the target; the last one closes the group."""
         self.users -= 1
@@ -218,6 +223,12 @@ class ShardedKVCache(KVCache):
             return
         self._send("grow", dict(capacity=capacity), local=lambda: KVCache.grow(self, capacity))
 
+    def resize(self, max_slots: int, capacity: int, keep: int) -> None:
+        if max_slots == self.max_slots and capacity == self.capacity:
+            return
+        self._send("resize", dict(slots=max_slots, capacity=capacity, keep=keep),
+                   local=lambda: KVCache.resize(self, max_slots, capacity, keep))
+
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._send("compact", {}, (src, dst), local=lambda: KVCache.compact(self, src, dst))
 
@@ -250,6 +261,8 @@ def follow(shard: nn.Module, group: TPGroup, step=None) -> None:
                 caches[meta["cache"]].move_row(meta["src"], meta["dst"], meta["length"])
             elif op == "grow":
                 caches[meta["cache"]].grow(meta["capacity"])
+            elif op == "resize":
+                caches[meta["cache"]].resize(meta["slots"], meta["capacity"], meta["keep"])
             elif op == "compact":
                 caches[meta["cache"]].compact(*tensors)
             elif op == "stop":

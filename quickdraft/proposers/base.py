@@ -128,6 +128,17 @@ class Proposer:
     def reserve(self, max_slots: int, capacity: int) -> None:
         """Prepare state for up to `max_slots` rows of `capacity` positions."""
 
+    def resize(self, max_slots: int, capacity: int, keep: int) -> None:
+        """Hold state for `max_slots` rows of `capacity` positions from now on, keeping rows
+        0..keep-1's state exactly (the engine's cache grows or shrinks under its running
+        requests); max_slots 0 frees it all. By default: reserve."""
+        self.reserve(max_slots, capacity)
+
+    def kv_token_bytes(self) -> int:
+        """Bytes of this proposer's own caches per position of one row (what `resize` allocates
+        per row and position), counted in the engine's KV budget; 0 when it holds none."""
+        return 0
+
     def start(self, row: int, prompt: list[int]) -> None:
         """A new request now occupies `row`."""
 

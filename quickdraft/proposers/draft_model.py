@@ -146,6 +146,18 @@ class DraftModelProposer(Proposer):
             self.cache = KVCache.for_model(self.model, max_slots, capacity)
         self.cached = [0] * max_slots
 
+    def resize(self, max_slots: int, capacity: int, keep: int) -> None:
+        if max_slots == 0:
+            self.cache, self.cached = None, []
+        elif self.cache is None:
+            self.reserve(max_slots, capacity)
+        else:
+            self.cache.resize(max_slots, capacity, keep)
+            self.cached = (self.cached + [0] * max_slots)[:max_slots]
+
+    def kv_token_bytes(self) -> int:
+        return KVCache.token_bytes(self.model)
+
     def start(self, row: int, prompt: list[int]) -> None:
         self.cached[row] = 0
 

@@ -87,6 +87,20 @@ class Eagle3Proposer(Proposer):
         self.cached = [0] * max_slots
         self.pending = [[] for _ in range(max_slots)]
 
+    def resize(self, max_slots: int, capacity: int, keep: int) -> None:
+        if max_slots == 0:
+            self.cache, self.cached, self.pending = None, [], []
+        elif self.cache is None:
+            self.reserve(max_slots, capacity)
+        else:
+            self.cache.resize(max_slots, capacity, keep)
+            self.cached = (self.cached + [0] * max_slots)[:max_slots]
+            self.pending = (self.pending + [[] for _ in range(max_slots)])[:max_slots]
+
+    def kv_token_bytes(self) -> int:
+        cfg = self.head.config
+        return 2 * cfg.num_key_value_heads * cfg.head_dim * self.head.dtype.itemsize  # one layer
+
     def start(self, row: int, prompt: list[int]) -> None:
         self.cached[row] = 0
         self.pending[row] = []

@@ -375,8 +375,8 @@ def _body_field(field: str | None, req) -> str | None:
 def _check(engine, req, prompt: list[int], params: SamplingParams) -> None:
     if len(prompt) >= engine.max_model_len:  # no max_tokens could make it fit: name the prompt
         what = "messages take" if isinstance(req, ChatCompletionRequest) else "prompt takes"
-        raise APIError(400, f"the {what} {len(prompt)} tokens, the model's context length is "
-                       f"{engine.max_model_len}: no room to answer", _body_field("prompt", req),
+        raise APIError(400, f"the {what} {len(prompt)} tokens, {engine.context_text()} is "
+                       "the limit: no room to answer", _body_field("prompt", req),
                        code="context_length_exceeded")
     try:
         engine.check_request(prompt, params, req.num_speculative_tokens)

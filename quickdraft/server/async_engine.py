@@ -140,7 +140,10 @@ class AsyncEngine:
         engine = self.engine
         try:
             while True:
-                if not self._apply_commands(block=not engine.has_unfinished()):
+                idle = not engine.has_unfinished()
+                if idle:  # at rest the server holds no KV memory (the next request allocates its own)
+                    engine.release_caches()
+                if not self._apply_commands(block=idle):
                     return
                 if not engine.has_unfinished():
                     continue
