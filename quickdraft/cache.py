@@ -86,9 +86,7 @@ class KVCache:
         per_rank = getattr(model, "kv_token_bytes", None)
         if per_rank is not None:
             return per_rank()
-        cfg = model.config
-        element = model.model.embed_tokens.weight.element_size()  # for_model's dtype
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
+        return model.config.kv_token_bytes(model.model.embed_tokens.weight.element_size())  # for_model's dtype
 
     def rows(self, start: int, end: int) -> CacheView:
         return CacheView([k[start:end] for k in self.k], [v[start:end] for v in self.v], self.capacity, self, start)
@@ -176,7 +174,7 @@ class KVBudget:
 
     @property
     def used(self) -> int:
-        return sum(self.claims.values())
+        return sum(list(self.claims.values()))  # a copy: other threads (metrics) read it while holders claim
 
     def free_for(self, name: str) -> int:
         """Bytes `name` may hold in all: the total less what every other holder holds."""

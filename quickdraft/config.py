@@ -119,6 +119,11 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
         )
 
+    def kv_token_bytes(self, element_size: int) -> int:
+        """KV-cache bytes of one token (one position of one row): keys and values of every layer,
+        2 x layers x kv_heads x head_dim x element_size (4 for float32, 2 for bfloat16)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
+
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)

@@ -185,7 +185,7 @@ KV_CACHE_MEMORY = typer.Option(None, "--kv-cache-memory", help="KV memory budget
                                f"default {DEFAULT_KV_CACHE_MEMORY_CPU:g} of the available RAM on a CPU, "
                                f"{DEFAULT_KV_CACHE_MEMORY_GPU:g} of the free memory on a GPU (never more than "
                                "--max-num-seqs requests of the model's context use).",
-                               callback=checked(check_kv_cache_memory, "--kv-cache-memory"))
+                               callback=checked(check_kv_cache_memory))
 THREADS = typer.Option(None, "--threads", help="CPU threads torch uses (default: PyTorch's, one per core).",
                        callback=checked(check_threads))
 TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates per depth (>1 = token tree).")

@@ -20,13 +20,30 @@ def models_command() -> None:
     from ..model.sources import cache_dir, catalogue
 
     table = Table(title=f"named models (cache: {cache_dir()})")
-    for column in ("name", "description", "size", "license", "default draft", "cached"):
+    for column in ("name", "description", "size", "license", "default draft", "KV per token", "cached"):
         table.add_column(column)
     for info in catalogue():
         e = info.entry
         table.add_row(e.name, e.description, f"{e.size / 1e6:.0f} MB", e.license, e.default_draft or "-",
+                      _kv_per_token(info.path) if info.cached else "-",
                       str(info.path) if info.cached else "no (fetched on first use, or `quickdraft pull`)")
     out.print(table)
+    out.print("KV per token: the KV cache one token of a request takes (2 x layers x kv_heads x head_dim x 4 bytes "
+              "in float32, the CPU default; half in bfloat16), what --kv-cache-memory is spent on; a draft "
+              "model's or EAGLE-3 head's own cache adds its share (docs/server.md, \"KV memory\").")
+
+
+def _kv_per_token(path: Path) -> str:
+    """A cached model's KV bytes per token, float32 / bfloat16 (its config read, no weights)."""
+    from ..config import ModelConfig, format_bytes
+    from ..model.gguf import hf_config, is_gguf_file, read_gguf
+
+    try:
+        cfg = ModelConfig.from_hf(hf_config(read_gguf(path))) if is_gguf_file(path) else \
+            ModelConfig.from_file(Path(path) / "config.json")
+    except Exception as exc:  # noqa: BLE001 - a listing never fails on one unreadable file
+        return f"? ({type(exc).__name__})"
+    return f"{format_bytes(cfg.kv_token_bytes(4))} / {format_bytes(cfg.kv_token_bytes(2))}"
 
 
 @user_errors

@@ -98,8 +98,8 @@ class Eagle3Proposer(Proposer):
             self.pending = (self.pending + [[] for _ in range(max_slots)])[:max_slots]
 
     def kv_token_bytes(self) -> int:
-        cfg = self.head.config
-        return 2 * cfg.num_key_value_heads * cfg.head_dim * self.head.dtype.itemsize  # one layer
+        cfg = self.head.config  # one decoder layer
+        return 2 * cfg.num_key_value_heads * cfg.head_dim * self.head.dtype.itemsize
 
     def start(self, row: int, prompt: list[int]) -> None:
         self.cached[row] = 0

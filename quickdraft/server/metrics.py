@@ -43,6 +43,11 @@ class _EngineCollector:
                                 value=engine.num_running if engine is not None else 0)
         yield GaugeMetricFamily("num_requests_waiting", "Requests accepted and waiting for a batch slot.",
                                 value=engine.num_waiting if engine is not None else 0)
+        budget = engine.engine.budget if engine is not None else None
+        yield GaugeMetricFamily("kv_cache_bytes", "KV memory held now (every holder in the budget: the requests' "
+                                "caches, the proposer's).", value=budget.used if budget else 0)
+        yield GaugeMetricFamily("kv_cache_budget_bytes", "The KV memory budget (--kv-cache-memory).",
+                                value=budget.total if budget else 0)
 
 
 class ServerMetrics:

@@ -240,7 +240,7 @@ class ChatCompletionRequest(_Sampling):
 class Limits:
     """What no request can exceed and still be served, known without tokenizing."""
     max_sequences: int  # engine requests held at once (--max-num-seqs + --max-queue)
-    context: int  # tokens per request (the model's context length)
+    context: int  # tokens per request (max_model_len: the model's context, or less where the KV budget holds less)
     max_chars: int | None  # characters of one prompt (context x the most characters one token spells)
     max_messages: int  # messages of one chat (each takes at least one token of any real template)
 
@@ -263,16 +263,16 @@ def precheck(data: Any, limits: Limits) -> None:
                        else "n", code="request_too_large")
     for p in prompts:
         if isinstance(p, str) and limits.max_chars is not None and len(p) > limits.max_chars:
-            raise APIError(400, f"the prompt has {len(p)} characters: more than the model's context length "
+            raise APIError(400, f"the prompt has {len(p)} characters: more than the context length "
                            f"({limits.context} tokens) can hold ({limits.max_chars} characters at most)",
                            "prompt", code="context_length_exceeded")
         if isinstance(p, list) and len(p) >= limits.context:
-            raise APIError(400, f"the prompt takes {len(p)} tokens, the model's context length is "
+            raise APIError(400, f"the prompt takes {len(p)} tokens, the context length (max_model_len) is "
                            f"{limits.context}: no room to answer", "prompt", code="context_length_exceeded")
     messages = data.get("messages")
     if isinstance(messages, list):
         if len(messages) > limits.max_messages:
-            raise APIError(400, f"{len(messages)} messages: more than the model's context length "
+            raise APIError(400, f"{len(messages)} messages: more than the context length "
                            f"({limits.context} tokens) can hold ({limits.max_messages} messages at most)",
                            "messages", code="context_length_exceeded")
         if limits.max_chars is not None:
@@ -283,7 +283,7 @@ def precheck(data: Any, limits: Limits) -> None:
                 chars += sum(len(x) if isinstance(x, str) else len(x.get("text", "")) if isinstance(x, dict)
                              and isinstance(x.get("text"), str) else 0 for x in parts)
             if chars > limits.max_chars:
-                raise APIError(400, f"the messages have {chars} characters: more than the model's context length "
+                raise APIError(400, f"the messages have {chars} characters: more than the context length "
                                f"({limits.context} tokens) can hold ({limits.max_chars} characters at most)",
                                "messages", code="context_length_exceeded")
 

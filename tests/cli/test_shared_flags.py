@@ -128,3 +128,16 @@ def test_spec_config_and_llm_share_the_k_check(k):
             SpecConfig(method=method, num_speculative_tokens=k)
         assert str(spec.value) == str(one.value)
     assert _library_message(num_speculative_tokens=k) == str(one.value)
+
+
+def test_kv_cache_memory_is_one_flag_with_the_library_default_and_check():
+    uses = dict(flags("--kv-cache-memory"))
+    assert set(uses) >= {"serve", "generate"}
+    for name, p in uses.items():
+        assert p.default is None and p.help == common.KV_CACHE_MEMORY.help, name
+    assert inspect.signature(LLM).parameters["kv_cache_memory"].default is None
+    assert EngineConfig().kv_cache_memory is None
+    message = _library_message(kv_cache_memory="lots")
+    for command in ("serve", "generate"):
+        r = run(command, "--kv-cache-memory", "lots", *(["hi"] if command == "generate" else []))
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {message}", r.stderr
