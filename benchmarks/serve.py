@@ -16,9 +16,10 @@ stops paying (its median TPOT reaches plain decoding's).
     python benchmarks/serve.py --rates 4 --num-requests 2 --max-tokens 4 --warmup 0 --max-num-seqs 2 \
         --profile PROFILE.json --out-dir /tmp/x       # a smoke test
 
-(--max-model-len makes the servers preallocate their caches for --max-num-seqs requests;
-without it a server sizes its cache for the requests waiting when it was last idle, and
-admits no more than that until its batch empties: the second command measures that.)
+(--max-model-len caps the servers' request length; their KV caches grow as requests arrive,
+within the KV memory budget, and are freed when idle: docs/server.md, "KV memory". Results
+named *_dynamic_cache predate that: they measured a server that sized its cache for the
+requests waiting when it was last idle.)
 """
 
 from __future__ import annotations
@@ -223,8 +224,7 @@ def main() -> None:
                     help="goodput cost profile (relative to the repository root, where the servers run)")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=None,
-                    help="passed to the servers: caches preallocated for --max-num-seqs requests of this length "
-                         "(without it the server sizes its cache for the requests waiting when it was idle)")
+                    help="passed to the servers: the longest request (prompt + answer) they serve")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks/results")

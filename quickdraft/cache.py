@@ -201,6 +201,26 @@ class KVBudget:
         return max(0, self.total // self.token_bytes - 1)
 
 
+def return_freed_memory() -> None:
+    """Hand memory freed on the host back to the OS (glibc keeps freed blocks below its mmap
+    threshold, such as one small row's per-layer tensors, in its arenas: the process's resident
+    memory would not drop). A no-op where there is no glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = False
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            pass
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
 def available_memory(device: torch.device) -> int:
     """Bytes free for new allocations on `device` now: the CUDA allocator's free memory on a
     GPU, else the host's available memory (Linux: MemAvailable; elsewhere the free pages)."""

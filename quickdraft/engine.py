@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import KVBudget, KVCache, available_memory, row_bytes, to_device
+from .cache import KVBudget, KVCache, available_memory, return_freed_memory, row_bytes, to_device
 from .config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
                      format_bytes)
 from .errors import ContextLengthError, QuickdraftError
@@ -286,6 +286,8 @@ class Engine:
         if self.proposer is not None:
             self.proposer.resize(0, 0, 0)
         self.budget.claim("rows", 0)
+        if self.device.type == "cpu":
+            return_freed_memory()
 
     def _use_packages(self, make) -> list[str]:
         """Run the target's and the proposer's forwards through the AOT packages `make(model,

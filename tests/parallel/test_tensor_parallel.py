@@ -76,7 +76,7 @@ def test_seeded_sampling_matches_the_single_process(tp_llms):
 
 def test_streaming_and_a_request_joining_a_running_batch(tp_llms, reference):
     _, params, expected = reference
-    llm = tp_llms("draft", max_model_len=256)  # fixed-size caches: requests join the running batch
+    llm = tp_llms("draft", max_model_len=256)  # the second request joins the running batch: every rank's caches grow
     engine = llm.engine
     first = engine.add_request(llm.encode(PROMPTS[0]), params[0])
     engine.step()  # prefill the first alone
