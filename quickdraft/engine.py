@@ -258,7 +258,7 @@ class Engine:
         """One line for a server's log: the budget, bytes per token, max_model_len, and the
         requests of that length the budget holds at once."""
         b = self.budget
-        full = b.total // row_bytes(b.token_bytes, self.max_model_len + self._draft_room + 1)
+        full = min(self.config.max_num_seqs, b.total // row_bytes(b.token_bytes, self._full_capacity()))
         how = "allocated once" if self.fixed_size else "taken as requests need it"
         return (f"KV cache budget {format_bytes(b.total)} ({how}), {b.token_bytes:,} bytes per token, "
                 f"max_model_len {self.max_model_len} (the model's context "

@@ -335,11 +335,11 @@ def test_requests_join_a_running_batch(target_dir, draft_dir, plain_out):
 
     llm = LLM(target_dir, draft=draft_dir)
     engine = Engine(llm.target, DraftModelProposer(llm.draft),
-                    EngineConfig(SpecConfig("draft", 3), max_num_seqs=3, preallocate=True))
+                    EngineConfig(SpecConfig("draft", 3), max_num_seqs=3))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(PROMPTS[0], params)]
     engine.step()
-    assert engine.cache.max_slots == 1  # a CPU engine holds what its requests need
+    assert engine.cache.max_slots == 1  # the engine holds what its requests need
     for p in PROMPTS[1:]:
         ids.append(engine.add_request(p, params))
         engine.step()

@@ -159,3 +159,27 @@ def test_kv_cache_memory_values(text, value):
 def test_bad_kv_cache_memory_is_a_clear_error(bad):
     with pytest.raises(QuickdraftError, match="kv_cache_memory must be"):
         check_kv_cache_memory(bad)
+
+
+def test_caches_allocated_once_hold_what_the_budget_affords(target_dir):
+    """The GPU server's layout (preallocate, static shapes for CUDA graphs), run here on the CPU by
+    setting the engine's flag: as many rows of max_model_len as the budget holds, allocated at the
+    first request and never resized; more requests wait for a row."""
+    probe = LLM(target_dir, method="none").engine
+    budget = 2 * row_bytes(probe.budget.token_bytes, 513) + 1000  # two rows of the whole 512-token context
+    llm = LLM(target_dir, method="none", kv_cache_memory=budget, max_num_seqs=4)
+    engine = llm.engine
+    engine.fixed_size = True
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [[0, 3 + i, 5] for i in range(3)]
+    ids = [engine.add_request(p, params) for p in prompts]
+    done, shapes, most = {}, set(), 0
+    while engine.has_unfinished():
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        shapes.add((engine.cache.max_slots, engine.cache.capacity))
+        most = max(most, engine.num_running)
+    assert shapes == {(2, 513)} and most == 2
+    engine.release_caches()
+    assert engine.cache is not None  # kept: its shape and addresses are what the compiled steps captured
+    ref = LLM(target_dir, method="none").generate(prompts, params)
+    assert [done[i] for i in ids] == [o.token_ids for o in ref]
