@@ -292,7 +292,7 @@ def _step(shard: nn.Module, spec: LoadSpec):
         return None
     from ..compile import StepFunction
 
-    return StepFunction(shard, name="target shard")
+    return StepFunction(shard, name="target shard", collective=True)  # a failure stops every rank, no eager retry
 
 
 def _worker(spec: LoadSpec, group: TPGroup) -> None:
