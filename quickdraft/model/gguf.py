@@ -175,6 +175,12 @@ class _Cursor:
         return self.scalar(kind)
 
 
+def _show(text: str, limit: int = 60) -> str:
+    """A name or value from the file, fit for a one-line message (control characters escaped)."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text if text.isprintable() else ascii(text)
+
+
 def _alignment(metadata: dict[str, Any]) -> int:
     align = metadata.get("general.alignment", 32)
     if type(align) is not int or align <= 0 or align & (align - 1):
@@ -202,20 +208,20 @@ def _parse(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     for _ in range(n_kv):
         key = c.string()
         if key in metadata:
-            raise ValueError(f"metadata key {key!r} appears twice")
+            raise ValueError(f"metadata key {_show(key)} appears twice")
         metadata[key] = c.value(c.scalar(4))
     c.fits(n_tensors, _MIN_TENSOR_INFO_BYTES, "tensor list")
     infos = {}
     for _ in range(n_tensors):
         name = c.string()
         if name in infos:
-            raise ValueError(f"tensor {name} appears twice")
+            raise ValueError(f"tensor {_show(name)} appears twice")
         n_dims = c.scalar(4)
         if not 1 <= n_dims <= _MAX_DIMS:
-            raise ValueError(f"tensor {name} has {n_dims} dimensions (1 to {_MAX_DIMS})")
+            raise ValueError(f"tensor {_show(name)} has {n_dims} dimensions (1 to {_MAX_DIMS})")
         dims = tuple(c.scalar(10) for _ in range(n_dims))
         if min(dims) < 1:
-            raise ValueError(f"tensor {name} has an empty dimension {list(dims)}")
+            raise ValueError(f"tensor {_show(name)} has an empty dimension {list(dims)}")
         infos[name] = (dims, c.scalar(4), c.scalar(10))
     align = _alignment(metadata)
     start = c.pos + (-c.pos % align)
@@ -224,24 +230,24 @@ def _parse(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         try:
             qtype = gguf.GGMLQuantizationType(kind)
         except ValueError:
-            raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type {kind} in {name}") from None
+            raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type {kind} in {_show(name)}") from None
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         row = dims[0]
         if row % block:
-            raise ValueError(f"tensor {name}: row of {row} values is not a whole number of {block}-value blocks")
+            raise ValueError(f"tensor {_show(name)}: row of {row} values is not a whole number of {block}-value blocks")
         if offset % align:
-            raise ValueError(f"tensor {name}: offset {offset} is not a multiple of the alignment {align}")
+            raise ValueError(f"tensor {_show(name)}: offset {offset} is not a multiple of the alignment {align}")
         rows = math.prod(dims[1:])  # Python integers: exact, whatever the header says
         row_bytes = row // block * block_bytes
         if start + offset + rows * row_bytes > len(buf):
-            raise ValueError(f"tensor {name} runs past the end of the file")
+            raise ValueError(f"tensor {_show(name)} runs past the end of the file")
         spans.append((offset, offset + rows * row_bytes, name))
         data = np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset).reshape(rows, row_bytes)
         tensors[name] = GGUFTensor(name, qtype, dims, data)
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise ValueError(f"tensors {first} and {second} share bytes")
+            raise ValueError(f"tensors {_show(first)} and {_show(second)} share bytes")
     return metadata, tensors
 
 
@@ -294,7 +300,7 @@ def hf_config(g: GGUFContents) -> dict[str, Any]:
     meta = g.metadata
 
     def bad(name: str, value: Any, what: str) -> QuickdraftError:
-        return QuickdraftError(f"{g.path.name}: GGUF metadata {name} = {str(value)[:40]} is not {what}")
+        return QuickdraftError(f"{g.path.name}: GGUF metadata {name} = {_show(str(value))} is not {what}")
 
     def key(name: str, default: Any = ...) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -384,20 +390,20 @@ def check_tensors(g: GGUFContents, cfg: ModelConfig) -> dict[str, str]:
             continue  # read into the config
         hf = hf_name(name)
         if hf in names:
-            raise QuickdraftError(f"{g.path.name}: GGUF tensors {names[hf]} and {name} are both {hf}")
+            raise QuickdraftError(f"{g.path.name}: GGUF tensors {_show(names[hf])} and {_show(name)} are both {_show(hf)}")
         names[hf] = name
     expected = expected_shapes(cfg)
     unexpected = sorted(names.keys() - expected.keys())
     if unexpected:
         raise UnsupportedModelError(f"{g.path.name}: unexpected tensors for {cfg.model_type}: "
-                                    f"{', '.join(names[n] for n in unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
+                                    f"{', '.join(_show(names[n]) for n in unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
     missing = sorted(expected.keys() - names.keys())
     if missing:
         raise QuickdraftError(f"{g.path.name}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
     for hf, shape in expected.items():
         t = g.tensors[names[hf]]
         if t.hf_shape != shape:
-            raise QuickdraftError(f"{g.path.name}: tensor {t.name} has shape {t.hf_shape}, the config implies {shape}")
+            raise QuickdraftError(f"{g.path.name}: tensor {_show(t.name)} has shape {t.hf_shape}, the config implies {shape}")
     return names
 
 
@@ -433,7 +439,7 @@ def _llama3_rope(g: GGUFContents, theta: float, head_dim: int) -> dict[str, Any]
     original = g.metadata.get(f"{g.arch}.rope.scaling.original_context_length", 8192)
     if type(original) is not int or not 1 <= original <= MAX_CONTEXT:
         raise QuickdraftError(f"{g.path.name}: GGUF metadata {g.arch}.rope.scaling.original_context_length = "
-                              f"{str(original)[:40]} is not a context length")
+                              f"{_show(str(original))} is not a context length")
     factor = float(stored.max())
     if not math.isfinite(factor) or factor <= 0:
         raise UnsupportedModelError(f"{g.path.name}: rope_freqs.weight is not a Llama 3 rope schedule")
@@ -729,10 +735,16 @@ def metadata_files(g: GGUFContents, config: dict[str, Any]) -> dict[str, str]:
     generation = {"bos_token_id": config["bos_token_id"],
                   "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None))}
     files = {"config.json": json.dumps(config, indent=2), "generation_config.json": json.dumps(generation, indent=2)}
-    tokenizer = build_tokenizer(meta)
-    if tokenizer is not None:
-        files["tokenizer.json"] = tokenizer.tokenizer_json
-        files["tokenizer_config.json"] = json.dumps(tokenizer.config, indent=2, ensure_ascii=False)
+    try:
+        tokenizer = build_tokenizer(meta)
+        if tokenizer is not None:
+            files["tokenizer.json"] = tokenizer.tokenizer_json
+            files["tokenizer_config.json"] = json.dumps(tokenizer.config, indent=2, ensure_ascii=False)
+    except QuickdraftError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library's own errors on a malformed vocabulary
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise QuickdraftError(f"{g.path.name}: its tokenizer metadata is malformed ({_show(reason, 120)})") from None
     return files
 
 

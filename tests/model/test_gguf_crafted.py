@@ -292,3 +292,34 @@ def test_mutated_files_fail_cleanly(tmp_path):
 @pytest.mark.slow
 def test_mutated_files_fail_cleanly_2000(tmp_path):
     _fuzz(tmp_path, 2000)
+
+
+@pytest.mark.parametrize("examples", [40, pytest.param(400, marks=pytest.mark.slow)])
+def test_mutated_tokenizer_metadata_fails_cleanly(tmp_path, monkeypatch, examples):
+    """The metadata folder (config and tokenizer from the header) of mutated files with a vocabulary."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from test_gguf import hf_model, vocab_size, write_gguf
+
+    good = write_gguf(tmp_path / "good.gguf", hf_model("llama", vocab_size("gpt2")), "llama").read_bytes()
+    header_end = 60_000 if len(good) > 60_000 else len(good)  # the vocabulary and merges come first
+    path = tmp_path / "fuzz.gguf"
+    n = [0]
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.tuples(st.integers(0, header_end - 8), st.sampled_from([1, 4, 8]),
+                              st.integers(0, 2**64 - 1)), min_size=1, max_size=3))
+    def case(edits):
+        b = bytearray(good)
+        for at, width, value in edits:
+            b[at:at + width] = (value % (1 << (8 * width))).to_bytes(width, "little")
+        n[0] += 1
+        monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / f"cache{n[0]}"))
+        path.write_bytes(bytes(b))
+        out, took, _ = measured(lambda: checkpoint_dir(path))
+        if isinstance(out, Exception):
+            assert isinstance(out, QuickdraftError) and "\n" not in str(out), f"{type(out).__name__}: {out}"
+        assert took < 5.0, (took, out)
+
+    case()
