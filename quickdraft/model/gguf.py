@@ -295,7 +295,7 @@ def hf_config(g: GGUFContents) -> dict[str, Any]:
     a header cannot make a model larger than the file it comes with."""
     arch = g.arch
     if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"{g.path.name}: unsupported GGUF architecture {arch!r} "
+        raise UnsupportedModelError(f"{g.path.name}: unsupported GGUF architecture {_show(str(arch))!r} "
                                     f"(quickdraft loads {', '.join(ARCHITECTURES)}; Mistral files are llama)")
     meta = g.metadata
 
