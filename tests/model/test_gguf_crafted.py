@@ -196,9 +196,7 @@ def test_alignment_must_be_a_power_of_two(tmp_path, align):
 
 
 def test_deeply_nested_arrays_are_one_error(tmp_path):
-    nested = struct.pack("<IQ", U8, 0)
-    for _ in range(100_000):
-        nested = struct.pack("<IQ", ARR, 1) + nested
+    nested = struct.pack("<IQ", ARR, 1) * 100_000 + struct.pack("<IQ", U8, 0)  # 100,000 arrays, each holding the next
     path = write(tmp_path, raw_gguf(model_kvs(**{"junk.nested": (ARR, nested)}), model_tensors()))
     one_clear_error(path, match="nested")
 
