@@ -34,7 +34,9 @@ package is the compiled step as a shared library: loading it takes a fraction of
   boundary when it is done; later processes load them (`QUICKDRAFT_AOT_BUILD=0`: no
   background build). A build holds a lock per package (`BuildLock`: a second builder waits,
   a dead or silent holder's lock is broken, never a hang) and writes a temporary file that
-  only a complete build renames into place.
+  only a complete build renames into place. A package whose folder or file another user owns or
+  others can write to is not loaded (one warning; the step runs eagerly): see
+  `quickdraft.paths.unsafe_to_load`, the kernels' check too.
 
 The outputs equal the eager forward's to float rounding (Inductor fuses the elementwise ops);
 tests check greedy decoding through a package against plain decoding and the logits against
@@ -69,6 +71,7 @@ from . import kernels
 from .model import eagle3, formats, quant, transformer
 from .model.formats import FastLinear
 from .model.sources import cache_dir
+from .paths import unsafe_to_load
 
 log = logging.getLogger("quickdraft")
 
@@ -245,7 +248,7 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
 
     head = _is_head(model)
     path = path or package_path(model, hidden_at, project, tree)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: packages are code this process runs
     start = time.perf_counter()
     # example sizes: all > 1 and distinct, so none is specialised
     cache = (KVCache(1, 3, model.config.num_key_value_heads, 16, model.config.head_dim, model.dtype, model.device)
@@ -407,7 +410,7 @@ class BackgroundBuild:
     def __init__(self, entry: str, payload: str, name: str):
         module, func = entry.rsplit(".", 1)
         folder = aot_dir()
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.log_path = folder / f"build-{name}.log"
         root = str(Path(__file__).resolve().parents[1])  # this quickdraft, whatever the child's path says
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
@@ -589,6 +592,9 @@ def _direct(compiled):
         return compiled
 
 
+_REFUSED: set[Path] = set()  # packages refused as unsafe (said once each)
+
+
 def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | None, project: bool | None,
             tree: bool = False):
     """(the loaded package, its path), its weights handed over from the model; or None."""
@@ -599,6 +605,13 @@ def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | No
             return None  # (before fingerprinting an int4 model's weights)
         path = package_path(model, hidden_at, project, tree)
     if not path.exists():
+        return None
+    problem = unsafe_to_load(aot_dir(), path.parent, path)
+    if problem:  # someone else could have put code there: never load it
+        if path not in _REFUSED:
+            _REFUSED.add(path)
+            log.warning("quickdraft: the AOT step %s is not loaded from a folder or file others can change (%s); "
+                        "running eagerly", path, problem)
         return None
     try:
         if _calls_kernels(model) and not kernels.available():

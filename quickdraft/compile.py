@@ -18,7 +18,9 @@ request never waits for a compile.
 
 Prefill is not compiled (its shapes change with every prompt). Where compilation is
 unavailable or fails, the step logs one line and runs eagerly from then on; results are
-the same either way (checked by tests: greedy tokens equal, distribution tests pass).
+the same either way (checked by tests: greedy tokens equal, distribution tests pass). Except
+a tensor-parallel rank's step (`collective`): a failure there is raised, and the whole group
+stops (an eager re-run on one rank would issue all-reduces the other ranks do not).
 Inductor's on-disk cache (FX graph cache) makes later start-ups faster where PyTorch
 supports it.
 """
@@ -32,6 +34,7 @@ from typing import Callable
 import torch
 
 from .cache import CacheView
+from .errors import QuickdraftError
 from .sampling import BatchSampling, SamplingParams
 
 log = logging.getLogger("quickdraft")
@@ -75,9 +78,15 @@ class StepFunction:
     draft_model.draft_chain), with `pad` making its static-shape arguments."""
 
     def __init__(self, model, *, name: str = "model", static: bool | None = None, mode: str | None = None,
-                 backend: str | Callable = "inductor", fn: Callable | None = None, pad: Callable | None = None):
+                 backend: str | Callable = "inductor", fn: Callable | None = None, pad: Callable | None = None,
+                 collective: bool = False):
         self.model = model
         self.name = name
+        # one rank's part of a tensor-parallel step: the other ranks run the same step, joined by
+        # the all-reduces inside it, so a failure here is raised (the group then stops on every
+        # rank), never answered by an eager re-run on this rank alone, whose all-reduces the
+        # other ranks would not match (wrong sums or a hang until the timeout)
+        self.collective = collective
         dev_static, dev_mode = default_compile_mode(model.device)
         self.static = dev_static if static is None else static
         self.mode = dev_mode if mode is None and backend == "inductor" else mode
@@ -113,6 +122,10 @@ class StepFunction:
             # dynamo wraps a backend's error; the wrapped one says what went wrong
             root = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
             first = (str(root).strip().splitlines() or [""])[0]
+            if self.collective:
+                raise QuickdraftError(f"the compiled {self.name} step failed on this tensor-parallel rank "
+                                      f"({type(root).__name__}: {first}); not re-run eagerly on one rank, whose "
+                                      "all-reduces the other ranks would not match: the group stops") from exc
             self._fail(f"{type(root).__name__}: {first}")
             return self._eager(*args, **kwargs)
         if self.static:

@@ -17,6 +17,7 @@ Each replica reports its running / waiting requests and speculation metrics to R
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 try:
@@ -114,13 +115,29 @@ def _value(text: str):
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
+_SERVER_NUMBERS = ("replicas", "max_queue", "cpus_per_replica", "gpus_per_replica", "threads", "web")
+_SERVER_TEXT = ("served_model_name", "api_key", "allowed_origins", "chat_template")  # kept as written
+
+
 def build(args: dict[str, str]):
     """`serve run quickdraft.deploy:build replicas=2 target=... method=...`: LLM's keyword
-    arguments as key=value (numbers and true/false parsed), plus replicas, served_model_name,
-    max_queue, cpus_per_replica, gpus_per_replica, threads, web."""
-    kwargs = {k: _value(str(v)) for k, v in args.items()}
-    own = {k: kwargs.pop(k) for k in ("replicas", "served_model_name", "max_queue", "cpus_per_replica",
-                                      "gpus_per_replica", "threads", "web") if k in kwargs}
+    arguments as key=value (numbers and true/false parsed), plus the server's own: replicas,
+    served_model_name, max_queue, cpus_per_replica, gpus_per_replica, threads, web, api_key,
+    allowed_origins (comma-separated) and chat_template (a file's path), which go to each
+    replica's app, not to LLM()."""
+    raw = {k: str(v) for k, v in args.items()}
+    own: dict[str, Any] = {k: raw.pop(k) for k in _SERVER_TEXT if k in raw}
+    own.update({k: _value(raw.pop(k)) for k in _SERVER_NUMBERS if k in raw})
+    kwargs = {k: _value(v) for k, v in raw.items()}
+    if "allowed_origins" in own:
+        own["allowed_origins"] = [o.strip() for o in own["allowed_origins"].split(",") if o.strip()]
+    if own.get("api_key") == "":
+        own["api_key"] = None
+    if "chat_template" in own:
+        try:
+            own["chat_template"] = Path(own["chat_template"]).expanduser().read_text()
+        except OSError as exc:
+            raise QuickdraftError(f"cannot read chat_template {own['chat_template']}: {exc.strerror or exc}") from None
     return deployment(kwargs, int(own.pop("replicas", 2)), **own)
 
 

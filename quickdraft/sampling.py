@@ -392,9 +392,11 @@ def process_logits(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:
             logits = logits.masked_fill(logits < cutoff, -math.inf)
     probs = logits.softmax(-1)
     if s.any_min_p:
-        threshold = s.min_p.view(shape) * probs.amax(-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        min_p = s.min_p.view(shape)
+        threshold = min_p * probs.amax(-1, keepdim=True)
+        kept = probs.masked_fill(probs < threshold, 0.0)
+        # only the rows that use min_p are renormalised: a row's bits never depend on its neighbours
+        probs = torch.where(min_p > 0, kept / kept.sum(-1, keepdim=True), probs)
     if s.any_greedy:
         greedy = (s.temperature == 0).view(shape)
         probs = torch.where(greedy, _one_hot_argmax(logits), probs)

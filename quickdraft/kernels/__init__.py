@@ -24,7 +24,8 @@ for the kernels alone); later processes only load it. A build runs in a private 
 and renames the library into place, under a lock file that names its process: a lock whose
 process is gone, or older than BUILD_LOCK_STALE_S, is taken over (one line says so), so a build
 killed halfway never leaves later processes waiting. A cache folder that another user owns or
-that others can write to is refused (one warning; the kernels are then not available). Where the
+that others can write to, or a library file that is, is refused (one warning; the kernels are then not
+available; `quickdraft.paths.unsafe_to_load`, the check AOT packages get too). Where the
 library cannot be built (no compiler) `available()` is False, with one warning naming the
 reason, and float32 weights keep PyTorch's own kernel (`quickdraft.model.quant`).
 `QUICKDRAFT_KERNELS=0` turns it off.
@@ -40,7 +41,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
 import sys
 import tempfile
 import time
@@ -51,7 +51,7 @@ from typing import Iterator
 import torch
 
 from ..errors import QuickdraftError
-from ..paths import cache_dir
+from ..paths import cache_dir, unsafe_to_load
 
 log = logging.getLogger("quickdraft")
 
@@ -92,18 +92,6 @@ def _build_dir() -> Path:
     path = root / tag
     path.mkdir(mode=0o700, exist_ok=True)
     return path
-
-
-def _unsafe(path: Path) -> str | None:
-    """Why loading code from `path` is unsafe (another user owns it, or others can write to it), or None."""
-    if not hasattr(os, "getuid"):
-        return None
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        return f"{path} belongs to another user (uid {st.st_uid})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} is writable by others (mode {stat.filemode(st.st_mode)}; `chmod go-w {path}` fixes it)"
-    return None
 
 
 def available() -> bool:
@@ -175,9 +163,9 @@ def _load() -> bool:
         return True
     try:
         build = _build_dir()  # named by the source and flags: a library there is up to date
-        problem = next(filter(None, (_unsafe(p) for p in (_kernel_root(), build, build / LIBRARY) if p.exists())), None)
+        problem = unsafe_to_load(_kernel_root(), build, build / LIBRARY)
         if problem:
-            warnings.warn(f"quickdraft's CPU kernels are not loaded from a folder others can change: {problem}; "
+            warnings.warn(f"quickdraft's CPU kernels are not loaded from a folder or file others can change: {problem}; "
                           "PyTorch's kernels run instead, and verify steps of several tokens cost more", stacklevel=2)
             return False
         if not (build / LIBRARY).exists():

@@ -67,6 +67,14 @@ def _no_init():
             setattr(torch.nn.init, n, f)
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the model `cfg` describes (built on the meta device: no memory),
+    for a reader to check a checkpoint against before reading any tensor."""
+    with torch.device("meta"), _no_init():
+        model = Transformer(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied lm_head is deduplicated
+
+
 def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> Transformer:
     """A Transformer holding exactly `state` (Hugging Face parameter names, already on the
     device and in the dtype wanted): a missing, unexpected or misshapen tensor is an error."""

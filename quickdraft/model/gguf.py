@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -41,7 +42,7 @@ import torch
 
 from ..config import ModelConfig, RopeConfig
 from ..errors import QuickdraftError, UnsupportedModelError
-from .build import assemble, resolve_device, resolve_dtype
+from .build import assemble, expected_shapes, resolve_device, resolve_dtype
 from .sources import cache_dir
 from .transformer import Transformer, rope_inv_freq
 
@@ -117,9 +118,25 @@ class GGUFTensor:
         return tuple(reversed(self.shape))
 
 
+# Bounds a header is checked against before anything is read into memory: every count must fit
+# in the bytes left (at its entries' smallest size), so what the header lists costs memory in
+# proportion to the file; llama.cpp nests no arrays deeper than this and no tensor has more dims.
+_MAX_NESTING = 2
+_MAX_DIMS = 4
+_MIN_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8, _STRING: 8, _ARRAY: 12}
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, dims, one dim, type, offset
+
+
 class _Cursor:
     def __init__(self, buf: Any):
         self.buf, self.pos = buf, 0
+
+    def fits(self, n: int, each: int, what: str) -> None:
+        """`n` entries of at least `each` bytes fit in what is left of the file."""
+        left = len(self.buf) - self.pos
+        if n * each > left:
+            raise ValueError(f"{what}: {n} entries cannot fit in the {left} bytes left")
 
     def scalar(self, kind: int) -> Any:
         fmt = "<" + _SCALAR[kind]
@@ -135,11 +152,16 @@ class _Cursor:
         self.pos = start + n
         return bytes(self.buf[start:self.pos]).decode("utf-8", errors="replace")
 
-    def value(self, kind: int) -> Any:
+    def value(self, kind: int, depth: int = 0) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
+            if depth >= _MAX_NESTING:
+                raise ValueError(f"metadata arrays nested more than {_MAX_NESTING} deep")
             item, n = self.scalar(4), self.scalar(10)
+            if item not in _MIN_BYTES:
+                raise ValueError(f"unknown metadata value type {item}")
+            self.fits(n, _MIN_BYTES[item], "a metadata array")
             if item == _STRING:
                 return [self.string() for _ in range(n)]
             if item in _NUMPY:
@@ -147,13 +169,29 @@ class _Cursor:
                 values = np.frombuffer(self.buf, dtype, n, self.pos)
                 self.pos += n * dtype.itemsize
                 return values.tolist()
-            return [self.value(item) for _ in range(n)]  # arrays of arrays
+            return [self.value(item, depth + 1) for _ in range(n)]  # arrays of arrays
         if kind not in _SCALAR:
             raise ValueError(f"unknown metadata value type {kind}")
         return self.scalar(kind)
 
 
+def _show(text: str, limit: int = 60) -> str:
+    """A name or value from the file, fit for a one-line message (control characters escaped)."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text if text.isprintable() else ascii(text)
+
+
+def _alignment(metadata: dict[str, Any]) -> int:
+    align = metadata.get("general.alignment", 32)
+    if type(align) is not int or align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment {align!r} is not a power of two")
+    return align
+
+
 def _parse(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """The header, checked before any tensor is touched: counts within the file's size, no
+    duplicate key or tensor name, at most 4 dims of at least 1, sizes computed exactly (Python
+    integers: no overflow), every tensor inside the file, aligned, and no two sharing bytes."""
     gguf = _gguf_package()
     with path.open("rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable views, file untouched
@@ -165,34 +203,51 @@ def _parse(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         raise ValueError("a big-endian GGUF (convert it on a little-endian machine)" if swapped in (2, 3)
                          else f"GGUF version {version} (quickdraft reads versions 2 and 3)")
     n_tensors, n_kv = c.scalar(10), c.scalar(10)
+    c.fits(n_kv, _MIN_KV_BYTES, "metadata")
     metadata = {}
     for _ in range(n_kv):
         key = c.string()
+        if key in metadata:
+            raise ValueError(f"metadata key {_show(key)} appears twice")
         metadata[key] = c.value(c.scalar(4))
-    infos = []
+    c.fits(n_tensors, _MIN_TENSOR_INFO_BYTES, "tensor list")
+    infos = {}
     for _ in range(n_tensors):
         name = c.string()
+        if name in infos:
+            raise ValueError(f"tensor {_show(name)} appears twice")
         n_dims = c.scalar(4)
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"tensor {_show(name)} has {n_dims} dimensions (1 to {_MAX_DIMS})")
         dims = tuple(c.scalar(10) for _ in range(n_dims))
-        infos.append((name, dims, c.scalar(4), c.scalar(10)))
-    align = int(metadata.get("general.alignment", 32))
+        if min(dims) < 1:
+            raise ValueError(f"tensor {_show(name)} has an empty dimension {list(dims)}")
+        infos[name] = (dims, c.scalar(4), c.scalar(10))
+    align = _alignment(metadata)
     start = c.pos + (-c.pos % align)
-    tensors = {}
-    for name, dims, kind, offset in infos:
+    tensors, spans = {}, []
+    for name, (dims, kind, offset) in infos.items():
         try:
             qtype = gguf.GGMLQuantizationType(kind)
         except ValueError:
-            raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type {kind} in {name}") from None
+            raise UnsupportedModelError(f"{path.name}: unsupported GGUF tensor type {kind} in {_show(name)}") from None
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        row = dims[0] if dims else 1
+        row = dims[0]
         if row % block:
-            raise ValueError(f"tensor {name}: row of {row} values is not a whole number of {block}-value blocks")
-        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+            raise ValueError(f"tensor {_show(name)}: row of {row} values is not a whole number of {block}-value blocks")
+        if offset % align:
+            raise ValueError(f"tensor {_show(name)}: offset {offset} is not a multiple of the alignment {align}")
+        rows = math.prod(dims[1:])  # Python integers: exact, whatever the header says
         row_bytes = row // block * block_bytes
         if start + offset + rows * row_bytes > len(buf):
-            raise ValueError(f"tensor {name} runs past the end of the file")
+            raise ValueError(f"tensor {_show(name)} runs past the end of the file")
+        spans.append((offset, offset + rows * row_bytes, name))
         data = np.frombuffer(buf, np.uint8, rows * row_bytes, start + offset).reshape(rows, row_bytes)
         tensors[name] = GGUFTensor(name, qtype, dims, data)
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"tensors {_show(first)} and {_show(second)} share bytes")
     return metadata, tensors
 
 
@@ -222,51 +277,102 @@ def read_gguf(path: str | Path) -> GGUFContents:
 
 # --- config ---------------------------------------------------------------------------------
 
+MAX_CONTEXT = 1 << 24  # a context_length above this (16M tokens) is taken for a corrupt file
+
+
+def _layers(g: GGUFContents) -> int:
+    """How many layers the tensors hold (blk.0 ... blk.N-1, none missing)."""
+    found = {int(p[1]) for p in (n.split(".") for n in g.tensors) if p[0] == "blk" and len(p) > 2 and p[1].isdigit()}
+    if found != set(range(len(found))):
+        raise QuickdraftError(f"{g.path.name}: GGUF layers are not numbered 0 to {len(found) - 1}: {sorted(found)[:8]}")
+    return len(found)
+
+
 def hf_config(g: GGUFContents) -> dict[str, Any]:
-    """The Hugging Face config.json dict the metadata describes (what ModelConfig.from_hf takes)."""
+    """The Hugging Face config.json dict the metadata describes (what ModelConfig.from_hf takes).
+    Every value is checked against the tensors present before anything is built from it: the
+    layer count equals the layers in the file, sizes are counts no larger than the tensors', so
+    a header cannot make a model larger than the file it comes with."""
     arch = g.arch
     if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"{g.path.name}: unsupported GGUF architecture {arch!r} "
+        raise UnsupportedModelError(f"{g.path.name}: unsupported GGUF architecture {_show(str(arch))!r} "
                                     f"(quickdraft loads {', '.join(ARCHITECTURES)}; Mistral files are llama)")
     meta = g.metadata
+
+    def bad(name: str, value: Any, what: str) -> QuickdraftError:
+        return QuickdraftError(f"{g.path.name}: GGUF metadata {name} = {_show(str(value))} is not {what}")
 
     def key(name: str, default: Any = ...) -> Any:
         value = meta.get(f"{arch}.{name}", default)
         if value is ...:
             raise QuickdraftError(f"{g.path.name}: GGUF metadata has no {arch}.{name}")
         if isinstance(value, list):  # per-layer values: we only build uniform layers
-            if len(set(value)) != 1:
+            if not value or any(isinstance(v, list) for v in value) or len(set(value)) != 1:
                 raise UnsupportedModelError(f"{g.path.name}: {arch}.{name} differs between layers")
             value = value[0]
         return value
 
-    if "token_embd.weight" not in g.tensors:
+    def count(name: str, upper: int, default: Any = ...) -> Any:
+        value = key(name, default)
+        if value is None and default is None:
+            return None
+        if type(value) is not int or not 1 <= value <= upper:
+            raise bad(f"{arch}.{name}", value, f"a count from 1 to {upper}")
+        return value
+
+    def number(name: str, default: float) -> float:
+        value = key(name, default)
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            raise bad(f"{arch}.{name}", value, "a positive number")
+        return float(value)
+
+    embd = g.tensors.get("token_embd.weight")
+    if embd is None:
         raise QuickdraftError(f"{g.path.name}: no token_embd.weight tensor")
-    hidden, n_heads = key("embedding_length"), key("attention.head_count")
-    head_dim = key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // max(n_heads, 1)
-    if key("rope.dimension_count", head_dim) != head_dim or key("attention.value_length", head_dim) != head_dim:
+    if len(embd.shape) != 2:
+        raise QuickdraftError(f"{g.path.name}: token_embd.weight has shape {list(embd.shape)}, not (hidden, vocab)")
+    widest = max(max(t.shape) for t in g.tensors.values())  # no size in the config may exceed it
+    hidden, vocab = embd.shape  # ggml lists (hidden, vocab)
+    layers = _layers(g)
+    if count("block_count", widest) != layers:
+        raise QuickdraftError(f"{g.path.name}: GGUF metadata {arch}.block_count = {key('block_count')} but the file "
+                              f"has tensors for {layers} layers")
+    if count("embedding_length", widest) != hidden:
+        raise QuickdraftError(f"{g.path.name}: GGUF metadata {arch}.embedding_length = {key('embedding_length')} "
+                              f"but token_embd.weight has {hidden} columns")
+    n_heads = count("attention.head_count", hidden)
+    head_dim = (count("attention.key_length", widest, None) or count("rope.dimension_count", widest, None)
+                or hidden // n_heads)
+    if count("rope.dimension_count", widest, head_dim) != head_dim or count("attention.value_length", widest,
+                                                                          head_dim) != head_dim:
         raise UnsupportedModelError(f"{g.path.name}: partial rotary or value heads of another size are not supported")
-    theta = float(key("rope.freq_base", 10000.0))
+    theta = number("rope.freq_base", 10000.0)
     tok = "tokenizer.ggml."
+    special = {}
+    for name in ("bos", "eos", "eot", "eom"):
+        value = meta.get(f"{tok}{name}_token_id")
+        if value is not None and (type(value) is not int or not 0 <= value < vocab):
+            raise bad(f"{tok}{name}_token_id", value, f"a token id below the vocabulary's {vocab}")
+        special[name] = value
     cfg = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": int(g.tensors["token_embd.weight"].shape[1]),  # ggml lists (hidden, vocab)
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
+        "intermediate_size": count("feed_forward_length", widest),
+        "num_hidden_layers": layers,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": key("attention.head_count_kv", n_heads),
+        "num_key_value_heads": count("attention.head_count_kv", n_heads, n_heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "max_position_embeddings": key("context_length", 2048),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": count("context_length", MAX_CONTEXT, 2048),
         "rope_theta": theta,
         "rope_scaling": _rope_scaling(g, theta, head_dim),
         "tie_word_embeddings": "output.weight" not in g.tensors,  # llama.cpp writes no copy of a tied head
         "mlp_bias": "blk.0.ffn_gate.bias" in g.tensors,
-        "bos_token_id": meta.get(tok + "bos_token_id"),
-        "eos_token_id": meta.get(tok + "eos_token_id"),
+        "bos_token_id": special["bos"],
+        "eos_token_id": special["eos"],
         "torch_dtype": _natural_dtype(g),
     }
     if arch != "qwen2":  # qwen2 always has q/k/v biases
@@ -274,8 +380,37 @@ def hf_config(g: GGUFContents) -> dict[str, Any]:
     return cfg
 
 
+def check_tensors(g: GGUFContents, cfg: ModelConfig) -> dict[str, str]:
+    """Before any tensor is read: the file holds exactly the tensors `cfg`'s model has, each of
+    the shape it expects (so what is dequantised is bounded by the declared model, and an unknown
+    or misshapen entry is an error, not memory). Returns Hugging Face name -> GGUF name."""
+    names: dict[str, str] = {}
+    for name in g.tensors:
+        if name == _ROPE_FREQS:
+            continue  # read into the config
+        hf = hf_name(name)
+        if hf in names:
+            raise QuickdraftError(f"{g.path.name}: GGUF tensors {_show(names[hf])} and {_show(name)} are both {_show(hf)}")
+        names[hf] = name
+    expected = expected_shapes(cfg)
+    unexpected = sorted(names.keys() - expected.keys())
+    if unexpected:
+        raise UnsupportedModelError(f"{g.path.name}: unexpected tensors for {cfg.model_type}: "
+                                    f"{', '.join(_show(names[n]) for n in unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
+    missing = sorted(expected.keys() - names.keys())
+    if missing:
+        raise QuickdraftError(f"{g.path.name}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    for hf, shape in expected.items():
+        t = g.tensors[names[hf]]
+        if t.hf_shape != shape:
+            raise QuickdraftError(f"{g.path.name}: tensor {_show(t.name)} has shape {t.hf_shape}, the config implies {shape}")
+    return names
+
+
 def _rope_scaling(g: GGUFContents, theta: float, head_dim: int) -> dict[str, Any] | None:
     kind = g.metadata.get(f"{g.arch}.rope.scaling.type", "none")
+    if not isinstance(kind, str):
+        raise QuickdraftError(f"{g.path.name}: GGUF metadata {g.arch}.rope.scaling.type is not a name")
     if _ROPE_FREQS in g.tensors:
         if kind != "none":
             raise UnsupportedModelError(f"{g.path.name}: rope_freqs.weight together with rope scaling {kind!r}")
@@ -283,7 +418,11 @@ def _rope_scaling(g: GGUFContents, theta: float, head_dim: int) -> dict[str, Any
     if kind == "none":
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(g.metadata[f"{g.arch}.rope.scaling.factor"])}
+        factor = g.metadata.get(f"{g.arch}.rope.scaling.factor")
+        if type(factor) not in (int, float) or not 0 < factor < math.inf:
+            raise QuickdraftError(f"{g.path.name}: GGUF metadata {g.arch}.rope.scaling.factor = {factor!r} is not "
+                                  "a positive number")
+        return {"rope_type": "linear", "factor": float(factor)}
     raise UnsupportedModelError(f"{g.path.name}: unsupported rope scaling {kind!r} (supported: none, linear, llama3)")
 
 
@@ -291,11 +430,20 @@ def _llama3_rope(g: GGUFContents, theta: float, head_dim: int) -> dict[str, Any]
     """llama.cpp stores Llama 3.1's rope scaling as the divisor of each frequency, not as its
     parameters. Recover them (factor: the largest divisor; Llama 3's band edges, 1 and 4) and
     accept them only if they reproduce every stored divisor."""
+    if g.tensors[_ROPE_FREQS].shape != (head_dim // 2,):
+        raise UnsupportedModelError(f"{g.path.name}: rope_freqs.weight has shape {list(g.tensors[_ROPE_FREQS].shape)}, "
+                                    f"not ({head_dim // 2},)")
     stored = _dequantize(g.tensors[_ROPE_FREQS]).double()  # (head_dim / 2,)
     if torch.allclose(stored, torch.ones_like(stored)):
         return None
-    rope = RopeConfig(theta=theta, kind="llama3", factor=float(stored.max()), original_max_position_embeddings=int(
-        g.metadata.get(f"{g.arch}.rope.scaling.original_context_length", 8192)))
+    original = g.metadata.get(f"{g.arch}.rope.scaling.original_context_length", 8192)
+    if type(original) is not int or not 1 <= original <= MAX_CONTEXT:
+        raise QuickdraftError(f"{g.path.name}: GGUF metadata {g.arch}.rope.scaling.original_context_length = "
+                              f"{_show(str(original))} is not a context length")
+    factor = float(stored.max())
+    if not math.isfinite(factor) or factor <= 0:
+        raise UnsupportedModelError(f"{g.path.name}: rope_freqs.weight is not a Llama 3 rope schedule")
+    rope = RopeConfig(theta=theta, kind="llama3", factor=factor, original_max_position_embeddings=original)
     implied = rope_inv_freq(RopeConfig(theta=theta), head_dim).double() / rope_inv_freq(rope, head_dim).double()
     if stored.shape != implied.shape or not torch.allclose(stored, implied, rtol=1e-3):
         raise UnsupportedModelError(f"{g.path.name}: rope_freqs.weight is not a Llama 3 rope schedule")
@@ -405,10 +553,8 @@ def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, devic
     name, so the loader's unexpected-tensor check names them. With `int4` (a dict), the 4-bit
     matrices' blocks are put there too, under the same names (see `int4_groups`)."""
     state: dict[str, torch.Tensor] = {}
-    for name, t in g.tensors.items():
-        if name == _ROPE_FREQS:
-            continue  # read into the config
-        hf = hf_name(name)
+    for hf, name in check_tensors(g, cfg).items():  # every entry checked before any is read
+        t = g.tensors[name]
         w = _dequantize(t)
         groups = int4_groups(t) if int4 is not None else None
         n_head = permuted_heads(g, cfg, name)
@@ -512,7 +658,7 @@ class GGUFWeights:
     def __init__(self, path: str | Path, cfg: ModelConfig | None = None):
         self.g = read_gguf(path)
         self.cfg = cfg or ModelConfig.from_hf(hf_config(self.g))
-        self._names = {hf_name(n): n for n in self.g.tensors if n != _ROPE_FREQS}
+        self._names = check_tensors(self.g, self.cfg)
 
     def __enter__(self) -> GGUFWeights:
         return self
@@ -589,10 +735,16 @@ def metadata_files(g: GGUFContents, config: dict[str, Any]) -> dict[str, str]:
     generation = {"bos_token_id": config["bos_token_id"],
                   "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None))}
     files = {"config.json": json.dumps(config, indent=2), "generation_config.json": json.dumps(generation, indent=2)}
-    tokenizer = build_tokenizer(meta)
-    if tokenizer is not None:
-        files["tokenizer.json"] = tokenizer.tokenizer_json
-        files["tokenizer_config.json"] = json.dumps(tokenizer.config, indent=2, ensure_ascii=False)
+    try:
+        tokenizer = build_tokenizer(meta)
+        if tokenizer is not None:
+            files["tokenizer.json"] = tokenizer.tokenizer_json
+            files["tokenizer_config.json"] = json.dumps(tokenizer.config, indent=2, ensure_ascii=False)
+    except QuickdraftError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library's own errors on a malformed vocabulary
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise QuickdraftError(f"{g.path.name}: its tokenizer metadata is malformed ({_show(reason, 120)})") from None
     return files
 
 

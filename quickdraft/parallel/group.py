@@ -8,13 +8,21 @@ Two groups:
 - control (gloo, CPU): the small header of each command. Workers wait on it between steps for
   as long as the server is idle, so it has no practical timeout; a rank 0 that dies closes its
   sockets (the wait fails), and a spawned worker also exits when its parent is gone.
+
+Spawned ranks meet on a TCP store bound to 127.0.0.1, which any local user can connect to. Every
+key of the group lives under a secret generated per launch (`secrets.token_hex`, 256 bits) and
+handed to the workers in their spawn arguments (a pipe, not the command line): a process without
+it can neither read nor write the rendezvous, nor be taken for a rank. And nothing a rank sends is
+unpickled: status and command headers travel as JSON in byte tensors (`send_json`, `gather_json`).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
+import secrets
 import socket
 import threading
 import time
@@ -92,40 +100,51 @@ def init_torchrun(world: int, device: torch.device, timeout_s: float) -> TPGroup
     return _init(None, int(os.environ["RANK"]), world, rank_device(device, local), timeout_s, "torchrun")
 
 
-def init_spawned(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> TPGroup:
-    """A worker that rank 0 spawned joins the group rank 0's store hosts."""
+def _private(store, secret: str):
+    """The store's keys under this launch's secret: invisible to anyone who does not hold it."""
+    return dist.PrefixStore(f"quickdraft/{secret}", store)
+
+
+def init_spawned(rank: int, world: int, port: int, secret: str, device: torch.device, timeout_s: float) -> TPGroup:
+    """A worker that rank 0 spawned joins the group rank 0's store hosts (under the launch's secret)."""
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    store.set(f"quickdraft/ready/{rank}", "1")
-    return _init(store, rank, world, rank_device(device, rank), timeout_s, "spawn")
+    private = _private(store, secret)
+    private.set(f"ready/{rank}", "1")
+    group = _init(private, rank, world, rank_device(device, rank), timeout_s, "spawn")
+    group.store = store
+    return group
 
 
 def start_spawned(world: int, device: torch.device, timeout_s: float, worker_main, args: tuple) -> TPGroup:
     """Rank 0: host the rendezvous store, spawn ranks 1..world-1 running
-    `worker_main(rank, world, port, *args)`, wait for them (failing clearly if one exits during
-    start-up) and join the group."""
+    `worker_main(rank, world, port, secret, *args)`, wait for them (failing clearly if one exits
+    during start-up) and join the group. `secret` (new for each launch, given to the workers
+    through the spawn pipe) names every key of the rendezvous."""
     import multiprocessing as mp
 
     port = free_port()
+    secret = secrets.token_hex(32)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
+    private = _private(store, secret)
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, world):
-        p = ctx.Process(target=worker_main, args=(rank, world, port, *args), daemon=True,
+        p = ctx.Process(target=worker_main, args=(rank, world, port, secret, *args), daemon=True,
                         name=f"quickdraft-tp-rank{rank}")
         p.start()
         procs.append(p)
     deadline = time.monotonic() + timeout_s
     try:
         for rank, p in enumerate(procs, start=1):
-            while not store.check([f"quickdraft/ready/{rank}"]):
+            while not private.check([f"ready/{rank}"]):
                 if p.exitcode is not None:
                     raise RankFailure(f"tensor-parallel rank {rank} exited with code {p.exitcode} while starting")
                 if time.monotonic() > deadline:
                     raise RankFailure(f"tensor-parallel rank {rank} did not start within {timeout_s:.0f} s")
                 time.sleep(0.05)
-        group = _init(store, 0, world, rank_device(device, 0), timeout_s, "spawn")
+        group = _init(private, 0, world, rank_device(device, 0), timeout_s, "spawn")
     except BaseException:
         for p in procs:
             p.terminate()
@@ -148,14 +167,67 @@ def watch_parent() -> None:
     threading.Thread(target=watch, name="quickdraft-tp-parent", daemon=True).start()
 
 
+MAX_MESSAGE_BYTES = 1 << 20  # a status or command header longer than this is refused
+
+
+def _decode(data: bytes, source: str):
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise QuickdraftError(f"{source} sent a malformed message ({len(data)} bytes that are not JSON)") from None
+
+
+def _encode(value) -> torch.Tensor:
+    data = json.dumps(value).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise QuickdraftError(f"a tensor-parallel message of {len(data)} bytes (at most {MAX_MESSAGE_BYTES})")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def gather_json(group: TPGroup, value) -> list:
+    """Every rank's `value` (JSON data), on every rank, over the control group: two all-gathers
+    of tensors (lengths, then the bytes), never a pickle."""
+    data = _encode(value)
+    sizes = torch.zeros(group.world, dtype=torch.int64)
+    dist.all_gather(list(sizes.split(1)), torch.tensor([data.numel()], dtype=torch.int64), group=group.control)
+    cap = int(sizes.max())
+    if cap > MAX_MESSAGE_BYTES or int(sizes.min()) < 0:
+        raise QuickdraftError(f"a tensor-parallel rank sent a message of {cap} bytes (at most {MAX_MESSAGE_BYTES})")
+    padded = torch.zeros(cap, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    out = torch.zeros(group.world * cap, dtype=torch.uint8)
+    dist.all_gather(list(out.split(cap)) if cap else [torch.zeros(0, dtype=torch.uint8)] * group.world, padded,
+                    group=group.control)
+    return [_decode(bytes(out[r * cap: r * cap + int(n)].tolist()), f"tensor-parallel rank {r}")
+            for r, n in enumerate(sizes.tolist())]
+
+
+def send_json(group: TPGroup, value=None):
+    """Rank 0's `value` (JSON data) to every rank over the control group (pass nothing to
+    receive): the length, then the bytes, never a pickle."""
+    data = _encode(value) if group.rank == 0 else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group.control)
+    n = int(size)
+    if not 0 <= n <= MAX_MESSAGE_BYTES:
+        raise QuickdraftError(f"tensor-parallel rank 0 sent a message of {n} bytes (at most {MAX_MESSAGE_BYTES})")
+    if group.rank == 0:
+        if n:
+            dist.broadcast(data, src=0, group=group.control)
+        return value
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if n:
+        dist.broadcast(buf, src=0, group=group.control)
+    return _decode(bytes(buf.tolist()), "tensor-parallel rank 0")
+
+
 def check_all(group: TPGroup, error: str | None) -> None:
     """After loading: every rank says whether its shard loaded; rank 0 raises the first error."""
-    errors: list = [None] * group.world
-    dist.all_gather_object(errors, error, group=group.control)
+    errors = gather_json(group, error)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         rank, message = bad[0]
-        raise QuickdraftError(f"tensor-parallel rank {rank}: {message}")
+        raise QuickdraftError(f"tensor-parallel rank {rank}: {str(message)[:2000]}")
 
 
 def elements(shape) -> int:

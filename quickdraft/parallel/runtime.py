@@ -33,8 +33,8 @@ from ..config import ModelConfig
 from ..errors import QuickdraftError
 from ..model.gguf import gguf_source
 from ..model.quant import prepare
-from .group import (DEFAULT_TIMEOUT_S, RankFailure, TPGroup, check_all, init_spawned, init_torchrun, start_spawned,
-                    under_torchrun, watch_parent)
+from .group import (DEFAULT_TIMEOUT_S, RankFailure, TPGroup, check_all, init_spawned, init_torchrun, send_json,
+                    start_spawned, under_torchrun, watch_parent)
 from .shard import Comm, ShardPlan, check_tensor_parallel, load_shard
 
 log = logging.getLogger("quickdraft.parallel")
@@ -63,7 +63,7 @@ class Channel:
 
     def send(self, op: str, meta: dict, tensors: tuple[torch.Tensor, ...] = ()) -> None:
         specs = [(tuple(t.shape), t.dtype == torch.bool) for t in tensors]
-        dist.broadcast_object_list([(op, meta, specs)], src=0, group=self.group.control)
+        send_json(self.group, [op, meta, specs])  # JSON, not a pickle: a rank runs no code it is sent
         ints = [t.reshape(-1).long() for t in tensors if t.dtype != torch.bool]
         masks = [t.reshape(-1).to(torch.uint8) for t in tensors if t.dtype == torch.bool]
         for packed in (ints, masks):
@@ -71,9 +71,7 @@ class Channel:
                 dist.broadcast(torch.cat(packed).to(self.group.device), src=0)
 
     def recv(self) -> tuple[str, dict, list[torch.Tensor]]:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group.control)
-        op, meta, specs = box[0]
+        op, meta, specs = send_json(self.group)
         device = self.group.device
         out: list[torch.Tensor | None] = [None] * len(specs)
         for is_mask, dtype in ((False, torch.long), (True, torch.uint8)):
@@ -305,7 +303,7 @@ def _step(shard: nn.Module, spec: LoadSpec):
         return None
     from ..compile import StepFunction
 
-    return StepFunction(shard, name="target shard")
+    return StepFunction(shard, name="target shard", collective=True)  # a failure stops every rank, no eager retry
 
 
 def _worker(spec: LoadSpec, group: TPGroup) -> None:
@@ -318,13 +316,13 @@ def _worker(spec: LoadSpec, group: TPGroup) -> None:
         os._exit(1)
 
 
-def spawned_worker_main(rank: int, world: int, port: int, spec: LoadSpec) -> None:
-    """The entry point of a worker process rank 0 spawned."""
+def spawned_worker_main(rank: int, world: int, port: int, secret: str, spec: LoadSpec) -> None:
+    """The entry point of a worker process rank 0 spawned (`secret`: the launch's rendezvous key)."""
     watch_parent()
     if spec.device == "cpu":
         torch.set_num_threads(spec.threads)
     try:
-        group = init_spawned(rank, world, port, torch.device(spec.device), spec.timeout_s)
+        group = init_spawned(rank, world, port, secret, torch.device(spec.device), spec.timeout_s)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         os._exit(1)

@@ -73,13 +73,16 @@ def top_w_tree(step, cache: KVCache, logits: torch.Tensor, lengths: list[int], k
 
 def prune(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
           keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep the `keep` nodes of highest cumulative log-probability. A child never scores
-    above its parent (log q <= 0; a tiny penalty on the node index, always larger for a
-    child, breaks ties), so the kept nodes form a tree; their order is preserved, so
-    parents stay before children. Returns (tokens, parents), both (B, keep)."""
+    """Keep the `keep` nodes of highest cumulative log-probability, parents before children
+    (every parent's index is below its children's). A child never scores above its parent
+    (log q <= 0), and equal scores are ranked by index (a stable sort: exact at any magnitude,
+    unlike a small penalty, which float32 loses below -16), so the kept nodes form a tree;
+    their order is preserved. Returns (tokens, parents), both (B, keep)."""
     B, N = tokens.shape
-    index = torch.arange(N, device=tokens.device)
-    chosen = (scores - 1e-6 * index).topk(keep, -1).indices.sort(-1).values  # (B, keep)
+    if keep >= N:
+        return tokens, parents
+    ranked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+    chosen = ranked.sort(-1).values  # (B, keep)
     new_index = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
     new_index.scatter_(1, chosen, torch.arange(keep, device=tokens.device).expand(B, keep))
     old_parents = parents.gather(1, chosen)

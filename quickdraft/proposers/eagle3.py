@@ -34,6 +34,7 @@ from ..errors import QuickdraftError
 from ..model.eagle3 import Eagle3Head
 from ..sampling import process_logits, race
 from .base import Draft, ProposeBatch, Proposer, check_int, check_options, register
+from .draft_tree import prune
 
 
 @register("eagle3")
@@ -211,21 +212,14 @@ class Eagle3Proposer(Proposer):
             parents.append(idx[local])
             scores.append(best)
             states = st.gather(1, local[..., None].expand(B, w, st.shape[-1]))
-        depth = torch.arange(k, device=device).repeat_interleave(w)
-        # a child never scores above its parent; the depth tie-break keeps equal scores parent-first
-        ranked = torch.cat(scores, 1) - 1e-6 * depth
+        # nodes are stored depth by depth (a parent before its children): prune's stable sort
+        # keeps equal scores parent-first, and a child never scores above its parent
+        ranked = torch.cat(scores, 1)
         return _rerank(torch.cat(tokens, 1), torch.cat(parents, 1), ranked, self.max_draft_tokens(k))
 
 
 def _rerank(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, budget: int) -> Draft:
     """Each row's `budget` nodes of highest score (a tree: no node outscores its parent),
     renumbered in their original order (parents before children)."""
-    B, N = tokens.shape
-    if budget >= N:
-        return Draft(tokens=tokens, probs=None, parents=parents)
-    keep = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
-    renumber = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
-    renumber.scatter_(1, keep, torch.arange(budget, device=tokens.device).expand(B, budget))
-    kept_parents = parents.gather(1, keep)
-    mapped = torch.where(kept_parents >= 0, renumber.gather(1, kept_parents.clamp(min=0)), -1)
-    return Draft(tokens=tokens.gather(1, keep), probs=None, parents=mapped)
+    tokens, parents = prune(tokens, parents, scores, budget)
+    return Draft(tokens=tokens, probs=None, parents=parents)

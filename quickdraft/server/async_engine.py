@@ -81,6 +81,9 @@ class AsyncEngine:
         self.capacity = engine.config.max_num_seqs + max_queue  # requests held at once
         self.pending = 0  # requests submitted and not yet finished (touched by the event loop only)
         self.dead: str | None = None
+        # held by submit() from its check of `dead` to its enqueue, and by _die() from setting
+        # `dead` to draining the queue: every request is either refused or drained and answered
+        self._death = threading.Lock()
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
@@ -118,11 +121,12 @@ class AsyncEngine:
                num_speculative_tokens: int | None = None) -> str:
         """Queue one request (already checked with engine.check_request); returns its id.
         Its outputs (RequestOutput, or an EngineError on failure) arrive on `out`."""
-        if self.dead is not None:
-            raise EngineDead(self.dead)
-        rid = f"r{next(self._ids)}"
-        self.pending += 1
-        self._commands.put(AddRequest(rid, prompt, params, num_speculative_tokens, out))
+        with self._death:
+            if self.dead is not None:
+                raise EngineDead(self.dead)
+            rid = f"r{next(self._ids)}"
+            self._commands.put(AddRequest(rid, prompt, params, num_speculative_tokens, out))
+            self.pending += 1
         return rid
 
     def release(self, rid: str, finished: bool) -> None:
@@ -208,17 +212,19 @@ class AsyncEngine:
 
     def _die(self, exc: BaseException) -> None:
         """Mark the engine dead and answer every request it holds or was sent with the reason."""
-        self.dead = f"the engine stopped: {type(exc).__name__}: {exc}"
-        log.critical("%s\n%s", self.dead, traceback.format_exc())
+        reason = f"the engine stopped: {type(exc).__name__}: {exc}"
+        log.critical("%s\n%s", reason, traceback.format_exc())
         for rid, q in self._queues.items():
-            self._deliver(q, EngineError(rid, self.dead))
-        while True:  # requests queued while it broke
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, AddRequest):
-                self._deliver(cmd.out, EngineError(cmd.request_id, self.dead))
+            self._deliver(q, EngineError(rid, reason))
+        with self._death:  # no submit() between setting `dead` and draining: none is left unanswered
+            self.dead = reason
+            while True:  # requests queued while it broke
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, AddRequest):
+                    self._deliver(cmd.out, EngineError(cmd.request_id, reason))
         if self.on_dead is not None:
             self.on_dead(exc)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from quickdraft import kernels
+from quickdraft.paths import unsafe_to_load
 
 
 def _dead_pid() -> int:
@@ -93,18 +94,26 @@ def test_a_library_built_meanwhile_ends_the_wait(tmp_path, fake_compiler):
     assert (build / kernels.LIBRARY).read_bytes() == b"theirs" and not fake_compiler
 
 
-def test_folders_others_can_write_to_are_unsafe(tmp_path):
+def test_folders_and_files_others_can_write_to_are_unsafe(tmp_path):
     folder = tmp_path / "k"
     folder.mkdir(mode=0o700)
-    assert kernels._unsafe(folder) is None
+    lib = folder / "lib.so"
+    lib.write_bytes(b"x")
+    lib.chmod(0o644)
+    assert unsafe_to_load(folder, lib, folder / "missing.so") is None
     folder.chmod(0o777)
-    assert "writable by others" in kernels._unsafe(folder)
+    assert "writable by others" in unsafe_to_load(folder, lib)
     folder.chmod(0o770)
-    assert "writable by others" in kernels._unsafe(folder)
+    assert "writable by others" in unsafe_to_load(folder, lib)
+    folder.chmod(0o700)
+    lib.chmod(0o666)
+    assert f"{lib} is writable by others" in unsafe_to_load(folder, lib)
+    lib.chmod(0o664)
+    assert f"{lib} is writable by others" in unsafe_to_load(folder, lib)
+    lib.chmod(0o644)
     if os.getuid() == 0:  # (root can give a folder away)
-        folder.chmod(0o700)
-        os.chown(folder, 65534, 65534)
-        assert "belongs to another user" in kernels._unsafe(folder)
+        os.chown(lib, 65534, 65534)
+        assert "belongs to another user" in unsafe_to_load(folder, lib)
 
 
 def _run_available(env_cache: Path, timeout_s: int) -> subprocess.CompletedProcess:
@@ -125,8 +134,13 @@ def test_a_world_writable_cache_is_refused(tmp_path, monkeypatch):
     root.chmod(0o777)
     out = _run_available(root, 300)
     assert out.returncode == 0 and "available False" in out.stdout, out
-    assert out.stderr.count("not loaded from a folder others can change") == 1 and "writable by others" in out.stderr
+    assert out.stderr.count("not loaded from a folder or file others can change") == 1 and "writable by others" in out.stderr
     root.chmod(0o700)
+    (tag / kernels.LIBRARY).chmod(0o666)  # a private folder, but a library file anyone can replace
+    out = _run_available(root, 300)
+    assert out.returncode == 0 and "available False" in out.stdout, out
+    assert out.stderr.count("not loaded from a folder or file others can change") == 1, out.stderr
+    (tag / kernels.LIBRARY).chmod(0o644)
     out = _run_available(root, 300)
     assert "available True" in out.stdout, out  # the same library, now private: loaded
 

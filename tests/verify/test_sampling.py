@@ -282,6 +282,21 @@ def test_mixed_batch_rows_are_independent():
                                    atol=1e-5, rtol=1e-4)
 
 
+def test_rows_are_bit_identical_alone_and_in_any_batch():
+    """A row's probabilities have the same bits alone and beside any other row (min_p, top-k,
+    top-p, greedy), in any position: a min_p neighbour does not renormalise the others."""
+    g = torch.Generator().manual_seed(11)
+    params = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(min_p=0.2),
+              SamplingParams(top_k=5, temperature=0.6), SamplingParams(top_p=0.7), SamplingParams(temperature=0),
+              SamplingParams(top_k=8, top_p=0.9, min_p=0.05, temperature=1.2)]
+    logits = torch.randn(len(params), 2, 4096, generator=g) * 3
+    alone = [process_logits(logits[b: b + 1], build(p))[0] for b, p in enumerate(params)]
+    for order in ([0, 2], [2, 0], [1, 2, 3], list(range(len(params))), [6, 5, 4, 3, 2, 1, 0]):
+        probs = process_logits(logits[order], build(*[params[b] for b in order]))
+        for i, b in enumerate(order):
+            assert torch.equal(probs[i], alone[b]), (order, b)
+
+
 def reference(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     """Straightforward float64 reference of the documented pipeline, per row of (..., V)."""
     if logits.ndim > 1:
