@@ -60,7 +60,7 @@ def test_build_reads_the_chat_template_file(tmp_path):
     template.write_text("{{ messages[0]['content'] }}")
     bound = build({"replicas": "1", "chat_template": str(template), "method": "ngram"})._bound_deployment
     assert bound.init_args[0] == {"method": "ngram"}  # LLM's arguments only
-    assert bound.init_args[-1] == "{{ messages[0]['content'] }}"
+    assert bound.init_args[-2:] == ("{{ messages[0]['content'] }}", True)  # chat_template, web
 
 
 @pytest.mark.slow
