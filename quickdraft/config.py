@@ -159,6 +159,8 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5  # k: draft tokens proposed per step (per request, at most)
 MAX_NUM_SPECULATIVE_TOKENS = 64  # the longest speculation any configuration may ask for
+SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
+DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
 DEFAULT_MAX_NUM_SEQS = 32  # rows of the running batch (KV-cache slots; a server preallocates them all: 64 would take ~24 GB for SmolLM2 at its 8,192-token context in float32)
 
 

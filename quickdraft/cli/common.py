@@ -159,7 +159,8 @@ _SAMPLING_DEFAULTS = SamplingParams()
 TARGET = typer.Option(None, "--target", help="Target model: a Hugging Face folder, a .gguf file, a named model "
                       "(`quickdraft models`, e.g. smollm2) or a Hub id (default: the bundled code model).")
 DRAFT = typer.Option(None, "--draft", help="Draft model, given like --target (default: the target's own draft "
-                     "for the bundled and named models).")
+                     "for the bundled and named models), or `self`: the target's own weights in int4 "
+                     "(--draft-quantization int8 for int8) drafting for it.")
 METHOD = typer.Option(None, "--method", help="none | draft | eagle3 | ngram | suffix | lookahead (eagle3: --draft "
                       "is an EAGLE-3 head folder; default: draft when a "
                       "draft is given, else none).")
@@ -193,7 +194,7 @@ COMPILE = typer.Option(None, "--compile/--no-compile",
 AOT = typer.Option(False, "--aot", help="CPU: ahead-of-time compiled steps, built once per model shape (about a "
                                         "minute) and cached; later runs load them in under a second.")
 QUANTIZATION = typer.Option(None, "--quantization", help="Target weights: int8 or int4 (weight-only; int4 groups of 32).")
-DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 or int4 (weight-only), or none (as loaded; an EAGLE-3 head on a CPU is int8 otherwise).")
+DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 or int4 (weight-only), or none (as loaded; an EAGLE-3 head on a CPU is int8 otherwise, --draft self int4).")
 DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should differ from --dtype "
                            "(changes speed only, not the output).")
 SAVE_DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the file's float type, "

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from ..errors import EngineFailure, QuickdraftError
+from ..config import SELF_DRAFT
 from ..model.sources import check_spec
 from . import common as opts
 from .common import fail, parse_spec_options, user_errors
@@ -80,7 +81,7 @@ def serve_command(
     if profile is not None and not profile.exists():
         fail(f"--profile {profile} does not exist")
     for spec, flag in ((target, "--target"), (draft, "--draft")):  # fetched while loading; named right now
-        if spec is not None:
+        if spec is not None and not (flag == "--draft" and spec == SELF_DRAFT):
             try:
                 check_spec(spec)
             except QuickdraftError as exc:
