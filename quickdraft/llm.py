@@ -46,7 +46,7 @@ def check_same_vocabulary(target, draft, target_tok: Tokenizer | None, draft_tok
         raise QuickdraftError("vocabulary mismatch: the target's and the draft's tokenizers differ")
 
 
-def _named_default_draft(target: str | Path) -> Path | None:
+def named_default_draft(target: str | Path) -> Path | None:
     """A named model's own draft, when quickdraft ships it; None otherwise (then a target
     given without draft or method decodes plainly, as any target without a draft does)."""
     if not isinstance(target, str) or target not in CATALOGUE:
@@ -59,7 +59,7 @@ def _named_default_draft(target: str | Path) -> Path | None:
 
 class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
-                 method: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+                 method: str | None = None, num_speculative_tokens: int | None = None,
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                  spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
@@ -86,7 +86,19 @@ class LLM:
         tensor_parallel_options: lm_head ("rank0" | "vocab"), timeout_s (collectives).
         draft="self" (SELF_DRAFT): self-speculation, the target's own weights as its draft model
         in draft_quantization ("int4" by default, or "int8"), quantised from the loaded target
-        (the checkpoint is read once; embeddings and norms are shared)."""
+        (the checkpoint is read once; embeddings and norms are shared).
+        profile: a JSON profile from `quickdraft tune` (the goodput policy's costs) or `quickdraft
+        select`, whose choice (method, draft, k, spec options) is used when neither method nor
+        draft is given (num_speculative_tokens, when given, still wins). num_speculative_tokens:
+        default DEFAULT_NUM_SPECULATIVE_TOKENS (or the profile's choice)."""
+        choice = _profile_choice(profile, target) if method is None and draft is None else None
+        if choice is not None:
+            method, draft = choice.method, choice.draft
+            spec_options = choice.options if spec_options is None else spec_options
+            if num_speculative_tokens is None and choice.k > 0:
+                num_speculative_tokens = choice.k
+        if num_speculative_tokens is None:
+            num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
         check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
         check_max_num_seqs(max_num_seqs)
         self_draft = isinstance(draft, str) and draft == SELF_DRAFT
@@ -105,7 +117,7 @@ class LLM:
             if draft is None and not self_draft and method in (None, "draft", "eagle3"):
                 # the named model's own draft model (used by default), or its EAGLE-3 head (used when
                 # method="eagle3" asks for it: a head that does not pay is not made the default)
-                named = _named_default_draft(target)
+                named = named_default_draft(target)
                 if named is not None and (method == "eagle3") == is_eagle3_head(named):
                     draft = named
             target = resolve_model(target)
@@ -380,3 +392,16 @@ def _check_self_draft_target(target_dir: Path, loaded) -> None:
                               "instead (quantization='int4', --quantization int4), or give a smaller draft model")
     if next(loaded.parameters()).dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise QuickdraftError("a self-draft needs a float32, bfloat16 or float16 target")
+
+
+def _profile_choice(profile: str | Path | None, target):
+    """The `quickdraft select` choice a profile carries, or None (no profile, or one from `tune`)."""
+    if profile is None:
+        return None
+    from .policy.costs import load_profile
+
+    p = load_profile(profile)
+    if p.choice is not None and target is not None and str(target) != p.target:
+        log.warning("quickdraft: profile %s was measured on %s, not on %s; its choice (%s) may not pay here",
+                    profile, p.target, target, p.choice.method)
+    return p.choice

@@ -166,10 +166,18 @@ METHOD = typer.Option(None, "--method", help="none | draft | eagle3 | ngram | su
                       "draft is given, else none).")
 METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable): draft | eagle3 | ngram | suffix | "
                        "lookahead (default: draft when a draft is available, else ngram).")
-NUM_SPECULATIVE_TOKENS = typer.Option(DEFAULT_NUM_SPECULATIVE_TOKENS, "-k", "--num-speculative-tokens",
-                                      help=f"k: draft tokens proposed per step, 1 to {MAX_NUM_SPECULATIVE_TOKENS} "
-                                      "(the most; a tree's depth).",
-                                      callback=checked(check_num_speculative_tokens))
+
+
+def num_speculative_tokens_option(default: int | None = DEFAULT_NUM_SPECULATIVE_TOKENS):
+    """-k; None as the default: the command's LLM decides (the --profile's choice, else the default)."""
+    note = "" if default is not None else f" Default {DEFAULT_NUM_SPECULATIVE_TOKENS}, or the --profile's choice."
+    return typer.Option(default, "-k", "--num-speculative-tokens",
+                        help=f"k: draft tokens proposed per step, 1 to {MAX_NUM_SPECULATIVE_TOKENS} "
+                        "(the most; a tree's depth)." + note, callback=checked(check_num_speculative_tokens))
+
+
+NUM_SPECULATIVE_TOKENS = num_speculative_tokens_option()
+PROFILED_NUM_SPECULATIVE_TOKENS = num_speculative_tokens_option(None)  # commands that take --profile
 
 
 def max_num_seqs_option(default: int = DEFAULT_MAX_NUM_SEQS, why: str = ""):
@@ -185,7 +193,8 @@ TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates pe
 SPEC_OPTION = typer.Option(None, "--spec-option", "-o",
                            help="Proposer option KEY=VALUE (repeatable), e.g. -o max_ngram=4.")
 POLICY = typer.Option("fixed", "--policy", help="Speculation length: fixed | acceptance | goodput.")
-PROFILE = typer.Option(None, "--profile", help="Cost profile from `quickdraft tune` (for --policy goodput).")
+PROFILE = typer.Option(None, "--profile", help="Profile from `quickdraft select` (its method, draft and k, unless "
+                       "--method or --draft is given) or `quickdraft tune` (costs for --policy goodput).")
 DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, the "
                      "checkpoint's on a GPU).")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available).")

@@ -21,7 +21,7 @@ def serve_command(
     target: Optional[str] = opts.TARGET,
     draft: Optional[str] = opts.DRAFT,
     method: Optional[str] = opts.METHOD,
-    k: int = opts.NUM_SPECULATIVE_TOKENS,
+    k: Optional[int] = opts.PROFILED_NUM_SPECULATIVE_TOKENS,
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
     policy: str = opts.POLICY,
     profile: Optional[Path] = opts.PROFILE,
