@@ -28,6 +28,9 @@ step's rows are the decode steps' and a request's output does not depend on its 
 Quantisation changes the model: speculative output follows the quantised target exactly
 (lossless with respect to it). A quantised draft only changes how often it is accepted.
 Training never sees these modules: `prepare` is applied by `LLM` after loading.
+
+`quantized_copy` makes a self-draft (`LLM(draft="self")`): the loaded target's linears in int4
+or int8, every other tensor shared with the target.
 """
 
 from __future__ import annotations
