@@ -96,16 +96,16 @@ class SelectResult:
 # ---- prompts --------------------------------------------------------------------------------
 
 def read_user_prompts(path: Path) -> list:
-    """A prompts file: JSONL with one {"prompt": text or token ids} or {"messages": [{"role",
-    "content"}, ...]} per line (chat, rendered with the model's template), or else plain text,
-    one prompt per line."""
+    """A prompts file: `.jsonl`, one {"prompt": text or token ids} or {"messages": [{"role",
+    "content"}, ...]} per line (chat, rendered with the model's template); any other name, plain
+    text, one prompt per line."""
     try:
         lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
     except OSError as exc:
         raise QuickdraftError(f"cannot read prompts file {path}: {exc.strerror or exc}") from None
     if not lines:
         raise QuickdraftError(f"{path}: no prompts")
-    if not lines[0].lstrip().startswith("{"):
+    if Path(path).suffix.lower() != ".jsonl":
         return lines  # plain text, one prompt per line
     out: list = []
     for n, line in enumerate(lines, 1):

@@ -23,8 +23,8 @@ def select_command(
     method: Optional[list[str]] = typer.Option(None, "--method", help="Only these (repeatable): suffix | ngram | "
                                                "lookahead | draft | eagle3 | self (default: all but lookahead)."),
     ks: str = typer.Option("2,3,4,5", "--ks", help="Comma-separated speculation lengths k to measure."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Your prompts: one per line, or JSONL of "
-                                           "{\"prompt\": text or token ids} or {\"messages\": [...]} (chat)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Your prompts: one per line, or a .jsonl "
+                                           "file of {\"prompt\": text or token ids} or {\"messages\": [...]} (chat)."),
     workload: str = typer.Option("code", "--workload", help="Built-in workload when no --prompts: code | editing "
                                  "(raw text) | chat | code-chat | editing-chat (chat template)."),
     num_prompts: int = typer.Option(4, "--num-prompts", help="Built-in workload: prompts."),
@@ -49,7 +49,9 @@ def select_command(
     with opts.err.status("measuring...") as status:
         result = select(config, progress=lambda label, share: status.update(
             f"measuring {label} ({100 * share:.0f}% of the candidates done)"))
-    stdout.print(ranked_table(result), width=max(stdout.width, 118))
+    if not stdout.is_terminal:  # a pipe or a file: the whole table, not rich's 80 columns
+        stdout.width = max(stdout.width, 120)
+    stdout.print(ranked_table(result))
     for label, why in result.skipped.items():
         stdout.print(f"[dim]not measured: {label}: {why}[/]")
     c = result.choice

@@ -31,8 +31,8 @@ def test_choose_never_picks_a_slower_method_or_a_noisy_non_speculating_one():
 
 def test_read_user_prompts(tmp_path):
     plain = tmp_path / "p.txt"
-    plain.write_text("first prompt\n\nsecond prompt\n")
-    assert read_user_prompts(plain) == ["first prompt", "second prompt"]
+    plain.write_text("first prompt\n\n{second: prompt}\n")  # plain text, braces or not
+    assert read_user_prompts(plain) == ["first prompt", "{second: prompt}"]
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": [1, 2]}) + "\n"
                      + json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
