@@ -147,9 +147,12 @@ class LLM:
                                                quantization=quantization, compile=per_rank,
                                                **dict(tensor_parallel_options or {}))
         else:
+            if self_draft:
+                _check_self_draft_source(target_dir)  # before the weights are read
             loaded = load_model(target_dir, dtype=dtype, device=dev, quantization=quantization)
             if self_draft:  # before prepare, which replaces the float linears it quantises from
-                _check_self_draft_target(target_dir, loaded)
+                if next(loaded.parameters()).dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise QuickdraftError("a self-draft needs a float32, bfloat16 or float16 target")
                 self_copy = quantized_copy(loaded, draft_quantization)
             self.target = prepare(loaded, quantization)
         self.tokenizer = Tokenizer.from_dir(target_dir)
@@ -379,7 +382,7 @@ def _check_self_draft_options(quantization: str | None, draft_quantization: str 
     return fmt
 
 
-def _check_self_draft_target(target_dir: Path, loaded) -> None:
+def _check_self_draft_source(target_dir: Path) -> None:
     """A target stored in 4 bits (a GGUF of Q4_0 / Q4_1 / Q4_K layers) gets no self-draft: its
     4-bit copy would be the target itself, which then runs as fast undrafted (quantization="int4")."""
     from .model.gguf import four_bit_type, gguf_source
@@ -390,8 +393,6 @@ def _check_self_draft_target(target_dir: Path, loaded) -> None:
         raise QuickdraftError(f"the target's weights are stored in 4 bits ({kind} in {source.name}): a self-draft "
                               "cannot pay there (its copy would be the target itself); run the target in 4 bits "
                               "instead (quantization='int4', --quantization int4), or give a smaller draft model")
-    if next(loaded.parameters()).dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise QuickdraftError("a self-draft needs a float32, bfloat16 or float16 target")
 
 
 def _profile_choice(profile: str | Path | None, target):
