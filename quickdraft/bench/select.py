@@ -205,7 +205,7 @@ def select(config: SelectConfig, progress: Callable[[str, float], None] | None =
     import torch
 
     from ..llm import named_default_draft, default_model_dirs
-    from ..model.loader import checkpoint_dir
+    from ..model.loader import checkpoint_dir, resolve_device
     from ..model.sources import resolve_model
     from ..model.tokenizer import Tokenizer
     from ..policy.costs import Choice, MethodProfile, Profile, save_profile, solve_alpha
@@ -276,7 +276,7 @@ def select(config: SelectConfig, progress: Callable[[str, float], None] | None =
             per_pos[j] = min(per_pos[j], per_pos[j - 1])
         methods[choice.method] = MethodProfile({}, ks, res["propose_s"][choice.method], per_pos,
                                                solve_alpha(1.0 + sum(per_pos), ks[-1]), at_max["draft_rate"])
-    device = torch.device(config.device) if config.device else torch.device("cpu")
+    device = resolve_device(config.device)
     profile = Profile(device.type, device_name(device), torch.__version__, target_name, res["target_dtype"], 128,
                       res["batch_sizes"], res["query_lengths"], res["target_step_s"], methods,
                       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
