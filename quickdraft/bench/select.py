@@ -333,7 +333,7 @@ def plot_select(result: SelectResult, path: Path) -> None:
     ch = result.choice
     if ch.method != "none":
         ax.plot([ch.k], [ch.speedup], marker="o", markersize=14, fillstyle="none", color="black",
-                label=f"choice: {ch.method} k={ch.k}")
+                label=f"choice: {Candidate(ch.method, ch.draft).label} k={ch.k}")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="plain decoding")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set(xlabel="k (draft tokens per step)", ylabel="speedup over plain decoding (paired)",

@@ -56,7 +56,7 @@ def select_command(
         stdout.print(f"[dim]not measured: {label}: {why}[/]")
     c = result.choice
     pick = "plain decoding (no method measured faster here)" if c.method == "none" else \
-        f"{c.method}" + (f" with draft {c.draft}" if c.draft else "") + f", k={c.k} ({c.speedup:.2f}x plain decoding)"
+        f"method {c.method}" + (f", draft {c.draft}" if c.draft else "") + f", k={c.k} ({c.speedup:.2f}x plain decoding)"
     stdout.print(f"choice: {pick}")
     stdout.print(f"profile written to {config.out}" + (f", plot to {config.plot}" if config.plot else "")
                  + f"; run it with: quickdraft generate --profile {config.out} ...")
