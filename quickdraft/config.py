@@ -176,6 +176,8 @@ DEFAULT_KV_CACHE_MEMORY_GPU = 0.8
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                  "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30,
                  "t": 2**40}
+SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
+DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
 
 
 def _is_int(value: Any) -> bool:

@@ -11,13 +11,14 @@ from typing import Any
 import torch
 
 from . import aot
-from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, EngineConfig, SpecConfig,
-                     check_kv_cache_memory, check_max_num_seqs, check_num_speculative_tokens)
+from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SELF_DRAFT_QUANTIZATION,
+                     SELF_DRAFT, EngineConfig, SpecConfig, check_kv_cache_memory, check_max_num_seqs,
+                     check_num_speculative_tokens)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device, resolve_dtype
-from .model.quant import blocked_supported, prepare
+from .model.quant import blocked_supported, prepare, quantized_copy
 from .model.eagle3 import is_eagle3_head
 from .model.sources import CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
@@ -46,7 +47,7 @@ def check_same_vocabulary(target, draft, target_tok: Tokenizer | None, draft_tok
         raise QuickdraftError("vocabulary mismatch: the target's and the draft's tokenizers differ")
 
 
-def _named_default_draft(target: str | Path) -> Path | None:
+def named_default_draft(target: str | Path) -> Path | None:
     """A named model's own draft, when quickdraft ships it; None otherwise (then a target
     given without draft or method decodes plainly, as any target without a draft does)."""
     if not isinstance(target, str) or target not in CATALOGUE:
@@ -59,7 +60,7 @@ def _named_default_draft(target: str | Path) -> Path | None:
 
 class LLM:
     def __init__(self, target: str | Path | None = None, draft: str | Path | None = None,
-                 method: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+                 method: str | None = None, num_speculative_tokens: int | None = None,
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                  spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
@@ -89,21 +90,42 @@ class LLM:
         static shapes for CUDA graphs; a server); on a CPU the caches grow as needed whatever it
         says. tensor_parallel_size: the target split over this many ranks
         (quickdraft.parallel; processes spawned here, or joined under torchrun);
-        tensor_parallel_options: lm_head ("rank0" | "vocab"), timeout_s (collectives)."""
+        tensor_parallel_options: lm_head ("rank0" | "vocab"), timeout_s (collectives).
+        draft="self" (SELF_DRAFT): self-speculation, the target's own weights as its draft model
+        in draft_quantization ("int4" by default, or "int8"), quantised from the loaded target
+        (the checkpoint is read once; embeddings and norms are shared).
+        profile: a JSON profile from `quickdraft tune` (the goodput policy's costs) or `quickdraft
+        select`, whose choice (method, draft, k, spec options) is used when neither method nor
+        draft is given (num_speculative_tokens, when given, still wins). num_speculative_tokens:
+        default DEFAULT_NUM_SPECULATIVE_TOKENS (or the profile's choice)."""
+        choice = _profile_choice(profile, target) if method is None and draft is None else None
+        if choice is not None:
+            method, draft = choice.method, choice.draft
+            spec_options = choice.options if spec_options is None else spec_options
+            if num_speculative_tokens is None and choice.k > 0:
+                num_speculative_tokens = choice.k
+        if num_speculative_tokens is None:
+            num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
         check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
         check_max_num_seqs(max_num_seqs)
         check_kv_cache_memory(kv_cache_memory)
+        self_draft = isinstance(draft, str) and draft == SELF_DRAFT
+        if self_draft:
+            draft = None
+            method = _check_self_draft_method(method)
+            draft_quantization = _check_self_draft_options(quantization, draft_quantization, draft_dtype,
+                                                           tensor_parallel_size)
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():
                 raise QuickdraftError("no target given and no bundled default model is installed; pass target=PATH")
-            if draft is None:  # the bundled pair; with method="eagle3" the bundled target's head
+            if draft is None and not self_draft:  # the bundled pair; with method="eagle3" the target's head
                 draft = resolve_model("target-eagle3") if method == "eagle3" else default_draft
         else:  # a folder, a .gguf, a named model (fetched on first use) or a Hub id
-            if draft is None and method in (None, "draft", "eagle3"):
+            if draft is None and not self_draft and method in (None, "draft", "eagle3"):
                 # the named model's own draft model (used by default), or its EAGLE-3 head (used when
                 # method="eagle3" asks for it: a head that does not pay is not made the default)
-                named = _named_default_draft(target)
+                named = named_default_draft(target)
                 if named is not None and (method == "eagle3") == is_eagle3_head(named):
                     draft = named
             target = resolve_model(target)
@@ -115,10 +137,11 @@ class LLM:
                           options=dict(spec_options or {}), policy=policy,
                           profile=None if profile is None else str(profile))
         cls = get_proposer(method)
-        if cls is not None and cls.needs_draft_model and draft is None:
+        if cls is not None and cls.needs_draft_model and draft is None and not self_draft:
             raise QuickdraftError(f"method {method!r} needs a draft model folder")
         dev = resolve_device(device)
         target_dir = checkpoint_dir(target)
+        self_copy = None  # a self-draft, made from the loaded target
         if tensor_parallel_size != 1:
             from .parallel import load_tensor_parallel
 
@@ -132,18 +155,24 @@ class LLM:
                                                quantization=quantization, compile=per_rank,
                                                **dict(tensor_parallel_options or {}))
         else:
-            self.target = prepare(load_model(target_dir, dtype=dtype, device=dev, quantization=quantization),
-                                  quantization)
+            if self_draft:
+                _check_self_draft_source(target_dir)  # before the weights are read
+            loaded = load_model(target_dir, dtype=dtype, device=dev, quantization=quantization)
+            if self_draft:  # before prepare, which replaces the float linears it quantises from
+                if next(loaded.parameters()).dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise QuickdraftError("a self-draft needs a float32, bfloat16 or float16 target")
+                self_copy = quantized_copy(loaded, draft_quantization)
+            self.target = prepare(loaded, quantization)
         self.tokenizer = Tokenizer.from_dir(target_dir)
         proposer = None
-        self.draft = None
+        self.draft = self_copy
         if cls is not None:
             if cls.needs_draft_model and cls.draft_is_head:
                 from .model.eagle3 import load_eagle3
 
                 self.draft = prepare(load_eagle3(draft, self.target, resolve_dtype(draft_dtype, self.target.config, dev)
                                                  if draft_dtype else None), _head_quantization(draft_quantization, dev))
-            elif cls.needs_draft_model:
+            elif cls.needs_draft_model and not self_draft:
                 draft_dir = checkpoint_dir(draft)
                 self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev,
                                                       quantization=draft_quantization), draft_quantization)
@@ -161,7 +190,8 @@ class LLM:
         elif compile == "auto" and self.engine.aot_missing and aot.background_builds_enabled():
             # the same models in another process, built there (compile="aot"); this one decodes now
             self._build_in_background(dict(
-                target=str(target), draft=None if draft is None else str(draft), method=method,
+                target=str(target), draft=SELF_DRAFT if self_draft else None if draft is None else str(draft),
+                method=method,
                 num_speculative_tokens=num_speculative_tokens, dtype=_dtype_name(dtype), device=str(dev),
                 spec_options=dict(spec_options or {}), quantization=quantization,
                 draft_quantization=draft_quantization, draft_dtype=_dtype_name(draft_dtype)))
@@ -327,3 +357,60 @@ def _head_quantization(asked: str | None, device: torch.device) -> str | None:
     if asked is not None:
         return asked
     return "int8" if device.type == "cpu" and blocked_supported() else None
+
+
+def _check_self_draft_method(method: str | None) -> str:
+    """A self-draft is a draft model: method "draft" (the default with it)."""
+    if method not in (None, "draft"):
+        raise QuickdraftError(f"draft='self' drafts with a quantised copy of the target, a draft model: use "
+                              f"method 'draft' (the default), not {method!r}")
+    return "draft"
+
+
+_BITS = {"int8": 8, "int4": 4}
+
+
+def _check_self_draft_options(quantization: str | None, draft_quantization: str | None, draft_dtype,
+                              tensor_parallel_size: int) -> str:
+    """The self-draft's weight format (int4 unless int8 is asked); a clear error where it cannot
+    pay: a draft as wide as the target streams as many bytes as the target's own step."""
+    fmt = DEFAULT_SELF_DRAFT_QUANTIZATION if draft_quantization is None else draft_quantization
+    if fmt not in _BITS:
+        raise QuickdraftError(f"a self-draft (draft='self') is the target in int4 or int8: draft_quantization "
+                              f"must be 'int4' or 'int8', got {draft_quantization!r}")
+    if quantization in _BITS and _BITS[quantization] <= _BITS[fmt]:
+        raise QuickdraftError(f"the target runs in {quantization}: a self-draft in {fmt} reads as many bytes per "
+                              "token as the target itself, so it cannot pay"
+                              + ("" if fmt == "int4" else "; draft_quantization='int4' can"))
+    if draft_dtype is not None:
+        raise QuickdraftError("a self-draft shares the target's embeddings and precision: draft_dtype cannot be set")
+    if tensor_parallel_size != 1:
+        raise QuickdraftError("a self-draft is not supported with tensor_parallel_size > 1 (it would need every "
+                              "rank's weights on rank 0)")
+    return fmt
+
+
+def _check_self_draft_source(target_dir: Path) -> None:
+    """A target stored in 4 bits (a GGUF of Q4_0 / Q4_1 / Q4_K layers) gets no self-draft: its
+    4-bit copy would be the target itself, which then runs as fast undrafted (quantization="int4")."""
+    from .model.gguf import four_bit_type, gguf_source
+
+    source = gguf_source(target_dir)
+    kind = four_bit_type(source) if source is not None else None
+    if kind is not None:
+        raise QuickdraftError(f"the target's weights are stored in 4 bits ({kind} in {source.name}): a self-draft "
+                              "cannot pay there (its copy would be the target itself); run the target in 4 bits "
+                              "instead (quantization='int4', --quantization int4), or give a smaller draft model")
+
+
+def _profile_choice(profile: str | Path | None, target):
+    """The `quickdraft select` choice a profile carries, or None (no profile, or one from `tune`)."""
+    if profile is None:
+        return None
+    from .policy.costs import load_profile
+
+    p = load_profile(profile)
+    if p.choice is not None and target is not None and str(target) != p.target:
+        log.warning("quickdraft: profile %s was measured on %s, not on %s; its choice (%s) may not pay here",
+                    profile, p.target, target, p.choice.method)
+    return p.choice

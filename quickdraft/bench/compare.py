@@ -31,7 +31,7 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
     batch 1) against ours on the same prompts (result["peers"], see peers.run_peers).
     dtype and device go to every LLM (None: quickdraft's defaults), and llm_options (e.g.
     tensor_parallel_size: the LLMs then share one tensor-parallel target)."""
-    from .. import LLM, SamplingParams
+    from .. import LLM, SamplingParams, proposers
     from ..policy.costs import expected_tokens
     from .measure import measure_propose, measure_target_steps
 
@@ -41,7 +41,8 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
     llms = {}
     for m in methods:
         for k in ks:
-            llms[(m, k)] = LLM(target, draft=draft if m == "draft" else None, method=m, num_speculative_tokens=k,
+            llms[(m, k)] = LLM(target, draft=draft if proposers.get(m).needs_draft_model else None, method=m,
+                               num_speculative_tokens=k,
                                spec_options=spec_options, dtype=dtype, device=device, **more)
     names = [("none", 0)] + list(llms)
     for llm in [plain, *llms.values()]:  # a fresh cache's background AOT build: switch before timing
@@ -96,7 +97,8 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
                     "accepted_per_pos": [v / max(1, st.num_drafts) for v in st.accepted_per_pos],
                     "c": t_prop / (k * T1), "verify_ratio": Tk1 / T1, "predicted_speedup": predicted,
                 })
-    result = {"runs": runs, "target_step_s": steps, "query_lengths": qs, "batch_sizes": batch_sizes}
+    result = {"runs": runs, "target_step_s": steps, "query_lengths": qs, "batch_sizes": batch_sizes,
+              "propose_s": propose, "ks": ks, "target_dtype": str(plain.target.dtype).removeprefix("torch.")}
     if peers:
         from ..llm import default_model_dirs
         from .peers import PEER_OF, run_peers

@@ -18,6 +18,7 @@ from .bench_serve import bench_serve_command
 from .common import err, fail
 from .generate import generate
 from .models import convert_command, models_command, pull_command
+from .select import select_command
 from .serve import serve_command
 from .train import distill_command, train_command, train_eagle3_command
 from .tune import tune_command
@@ -27,7 +28,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="quickdraft: lossless speculative decoding for Llama-family models.")
 
 for _name, _command in (("generate", generate), ("train", train_command), ("distill", distill_command),
-                        ("train-eagle3", train_eagle3_command), ("verify", verify_command), ("tune", tune_command), ("bench", bench_command),
+                        ("train-eagle3", train_eagle3_command), ("verify", verify_command), ("tune", tune_command), ("select", select_command), ("bench", bench_command),
                         ("serve", serve_command), ("bench-serve", bench_serve_command), ("models", models_command),
                         ("pull", pull_command), ("convert", convert_command)):
     app.command(_name)(_command)

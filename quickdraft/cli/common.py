@@ -160,16 +160,25 @@ _SAMPLING_DEFAULTS = SamplingParams()
 TARGET = typer.Option(None, "--target", help="Target model: a Hugging Face folder, a .gguf file, a named model "
                       "(`quickdraft models`, e.g. smollm2) or a Hub id (default: the bundled code model).")
 DRAFT = typer.Option(None, "--draft", help="Draft model, given like --target (default: the target's own draft "
-                     "for the bundled and named models).")
+                     "for the bundled and named models), or `self`: the target's own weights in int4 "
+                     "(--draft-quantization int8 for int8) drafting for it.")
 METHOD = typer.Option(None, "--method", help="none | draft | eagle3 | ngram | suffix | lookahead (eagle3: --draft "
                       "is an EAGLE-3 head folder; default: draft when a "
                       "draft is given, else none).")
 METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable): draft | eagle3 | ngram | suffix | "
                        "lookahead (default: draft when a draft is available, else ngram).")
-NUM_SPECULATIVE_TOKENS = typer.Option(DEFAULT_NUM_SPECULATIVE_TOKENS, "-k", "--num-speculative-tokens",
-                                      help=f"k: draft tokens proposed per step, 1 to {MAX_NUM_SPECULATIVE_TOKENS} "
-                                      "(the most; a tree's depth).",
-                                      callback=checked(check_num_speculative_tokens))
+
+
+def num_speculative_tokens_option(default: int | None = DEFAULT_NUM_SPECULATIVE_TOKENS):
+    """-k; None as the default: the command's LLM decides (the --profile's choice, else the default)."""
+    note = "" if default is not None else f" Default {DEFAULT_NUM_SPECULATIVE_TOKENS}, or the --profile's choice."
+    return typer.Option(default, "-k", "--num-speculative-tokens",
+                        help=f"k: draft tokens proposed per step, 1 to {MAX_NUM_SPECULATIVE_TOKENS} "
+                        "(the most; a tree's depth)." + note, callback=checked(check_num_speculative_tokens))
+
+
+NUM_SPECULATIVE_TOKENS = num_speculative_tokens_option()
+PROFILED_NUM_SPECULATIVE_TOKENS = num_speculative_tokens_option(None)  # commands that take --profile
 
 
 def max_num_seqs_option(default: int = DEFAULT_MAX_NUM_SEQS, why: str = ""):
@@ -192,7 +201,8 @@ TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates pe
 SPEC_OPTION = typer.Option(None, "--spec-option", "-o",
                            help="Proposer option KEY=VALUE (repeatable), e.g. -o max_ngram=4.")
 POLICY = typer.Option("fixed", "--policy", help="Speculation length: fixed | acceptance | goodput.")
-PROFILE = typer.Option(None, "--profile", help="Cost profile from `quickdraft tune` (for --policy goodput).")
+PROFILE = typer.Option(None, "--profile", help="Profile from `quickdraft select` (its method, draft and k, unless "
+                       "--method or --draft is given) or `quickdraft tune` (costs for --policy goodput).")
 DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, the "
                      "checkpoint's on a GPU).")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available).")
@@ -201,7 +211,7 @@ COMPILE = typer.Option(None, "--compile/--no-compile",
 AOT = typer.Option(False, "--aot", help="CPU: ahead-of-time compiled steps, built once per model shape (about a "
                                         "minute) and cached; later runs load them in under a second.")
 QUANTIZATION = typer.Option(None, "--quantization", help="Target weights: int8 or int4 (weight-only; int4 groups of 32).")
-DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 or int4 (weight-only), or none (as loaded; an EAGLE-3 head on a CPU is int8 otherwise).")
+DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 or int4 (weight-only), or none (as loaded; an EAGLE-3 head on a CPU is int8 otherwise, --draft self int4).")
 DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should differ from --dtype "
                            "(changes speed only, not the output).")
 SAVE_DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the file's float type, "

@@ -19,7 +19,7 @@ def generate(
     target: Optional[str] = opts.TARGET,
     draft: Optional[str] = opts.DRAFT,
     method: Optional[str] = opts.METHOD,
-    k: int = opts.NUM_SPECULATIVE_TOKENS,
+    k: Optional[int] = opts.PROFILED_NUM_SPECULATIVE_TOKENS,
     tree_width: Optional[int] = opts.TREE_WIDTH,
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
     policy: str = opts.POLICY,

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from ..errors import EngineFailure, QuickdraftError
+from ..config import SELF_DRAFT
 from ..model.sources import check_spec
 from . import common as opts
 from .common import fail, parse_spec_options, user_errors
@@ -20,7 +21,7 @@ def serve_command(
     target: Optional[str] = opts.TARGET,
     draft: Optional[str] = opts.DRAFT,
     method: Optional[str] = opts.METHOD,
-    k: int = opts.NUM_SPECULATIVE_TOKENS,
+    k: Optional[int] = opts.PROFILED_NUM_SPECULATIVE_TOKENS,
     spec_option: Optional[list[str]] = opts.SPEC_OPTION,
     policy: str = opts.POLICY,
     profile: Optional[Path] = opts.PROFILE,
@@ -83,7 +84,7 @@ def serve_command(
     if profile is not None and not profile.exists():
         fail(f"--profile {profile} does not exist")
     for spec, flag in ((target, "--target"), (draft, "--draft")):  # fetched while loading; named right now
-        if spec is not None:
+        if spec is not None and not (flag == "--draft" and spec == SELF_DRAFT):
             try:
                 check_spec(spec)
             except QuickdraftError as exc:

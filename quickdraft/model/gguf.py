@@ -521,6 +521,15 @@ def int4_groups(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return q.reshape(out_f, in_f), scale.reshape(out_f, in_f // 32), zero.reshape(out_f, in_f // 32)
 
 
+def four_bit_type(path: str | Path) -> str | None:
+    """The 4-bit type (Q4_0 / Q4_1 / Q4_K) most of a GGUF's layer matrices are stored in, or None
+    when most are wider: a self-draft in 4 bits of such a target would be the target itself."""
+    kinds = [t.tensor_type.name for n, t in read_gguf(path).tensors.items()
+             if n.startswith("blk.") and len(t.shape) == 2]
+    four = [k for k in kinds if k in ("Q4_0", "Q4_1", "Q4_K")]
+    return max(set(four), key=four.count) if kinds and 2 * len(four) > len(kinds) else None
+
+
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's `permute` of llama's q/k rows (weights and biases), which interleaves
     the two rotary halves of each head for ggml's rope: rows (head, pair, half) -> (head, half, pair)."""

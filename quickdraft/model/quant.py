@@ -28,9 +28,15 @@ step's rows are the decode steps' and a request's output does not depend on its 
 Quantisation changes the model: speculative output follows the quantised target exactly
 (lossless with respect to it). A quantised draft only changes how often it is accepted.
 Training never sees these modules: `prepare` is applied by `LLM` after loading.
+
+`quantized_copy` makes a self-draft (`LLM(draft="self")`): the loaded target's linears in int4
+or int8, every other tensor shared with the target.
 """
 
 from __future__ import annotations
+
+import copy
+import itertools
 
 import torch
 from torch import nn
@@ -126,6 +132,17 @@ def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None =
             if isinstance(child, nn.Linear):
                 setattr(module, name, make_linear([child], fmt))
     return model
+
+
+def quantized_copy(model: nn.Module, quantization: str) -> nn.Module:
+    """A self-draft: a copy of a loaded model (before `prepare`) whose linear layers (lm_head
+    included) are prepared in `quantization` ("int8" or "int4"), sharing every other tensor with
+    it: the embedding table, the norms, the rotary tables. Nothing is read from disk again;
+    call it before `prepare(model)`, which replaces the float linears the copy quantises from."""
+    if quantization not in ("int8", "int4"):
+        raise QuickdraftError(f"a self-draft's weights are int8 or int4, got {quantization!r}")
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return prepare(copy.deepcopy(model, shared), quantization)
 
 
 def row_invariant(model: nn.Module) -> bool:

@@ -24,7 +24,9 @@ suffix and lookahead trees).
 The measured numbers live in a JSON profile (version 1, see `Profile`), written by
 `quickdraft tune` and read by the engine's adaptive policy through `step_time`,
 `propose_time` and `best_k`, which are cheap (no IO, memoised) and interpolate linearly in B
-between measured batch sizes (clamped outside).
+between measured batch sizes (clamped outside). A profile written by `quickdraft select` also
+carries its `choice` (`Choice`: method, draft, k, measured end to end), which `LLM(profile=...)`
+uses when no method or draft is given.
 """
 
 from __future__ import annotations
@@ -128,6 +130,40 @@ class MethodProfile:
         return _interp(self.ks, self.verify_q, k)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What `quickdraft select` measured fastest on its workload: the speculation to run."""
+
+    method: str  # a proposer's name, or "none": plain decoding was fastest
+    k: int  # num_speculative_tokens (0 with method "none")
+    draft: str | None = None  # LLM's draft argument: a folder, a .gguf, a named model, "self"; None
+    options: dict[str, Any] = field(default_factory=dict)  # spec_options
+    speedup: float = 1.0  # measured tokens/s over plain decoding's, paired (1 for "none")
+    workload: str = ""  # what it was measured on (a prompts file, a built-in workload)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "k": self.k, "draft": self.draft, "options": dict(self.options),
+                "speedup": self.speedup, "workload": self.workload}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "choice") -> Choice:
+        c = _Checker(where)
+        if not isinstance(data, Mapping):
+            c.fail("", "must be a JSON object")
+        c.string(data, "method")
+        k = c.integer(data, "k", 0)
+        if (data["method"] == "none") != (k == 0):
+            c.fail("k", "must be 0 exactly when method is 'none'")
+        if data.get("draft") is not None:
+            c.string(data, "draft")
+        options = data.get("options", {})
+        if not isinstance(options, Mapping):
+            c.fail("options", "must be an object")
+        c.string(data, "workload", required=False)
+        speedup = c.number(data, "speedup", 0.0, math.inf, default=1.0)
+        return cls(data["method"], k, data.get("draft"), dict(options), speedup, data.get("workload", ""))
+
+
 @dataclass
 class Profile:
     """A measured profile. JSON (version 1) is `to_dict()`: these fields, with `methods` as
@@ -151,6 +187,7 @@ class Profile:
     command: str = ""
     version: int = PROFILE_VERSION
     threads: int = 0  # torch's CPU threads while timing (0: not recorded); CPU step times depend on it
+    choice: Choice | None = None  # `quickdraft select`'s pick (what LLM(profile=...) runs); None: tune's
 
     def __post_init__(self) -> None:
         self._bs = [float(b) for b in self.batch_sizes]
@@ -231,7 +268,8 @@ class Profile:
                 "batch_sizes": list(self.batch_sizes), "query_lengths": list(self.query_lengths),
                 "target_step_s": [list(r) for r in self.target_step_s], "methods": methods,
                 "best_k": {n: dict(t) for n, t in self.best_k_by_batch.items()}, "created": self.created,
-                "command": self.command, "threads": self.threads}
+                "command": self.command, "threads": self.threads,
+                **({"choice": self.choice.to_dict()} if self.choice is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "profile") -> Profile:
@@ -286,9 +324,10 @@ class Profile:
                 isinstance(t, Mapping) and all(isinstance(b, str) and _is_int(v) and v >= 0 for b, v in t.items())
                 for t in best.values()):
             c.fail("best_k", "must be an object {method: {batch size: k}}")
+        choice = None if data.get("choice") is None else Choice.from_dict(data["choice"], f"{where}: choice")
         return cls(data["device"], data["cpu_or_gpu_name"], data["torch"], data["target"], data["dtype"], context,
                    bs, qs, steps, methods, {n: dict(t) for n, t in best.items()}, data.get("created", ""),
-                   data.get("command", ""), version, threads)
+                   data.get("command", ""), version, threads, choice)
 
 
 def _is_num(v) -> bool:

@@ -35,10 +35,14 @@ def test_k_means_one_thing_with_one_default_and_help():
     assert {name for name, _ in uses} >= {"generate", "serve", "verify", "distill"}
     for name, p in uses:
         assert p.opts == ["-k", "--num-speculative-tokens"], name
-        assert p.default == DEFAULT_NUM_SPECULATIVE_TOKENS, name
-        assert p.help == common.NUM_SPECULATIVE_TOKENS.help, name
-    # the library's defaults are the same constant
-    assert inspect.signature(LLM).parameters["num_speculative_tokens"].default == DEFAULT_NUM_SPECULATIVE_TOKENS
+        # commands with --profile leave k unset by default: a `quickdraft select` profile's choice, else the default
+        profiled = any("--profile" in getattr(q, "opts", ()) for q in COMMANDS[name].params)
+        shared = common.PROFILED_NUM_SPECULATIVE_TOKENS if profiled else common.NUM_SPECULATIVE_TOKENS
+        assert p.default == (None if profiled else DEFAULT_NUM_SPECULATIVE_TOKENS), name
+        assert p.help == shared.help, name
+    assert str(DEFAULT_NUM_SPECULATIVE_TOKENS) in common.PROFILED_NUM_SPECULATIVE_TOKENS.help
+    # the library's defaults are the same constant (LLM's None: the profile's choice, else this one)
+    assert inspect.signature(LLM).parameters["num_speculative_tokens"].default is None
     assert SpecConfig().num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
     # tune's longest k is another concept with another name
     assert [n for n, _ in flags("--max-k")] == ["tune"] and "tune" not in {n for n, _ in uses}
@@ -127,7 +131,8 @@ def test_spec_config_and_llm_share_the_k_check(k):
         with pytest.raises(QuickdraftError) as spec:
             SpecConfig(method=method, num_speculative_tokens=k)
         assert str(spec.value) == str(one.value)
-    assert _library_message(num_speculative_tokens=k) == str(one.value)
+    if k is not None:  # LLM's None is its default: a profile's choice, else DEFAULT_NUM_SPECULATIVE_TOKENS
+        assert _library_message(num_speculative_tokens=k) == str(one.value)
 
 
 def test_kv_cache_memory_is_one_flag_with_the_library_default_and_check():

@@ -1,0 +1,122 @@
+"""`quickdraft select`: the choosing rule, prompt files, the command end to end on the tiny pair,
+and the profile's choice as LLM(profile=...), `generate --profile` and `serve --profile` use it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from quickdraft import LLM
+from quickdraft.bench.select import Candidate, SelectConfig, candidates, choose, read_user_prompts
+from quickdraft.config import DEFAULT_NUM_SPECULATIVE_TOKENS
+from quickdraft.errors import QuickdraftError
+from quickdraft.policy.costs import Choice, Profile, load_profile, save_profile
+
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def row(label, k, speedup, tokens_per_step):
+    return {"candidate": label, "method": label, "draft": None, "k": k, "speedup": speedup,
+            "tokens_per_step": tokens_per_step}
+
+
+def test_choose_never_picks_a_slower_method_or_a_noisy_non_speculating_one():
+    assert choose([row("suffix", 3, 0.97, 1.4), row("ngram", 3, 0.8, 1.2)]) is None  # plain decoding wins
+    # one token per step cannot beat plain decoding: its 1.3x is noise; the 1.2x that speculated wins
+    assert choose([row("ngram", 3, 1.3, 1.0), row("draft", 4, 1.2, 2.5), row("draft", 2, 1.1, 1.8)])["k"] == 4
+    assert choose([]) is None
+
+
+def test_read_user_prompts(tmp_path):
+    plain = tmp_path / "p.txt"
+    plain.write_text("first prompt\n\n{second: prompt}\n")  # plain text, braces or not
+    assert read_user_prompts(plain) == ["first prompt", "{second: prompt}"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": [1, 2]}) + "\n"
+                     + json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n")
+    assert read_user_prompts(jsonl) == ["hi", [1, 2], [{"role": "user", "content": "hello"}]]
+    jsonl.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(QuickdraftError, match=r"p.jsonl:1: \"messages\""):
+        read_user_prompts(jsonl)
+    with pytest.raises(QuickdraftError, match="cannot read"):
+        read_user_prompts(tmp_path / "missing.txt")
+    with pytest.raises(QuickdraftError, match="--ks"):
+        SelectConfig(ks=(3, 2))
+    with pytest.raises(QuickdraftError, match="--workload"):
+        SelectConfig(workload="poetry")
+
+
+def test_candidates(target_dir, draft_dir):
+    every, skipped = candidates(SelectConfig(drafts=(str(draft_dir),)), target_dir, None)
+    assert every == [Candidate("suffix"), Candidate("ngram"), Candidate("draft", "self"),
+                     Candidate("draft", str(draft_dir))] and not skipped
+    only, _ = candidates(SelectConfig(methods=("self",)), target_dir, str(draft_dir))
+    assert only == [Candidate("draft", "self")]
+
+
+def test_select_end_to_end_and_generate_runs_the_choice(target_dir, draft_dir, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from quickdraft.cli.generate import generate
+    from quickdraft.cli.select import select_command
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n" + json.dumps({"prompt": [0, 5, 6, 7]}) + "\n")
+    out, png = tmp_path / "sel" / "profile.json", tmp_path / "sel.png"
+    app = typer.Typer()
+    app.command("select")(select_command)
+    app.command("generate")(generate)
+    args = ["select", "--target", str(target_dir), "--draft", str(draft_dir), "--method", "ngram", "--method", "self",
+            "--method", "draft", "--ks", "2,3", "--prompts", str(prompts), "--max-tokens", "8", "--repeats", "1",
+            "--iters", "1", "--out", str(out)] + (["--plot", str(png)] if HAS_MPL else [])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "choice:" in result.output and "plain decoding" in result.output
+    profile = load_profile(out)
+    data = json.loads(out.read_text())
+    rows = data["select"]["rows"]
+    assert {(r["candidate"], r["k"]) for r in rows} == {(c, k) for c in ("ngram", "self", f"draft:{draft_dir.name}")
+                                                        for k in (2, 3)}
+    assert [r["speedup"] for r in rows] == sorted((r["speedup"] for r in rows), reverse=True)
+    c = profile.choice
+    if c.method == "none":  # nothing beat plain decoding on this (busy) machine
+        assert all(r["speedup"] <= 1 or r["tokens_per_step"] <= 1 for r in rows)
+    else:  # the fastest that speculated, and its costs for --policy goodput
+        assert c.speedup > 1 and c.k in (2, 3) and profile.methods[c.method].ks == [2, 3]
+        assert c.speedup == pytest.approx(max(r["speedup"] for r in rows if r["tokens_per_step"] > 1), abs=1e-3)
+    assert not HAS_MPL or png.stat().st_size > 0
+    result = CliRunner().invoke(app, ["generate", "def add", "--target", str(target_dir), "--profile", str(out),
+                                      "--max-tokens", "4", "--temperature", "0", "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+
+
+def _profile_with(tmp_path, target_dir, choice: Choice) -> str:
+    p = Profile("cpu", "test", "x", str(target_dir), "float32", 8, [1], [1, 2, 3, 4], [[1.0, 1.1, 1.2, 1.3]], {},
+                choice=choice)
+    path = tmp_path / "choice.json"
+    save_profile(path, p)
+    return str(path)
+
+
+def test_llm_profile_choice(target_dir, draft_dir, tmp_path):
+    path = _profile_with(tmp_path, target_dir, Choice("draft", 3, "self", {}, 1.5, "test"))
+    llm = LLM(target_dir, profile=path)
+    assert llm.engine.config.spec.method == "draft" and llm.engine.k == 3
+    assert {m.fmt for m in llm.draft.modules() if hasattr(m, "fmt")} == {"int4"}  # the self-draft
+    assert LLM(target_dir, profile=path, num_speculative_tokens=2).engine.k == 2  # a given k wins
+    given = LLM(target_dir, draft=draft_dir, profile=path)  # a given draft wins over the whole choice
+    assert given.engine.k == DEFAULT_NUM_SPECULATIVE_TOKENS and given.draft.config.num_hidden_layers == 1
+    plain = LLM(target_dir, profile=_profile_with(tmp_path, target_dir, Choice("none", 0, workload="test")))
+    assert plain.engine.proposer is None
+
+
+def test_choice_json_is_checked(tmp_path, target_dir):
+    path = _profile_with(tmp_path, target_dir, Choice("draft", 3, "self"))
+    data = json.loads(open(path).read())
+    data["choice"]["k"] = 0
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(QuickdraftError, match="choice: k must be 0 exactly when method is 'none'"):
+        load_profile(tmp_path / "bad.json")
