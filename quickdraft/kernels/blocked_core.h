@@ -331,11 +331,14 @@ struct MatArgs {
 };
 
 #if QD_X86
-// Blocks [b0, b1): one row reads the whole block row (8 sums). More rows go in as few groups as
-// the registers allow, each weight vector widened once per group: 4-6 rows over 16 outputs at a
-// time (the 2 weight vectors kept, 8-12 sums), 2-3 rows over 32 (the rows' broadcasts kept, 8-12
-// sums); 7 rows as 4 + 3, more as 6s first. (Fewer than 8 sums wait on the FMA latency.) Later
-// pieces and groups read the block from L2. (Pieces of 32-128 block rows with the sums kept in y
+// Blocks [b0, b1): one row reads the whole block row (8 sums). For int8 and bfloat16, more rows go
+// in as few groups as the registers allow, each weight vector widened once per group: 4-6 rows
+// over 16 outputs at a time (the 2 weight vectors kept, 8-12 sums), 2-3 rows over 32 (the rows'
+// broadcasts kept, 8-12 sums); 7 rows as 4 + 3, more as 6s first (fewer than 8 sums wait on the
+// FMA latency): 4-20% less time than groups of 2-3 rows at 4-9 rows (AMD EPYC Zen 4, SmolLM2's
+// shapes). float32 has no widening to share and takes the block in halves of 32 outputs, 2-3 rows
+// at a time (four passes of 16 outputs cost its lm_head 6-25% more at 4-9 rows). Later pieces
+// and groups read the block from L2. (Pieces of 32-128 block rows with the sums kept in y
 // between them, to read each piece from L1, were measured slower: 1.2-1.7x on SmolLM2's lm_head
 // at 2-9 rows, AMD EPYC Zen 4.)
 template <typename W, int MR, int V>
@@ -356,6 +359,16 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_
     const int64_t ncols = std::min(NB, a.n - b * NB);
     if (M == 1) {
       block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, a.n, ncols, true);
+      continue;
+    }
+    if constexpr (std::is_same<W, float>::value) {  // no widening to share: 2-3 rows over 32 outputs
+      for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
+        int64_t m = 0;
+        for (; m + 3 <= M && M - m != 4; m += 3)
+          block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
+        for (; m + 2 <= M; m += 2)
+          block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
+      }
       continue;
     }
     int64_t m = 0;
