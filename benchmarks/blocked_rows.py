@@ -7,6 +7,7 @@ down, lm_head).
     taskset -c 1 python benchmarks/blocked_rows.py --isa avx512,avx2,portable --format f32,bf16,int8,int4 \
         --out benchmarks/results/blocked_rows_cpu.txt
     python benchmarks/blocked_rows.py --shapes bundled   # the bundled target's and SmolLM2's (K, N) of before
+    python benchmarks/blocked_rows.py --shapes 1.7b --rows 1,2,3,4,5,6,7,8,9 --clock thread   # SmolLM2-1.7B's
     python benchmarks/blocked_rows.py --tiny             # a smoke test: one small shape, few calls
 """
 
@@ -26,6 +27,8 @@ SHAPES = {  # (K in, N out)
     "smollm2": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
                 ("lm_head", 576, 49152)],
     "bundled": [("up", 576, 1536), ("down", 1536, 576), ("mlp", 512, 1408), ("lm_head", 576, 49152)],
+    "1.7b": [("qkv", 2048, 6144), ("o", 2048, 2048), ("gate_up", 2048, 16384), ("down", 8192, 2048),
+             ("lm_head", 2048, 49152)],  # SmolLM2-1.7B's (weights from DRAM)
     "tiny": [("tiny", 64, 128)],
 }
 

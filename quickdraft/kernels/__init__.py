@@ -5,9 +5,9 @@ float32, bfloat16, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_bf
 float32 in registers, on every CPU), `blocked_mm_int8`, `blocked_mm_int4`),
 streaming each weight once for all rows, with float32 activations; PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
-the layout and the numerics. And `attend`: attention over the cache for up to 12 query rows
-(decode, verify and tree steps), each kv head's keys read once for several query rows, where
-PyTorch's flash attention reads a one-query step through one-row BLAS calls.
+the layout and the numerics. And `attend`: attention over the cache for any number of query
+rows (decode, verify, tree and prefill steps), each kv head's keys read once for up to 4 query
+rows, where PyTorch's flash attention reads a one-query step through one-row BLAS calls.
 
 Every kernel has four paths: AVX-512, AVX2 + FMA, ARM NEON (AArch64) and portable C++, which give
 the same bits (one numeric contract: a row's result does not depend on the other rows, the thread
@@ -387,7 +387,7 @@ def blocked_mm_int4(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale where mask) v for a few query rows over the cache: q (B, H, T, D),
     k / v (B, H_kv, L, D) (grouped-query heads), mask bool (B or 1, 1, T, L); (B, H, T, D) out,
-    stored as (B, T, H, D). More than 12 query rows, or D not a multiple of 16, run PyTorch's
-    attention. See blocked_mm.cpp's attention section for the numerics (row-invariant, the same
+    stored as (B, T, H, D); any number of query rows, each with the bits of a one-row call. D not
+    a multiple of 16, or another dtype, runs PyTorch's attention. See blocked_mm.cpp's attention section for the numerics (row-invariant, the same
     bits on every path)."""
     return torch.ops.quickdraft.attend.default(q, k, v, mask, scale)

@@ -269,7 +269,7 @@ __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 8 * j;
     const __m256 b = (bias && !scaled) ? load_left(bias + o, ncols - o) : _mm256_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
   for (int64_t k = 0; k < K; ++k) {
@@ -279,14 +279,26 @@ __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t
 #pragma GCC unroll 4
       for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
-    __m256 xv[MR];
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
+    if constexpr (MR * V + MR + 1 <= 16) {  // the rows' broadcasts kept, one weight vector at a time
+      __m256 xv[MR];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
 #pragma GCC unroll 8
-    for (int j = 0; j < V; ++j) {
-      const __m256 w = load8(src + 8 * j);
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
+      for (int j = 0; j < V; ++j) {
+        const __m256 w = load8(src + 8 * j);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
+      }
+    } else {  // the V weight vectors kept (widened once for all MR rows), one broadcast at a time
+      __m256 w[V];
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) w[j] = load8(src + 8 * j);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+        for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -319,14 +331,26 @@ struct MatArgs {
 };
 
 #if QD_X86
-// Blocks [b0, b1): one row reads the whole block row (8 sums); more rows take the block in two
-// halves of 32 outputs, three rows at a time (12 sums; four rows left go as two and two: 4 sums
-// would wait on the FMA latency), the second half and the other rows reading it from L2. (Pieces
-// of 32-128 block rows with the sums kept in y between them, to read each piece from L1, were
-// measured slower: 1.2-1.7x on SmolLM2's lm_head at 2-9 rows, AMD EPYC Zen 4.)
+// Blocks [b0, b1): one row reads the whole block row (8 sums). For int8 and bfloat16, more rows go
+// in as few groups as the registers allow, each weight vector widened once per group: 4-6 rows
+// over 16 outputs at a time (the 2 weight vectors kept, 8-12 sums), 2-3 rows over 32 (the rows'
+// broadcasts kept, 8-12 sums); 7 rows as 4 + 3, more as 6s first (fewer than 8 sums wait on the
+// FMA latency): 4-20% less time than groups of 2-3 rows at 4-9 rows (AMD EPYC Zen 4, SmolLM2's
+// shapes). float32 has no widening to share and takes the block in halves of 32 outputs, 2-3 rows
+// at a time (four passes of 16 outputs cost its lm_head 6-25% more at 4-9 rows). Later pieces
+// and groups read the block from L2. (Pieces of 32-128 block rows with the sums kept in y
+// between them, to read each piece from L1, were measured slower: 1.2-1.7x on SmolLM2's lm_head
+// at 2-9 rows, AMD EPYC Zen 4.)
+template <typename W, int MR, int V>
+__attribute__((target("avx2,fma"))) void group_avx2(const MatArgs<W>& a, int64_t m, const W* wb, const float* s,
+                                                    const float* bias, float* y, int64_t ncols, bool first) {
+  for (int64_t c0 = 0; c0 < ncols; c0 += 8 * V)
+    block_rows_avx2<W, MR, V>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, first && c0 == 0);
+}
+
 template <typename W>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_t b0, int64_t b1) {
-  const int64_t M = a.M, ld = a.n;
+  const int64_t M = a.M;
   for (int64_t b = b0; b < b1; ++b) {
     const W* wb = a.w + b * a.K * NB;
     const float* s = a.scale ? a.scale + b * NB : nullptr;
@@ -334,15 +358,32 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     if (M == 1) {
-      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, ld, ncols, true);
+      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, a.n, ncols, true);
       continue;
     }
-    for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
-      int64_t m = 0;
-      for (; m + 3 <= M && M - m != 4; m += 3)
-        block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
-      for (; m + 2 <= M; m += 2)
-        block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+    if constexpr (std::is_same<W, float>::value) {  // no widening to share: 2-3 rows over 32 outputs
+      for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
+        int64_t m = 0;
+        for (; m + 3 <= M && M - m != 4; m += 3)
+          block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
+        for (; m + 2 <= M; m += 2)
+          block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
+      }
+      continue;
+    }
+    int64_t m = 0;
+    for (; M - m > 7; m += 6) group_avx2<W, 6, 2>(a, m, wb, s, bias, y, ncols, m == 0);
+    if (M - m == 7) {
+      group_avx2<W, 4, 2>(a, m, wb, s, bias, y, ncols, m == 0);
+      m += 4;
+    }
+    switch (M - m) {
+      case 6: group_avx2<W, 6, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
+      case 5: group_avx2<W, 5, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
+      case 4: group_avx2<W, 4, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
+      case 3: group_avx2<W, 3, 4>(a, m, wb, s, bias, y, ncols, m == 0); break;
+      case 2: group_avx2<W, 2, 4>(a, m, wb, s, bias, y, ncols, m == 0); break;
+      default: break;
     }
   }
 }
@@ -587,18 +628,30 @@ __attribute__((target("avx2,fma,f16c"))) void group_q4_avx2(const float* xg, int
   const __m256i low = _mm256_set1_epi32(15);
 #pragma GCC unroll 4
   for (int k = 0; k < QG; ++k) {
-    __m256 xv[MR];
+    if constexpr (MR * 2 * H + MR + 3 <= 16) {  // the rows' broadcasts kept, 8 bytes widened at a time
+      __m256 xv[MR];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(xg[r * ldx + k]);
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(xg[r * ldx + k]);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) {
-      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 32 * k + b0 + 8 * h)));
+      for (int h = 0; h < H; ++h) {
+        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 32 * k + b0 + 8 * h)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(idx, low));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(idx, 4));
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+          part[r][2 * h] = _mm256_fmadd_ps(xv[r], lo, part[r][2 * h]);
+          part[r][2 * h + 1] = _mm256_fmadd_ps(xv[r], hi, part[r][2 * h + 1]);
+        }
+      }
+    } else {  // H = 1: the 16 widened weights kept for all MR rows, one broadcast at a time
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 32 * k + b0)));
       const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(idx, low));
       const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(idx, 4));
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int r = 0; r < MR; ++r) {
-        part[r][2 * h] = _mm256_fmadd_ps(xv[r], lo, part[r][2 * h]);
-        part[r][2 * h + 1] = _mm256_fmadd_ps(xv[r], hi, part[r][2 * h + 1]);
+        const __m256 xv = _mm256_set1_ps(xg[r * ldx + k]);
+        part[r][0] = _mm256_fmadd_ps(xv, lo, part[r][0]);
+        part[r][1] = _mm256_fmadd_ps(xv, hi, part[r][1]);
       }
     }
   }
@@ -618,9 +671,19 @@ __attribute__((target("avx2,fma,f16c"))) void group_q4_avx2(const float* xg, int
   }
 }
 
-// Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and piece from L1):
-// four rows at once take 8 bytes (16 outputs) at a time (8 sums), each widened nibble serving all
-// four; the one, two or three rows left take 32, 16 or 8 bytes at a time.
+// Rows [m, m + MR) of one group of one block, 8H bytes (16H outputs) at a time.
+template <int MR, int H>
+__attribute__((target("avx2,fma,f16c"))) void group_q4_rows_avx2(const Q4Args& a, int64_t m, const float* xg,
+                                                                 const float* xs, const uint8_t* piece, float* y,
+                                                                 int64_t ncols) {
+  for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8 * H)
+    group_q4_avx2<MR, H>(xg + m * a.ldx, a.ldx, xs + m * a.G, a.G, piece, c0, y + m * a.n, a.n, ncols);
+}
+
+// Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and piece from L1), the
+// rows in as few groups as the registers allow, each nibble widened once per group: 3-6 rows take
+// 8 bytes (16 outputs) at a time (6-12 sums), 2 rows 16 bytes, 1 row 32; 7 rows go as 4 + 3, more
+// as 6s first.
 __attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
@@ -637,21 +700,18 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b
       const float* xg = a.x + g * QG;
       const float* xs = a.xs + g;
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
-          group_q4_avx2<4, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols);
-      const float* xm = xg + m * a.ldx;
-      float* ym = y + m * ld;
-      switch (M - m) {  // the rows left, with at least 6 sums each (fewer wait on the FMA latency)
-        case 3:
-          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
-            group_q4_avx2<3, 1>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
-          break;
-        case 2:
-          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 16)
-            group_q4_avx2<2, 2>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
-          break;
-        case 1: group_q4_avx2<1, 4>(xm, a.ldx, xs + m * G, G, piece, 0, ym, ld, ncols); break;
+      for (; M - m > 7; m += 6) group_q4_rows_avx2<6, 1>(a, m, xg, xs, piece, y, ncols);
+      if (M - m == 7) {
+        group_q4_rows_avx2<4, 1>(a, m, xg, xs, piece, y, ncols);
+        m += 4;
+      }
+      switch (M - m) {
+        case 6: group_q4_rows_avx2<6, 1>(a, m, xg, xs, piece, y, ncols); break;
+        case 5: group_q4_rows_avx2<5, 1>(a, m, xg, xs, piece, y, ncols); break;
+        case 4: group_q4_rows_avx2<4, 1>(a, m, xg, xs, piece, y, ncols); break;
+        case 3: group_q4_rows_avx2<3, 1>(a, m, xg, xs, piece, y, ncols); break;
+        case 2: group_q4_rows_avx2<2, 2>(a, m, xg, xs, piece, y, ncols); break;
+        case 1: group_q4_rows_avx2<1, 4>(a, m, xg, xs, piece, y, ncols); break;
         default: break;
       }
     }
@@ -678,10 +738,11 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b
 // fixed order), and the weighted sum of v run in key order. A row's result
 // depends on its own query, its mask row and the keys only, however the rows are grouped and on
 // any thread count (row-invariant): a verify step attends for a token as a decode step does.
-// More than ATTEND_ROWS query rows (a prefill, a large token tree) go to PyTorch's attention: from
-// about 12 rows on its blocked matmuls do the scores faster than one pass per 4 rows here
-// (benchmarks/results/attention_cpu.json); chains of up to 11 drafts stay row-invariant.
-constexpr int64_t ATTEND_ROWS = 12;
+// Any number of query rows (a long chain, a token tree of any size, a prefill), RC at a time: a
+// row's bits are those of a one-row call, so an exported step (one call of all its rows) and an
+// eager one agree. (From about 12 rows on PyTorch's blocked matmuls do the scores faster than
+// one pass per 4 rows here, benchmarks/results/attention_cpu.json; a whole 512-token prefill in
+// this kernel measured no slower than PyTorch's attention: docs/cpu.md.)
 constexpr int RC = 4;  // query rows per pass over a kv head's keys
 
 #if QD_X86
@@ -1436,7 +1497,7 @@ void matmul_q4(const Paths& paths, const Q4Args& a, int64_t nblk, For&& parallel
 // Attention's tasks: (batch row, kv head, chunk of RC query rows). (Smaller chunks to even out 3 kv
 // heads over 2 threads were measured slower: each extra chunk reads its head's keys again, and
 // the reads are the cost; splitting the keys instead is the way to balance such a step.)
-// Only for float32, D % 16 == 0, 1 <= T <= ATTEND_ROWS, L > 0 (the caller checks).
+// Only for float32, D % 16 == 0, T >= 1, L > 0 (the caller checks).
 template <typename For>
 void attend_tasks(const Paths& paths, const AttendArgs& a, int64_t B, int64_t Hkv, For&& parallel_for) {
   const int64_t rows = a.G * a.T;

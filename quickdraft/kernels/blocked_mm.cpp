@@ -110,8 +110,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "attend: the mask must be bool (B, 1, T, L)");
   at::Tensor out = at::empty({B, T, H, D}, q.options());
   const bool ours = q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                    v.scalar_type() == at::kFloat && D % 16 == 0 && T <= ATTEND_ROWS && L > 0;
-  if (!ours) {  // a prefill or another dtype: PyTorch's attention
+                    v.scalar_type() == at::kFloat && D % 16 == 0 && L > 0;
+  if (!ours) {  // another dtype or head size: PyTorch's attention
     out.transpose(1, 2).copy_(at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, Hkv != H));
     return out.transpose(1, 2);
   }

@@ -120,31 +120,21 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
-# Query rows kernels.attend takes on its own kernel (blocked_mm.cpp's ATTEND_ROWS); it hands more to
-# PyTorch's attention, whose bits for a row depend on the query and key counts.
-ATTEND_ROWS = 12
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) where mask) v, grouped-query heads: q (B, H, T, D), k / v (B, H_kv,
     L, D), mask bool (B, 1, T, L). Inference on CPU in float32 (bfloat16: widened) runs quickdraft's kernel
     (kernels.attend: one read of each kv head's cache for several query rows, the same bits for a
-    token whatever the rows beside it), ATTEND_ROWS query rows a call: a prompt's prefill padded
-    beside longer prompts, a large token tree, a verify step of k >= 12 give each row the bits a
-    decode step gives it; elsewhere, and under autograd, PyTorch's attention."""
+    token whatever the rows beside it), all query rows in one call: a prompt's prefill padded
+    beside longer prompts, a token tree of any size (in an exported step too), a verify step of
+    any k give each row the bits a decode step gives it; elsewhere, and under autograd, PyTorch's
+    attention (whose bits for a row depend on the query and key counts)."""
     if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and mask.dtype == torch.bool
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and q.shape[-1] % 16 == 0 and kernels.available()):
         dtype = q.dtype
         if dtype != torch.float32:  # bfloat16 widened (exact): float32 sums, every row its own bits
             q, k, v = q.float(), k.float(), v.float()
-        scale, T = q.shape[-1] ** -0.5, q.shape[2]
-        if not isinstance(T, int) or T <= ATTEND_ROWS:  # (a symbolic T: an exported step, one call)
-            return kernels.attend(q, k, v, mask, scale).to(dtype)
-        parts = [kernels.attend(q[:, :, s:s + ATTEND_ROWS], k, v, mask[:, :, s:s + ATTEND_ROWS], scale)
-                 for s in range(0, T, ATTEND_ROWS)]
-        # each part is (B, H, t, D) over (B, t, H, D) memory: joined in that order, as one call's result
-        return torch.cat([p.transpose(1, 2) for p in parts], dim=1).transpose(1, 2).to(dtype)
+        return kernels.attend(q, k, v, mask, q.shape[-1] ** -0.5).to(dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 

@@ -204,6 +204,41 @@ def test_tree_package_equals_eager(target_step):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+def test_large_tree_package_attends_on_the_kernel(target_step):
+    """A tree of 17 nodes (more than the 12 query rows `attend` once took at a time: an exported
+    step, one call of all its rows, then ran PyTorch's attention, whose bits for a row depend on
+    the row count): the package gives its first 12 nodes the bits a package call of those 12
+    alone gives them (the kernel's rows are independent), and the eager forward's values."""
+    model, _ = target_step
+    step = aot.load_or_build(model, trees=True)  # (built by the test above: loaded)
+    n, ctx = 17, 6
+    g = torch.Generator().manual_seed(4)
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for i in range(n):
+        anc[i, i] = True
+        if parent[i] >= 0:
+            anc[i] |= anc[parent[i]]
+            depth[i] = depth[parent[i]] + 1
+    mask = torch.cat([torch.ones(n, ctx, dtype=torch.bool), anc], 1)[None]  # (1, T, kv_len)
+    slots = torch.arange(ctx, ctx + n)[None]
+    positions = torch.tensor(depth)[None] + ctx
+    prompt = torch.randint(3, 100, (1, ctx), generator=g)
+    nodes = torch.randint(3, 100, (1, n), generator=g)
+    with torch.inference_mode():
+        caches = [KVCache.for_model(model, 1, 32) for _ in range(3)]
+        for cache in caches:
+            model(prompt, torch.arange(ctx)[None], cache.rows(0, 1), kv_len=ctx)
+        want = model(nodes, positions, caches[0].rows(0, 1), kv_len=ctx + n, slots=slots, attn_mask=mask)
+        got = step(nodes, positions, caches[1].rows(0, 1), kv_len=ctx + n, slots=slots, attn_mask=mask)
+        # the first 12 nodes alone (a tree: every parent comes first), their slots the same
+        first = step(nodes[:, :12], positions[:, :12], caches[2].rows(0, 1), kv_len=ctx + 12, slots=slots[:, :12],
+                     attn_mask=mask[:, :12, :ctx + 12])
+    assert torch.equal(got[:, :12], first)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_head_packages_equal_the_eager_head(tmp_path, target_step):
     """An EAGLE-3 head's packages (reading target states; drafting from its own output) give
     the eager head's logits and states, on a ragged batch over its cache."""

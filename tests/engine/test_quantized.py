@@ -99,8 +99,8 @@ def test_quantised_models_keep_the_distribution(pair, target_quant, draft_quant)
 
 # 16 ragged prompts (2-24 tokens): a batch's verify step has 16 x (k + 1) = 96 rows and its prefill
 # 16 x 24, past every row count where a matmul used to switch paths (PyTorch's int8 / int4 kernels:
-# 16; quickdraft's, to a bf16 dense GEMM, before it stayed on the kernel: 64) and past attention's
-# (12 query rows: quickdraft's kernel, beyond it PyTorch's)
+# 16; quickdraft's, to a bf16 dense GEMM, before it stayed on the kernel: 64) and past where
+# attention's kernel used to hand rows to PyTorch's (12 query rows)
 BATCH = [[0] + [(7 * i + 3 * j) % 300 + 2 for j in range(1 + (5 * i) % 23)] for i in range(16)]
 # float32 (the default CPU format), int8, int4, and bfloat16 (its weights widened in the kernel,
 # attention widened to float32)

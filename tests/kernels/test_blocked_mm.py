@@ -218,10 +218,12 @@ def test_kernel_formats_are_row_invariant_at_every_row_count(fmt, monkeypatch):
 
 
 def test_model_attention_gives_every_query_row_its_own_bits(isa):
-    """More query rows than kernels.attend takes at once (a prompt padded beside longer ones, a
-    large tree): the model's attention still gives each row the bits of a one-row call."""
-    from quickdraft.model.transformer import ATTEND_ROWS, attention
+    """Many query rows in one call (a prompt padded beside longer ones, a large tree; past the 12
+    rows where the kernel once handed them to PyTorch's attention): each row has the bits of a
+    one-row call."""
+    from quickdraft.model.transformer import attention
 
+    ATTEND_ROWS = 12
     q, k, v, mask = _attention_case(2, 8, 4, 2 * ATTEND_ROWS + 5, 300, 64)
     with torch.no_grad():
         got = attention(q, k, v, mask)
@@ -273,9 +275,16 @@ def test_attend_is_attention_and_rows_stay_independent(B, H, Hkv, T, L, D, isa):
         torch.set_num_threads(threads)
 
 
-def test_attend_hands_a_prefill_to_pytorch_and_masks_by_row(isa):
-    q, k, v, mask = _attention_case(2, 8, 4, 100, 300, 64)  # 100 query rows: PyTorch's attention
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+def test_attend_takes_a_prefill_on_the_kernel_and_masks_by_row(isa):
+    q, k, v, mask = _attention_case(2, 8, 4, 100, 300, 64)  # 100 query rows: the kernel, 4 rows a pass
+    got = kernels.attend(q, k, v, mask, 0.125)
+    for t in (0, 11, 12, 13, 57, 99):  # each row's bits are a one-row call's (past 12: once PyTorch's)
+        assert torch.equal(kernels.attend(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1], 0.125)[:, :, 0], got[:, :, t])
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                            enable_gqa=True, scale=0.125)
+    assert (got.double() - want).abs().max() < 1e-5
+    q, k, v, mask = _attention_case(1, 4, 2, 3, 50, 40)  # a head size the kernel does not take: PyTorch's
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.125)
     assert torch.equal(kernels.attend(q, k, v, mask, 0.125), want)
     q, k, v, mask = _attention_case(1, 4, 2, 2, 50, 64)
     shared = mask[:1, :, :1].expand(1, 1, 2, 50)  # a broadcast mask (stride 0) reads as its values
