@@ -24,6 +24,7 @@ import torch
 
 from .cache import KVCache, to_device
 from .config import EngineConfig
+from .constraints import GrammarVocabulary, Vocabularies, batch_masks
 from .errors import ContextLengthError, QuickdraftError
 from .metrics import SpecStats
 from .model.tokenizer import Detokenizer, Tokenizer
@@ -102,8 +103,9 @@ class RequestOutput:
 
 class _Request:
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, device: torch.device,
-                 tokenizer: Tokenizer | None, max_k: int | None = None):
+                 tokenizer: Tokenizer | None, max_k: int | None = None, vocab: GrammarVocabulary | None = None):
         self.id = request_id
+        self.vocab = vocab  # the grammar vocabulary, for a request with a constraint
         self.max_k = max_k  # this request's own cap on num_speculative_tokens (None = the engine's)
         self.prompt = prompt
         self.params = params
@@ -124,6 +126,8 @@ class _Request:
         self.text = ""
         self.sent_ids = 0  # how much of output/text earlier outputs carried
         self.sent_text = 0
+        # the constraint's grammar state over the committed output (constraints.Matcher)
+        self.matcher = None if self.params.constraint is None else self.vocab.matcher(self.params.constraint)
 
     @property
     def finished(self) -> bool:
@@ -162,6 +166,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._grammar = Vocabularies(tokenizer, target.config.vocab_size, sorted(self.eos_token_ids))
         self.k = config.spec.k
         self._wants_target_tokens = proposer is not None and proposer.wants_target_tokens
         self._hidden_layers = None if proposer is None else proposer.hidden_layers
@@ -317,6 +322,8 @@ class Engine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise QuickdraftError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                   field="logit_bias")
+        if params.constraint is not None:
+            self._grammar.get()  # built once (about a second): here, so a failure is this request's
         if params.stop and self.tokenizer is None:
             raise QuickdraftError("stop strings need a tokenizer; this model folder has none", field="stop")
         if num_speculative_tokens is not None and (
@@ -331,7 +338,7 @@ class Engine:
         """Queue a request; `num_speculative_tokens` caps its own speculation (0 = none)."""
         prompt = self.check_request(prompt_token_ids, params, num_speculative_tokens)
         request = _Request(request_id or uuid.uuid4().hex, prompt, params, self.device, self.tokenizer,
-                           num_speculative_tokens)
+                           num_speculative_tokens, None if params.constraint is None else self._grammar.get())
         self.waiting.append(request)
         return request.id
 
@@ -472,6 +479,7 @@ class Engine:
         penalties = PenaltyState.build(params, [r.prompt for r in requests], self.target.config.vocab_size, self.device)
         if penalties is not None:
             logits = penalties.apply(logits, [r.output for r in requests])
+        logits = self._constrain(requests, logits[:, None], None, None)[:, 0]
         probs = process_logits(logits, sampling)
         if sampling.all_greedy:
             tokens = probs.argmax(-1)
@@ -584,6 +592,7 @@ class Engine:
         if self._batch_penalties is not None:  # position i also follows d_1..d_i
             drafts = draft_context(draft_tokens, chain_ancestors(draft_tokens)) if k else None
             logits = self._batch_penalties.apply(logits, [r.output for r in self.running], drafts)
+        logits = self._constrain(self.running, logits, draft_tokens if k else None, None)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             return self._greedy_chain(draft_tokens, argmax, raw, hidden)
@@ -636,6 +645,7 @@ class Engine:
         if self._batch_penalties is not None:  # node n's position also follows its ancestors and itself
             logits = self._batch_penalties.apply(logits, [r.output for r in self.running],
                                                  draft_context(draft.tokens, anc))
+        logits = self._constrain(self.running, logits, draft.tokens, draft.parents)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax, (anc, depth))
@@ -658,11 +668,27 @@ class Engine:
                            accepted_nodes=[[i for i in row if i >= 0] for row in host["path"]],
                            target_tokens=host["target_tokens"], hidden=hidden, logprobs=lps)
 
+    def _constrain(self, rows: list[_Request], logits: torch.Tensor, drafts: torch.Tensor | None,
+                   parents: torch.Tensor | None) -> torch.Tensor:
+        """logits (B, 1 + N, V) with what each constrained row's grammar forbids at each verify
+        position set to -inf: position 0 follows the committed tokens, position 1 + n draft node
+        n's path (constraints.batch_masks); unchanged when no row has a constraint."""
+        matchers = [r.matcher for r in rows]
+        if all(m is None for m in matchers):
+            return logits
+        nodes = None if drafts is None else drafts.tolist()
+        allowed = batch_masks(self._grammar.get(), matchers, nodes, None if parents is None else parents.tolist())
+        return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+
     def _append(self, r: _Request, tokens: list[int], logprobs: list[list[float]] | None = None) -> None:
         """Commit emitted tokens (with their packed logprobs when asked), cutting at eos, a stop
         string or max_tokens."""
         stops = r.params.stop
         for i, t in enumerate(tokens):
+            if r.matcher is not None and not r.matcher.commit(t):  # a bug if ever: every token was masked
+                log.error("quickdraft: request %s: token %d breaks its constraint; aborted", r.id, t)
+                r.finish_reason = "abort"
+                break
             r.tokens.append(t)
             r.output.append(t)
             if r.logprobs is not None and logprobs is not None:

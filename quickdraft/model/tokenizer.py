@@ -85,6 +85,10 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def special_token_ids(self) -> list[int]:
+        """The ids of the special added tokens (bos, eos, chat markers): never text a grammar can match."""
+        return sorted(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
