@@ -122,11 +122,18 @@ def _compile(kind: str, value: str) -> str:
         else:  # grammar: Lark, or GBNF (llama.cpp's `::=` rules) converted to Lark
             grammar = llg.grammar_from("gbnf" if "::=" in value else "lark", value)
     except (ValueError, json.JSONDecodeError) as exc:
-        raise QuickdraftError(f"invalid {kind}: {exc}"[:2000], field=kind) from None
+        raise QuickdraftError(f"invalid {kind}: {_one_line(str(exc))}", field=kind) from None
     problem = llg.LLMatcher.validate_grammar(grammar)
     if problem and not problem.startswith("WARNING"):
-        raise QuickdraftError(f"invalid {kind}: {problem.strip()}"[:2000], field=kind)
+        raise QuickdraftError(f"invalid {kind}: {_one_line(problem)}", field=kind)
     return grammar
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line message (with caret lines and source excerpts) as one line."""
+    lines = [line.strip() for line in message.splitlines()]
+    kept = [line for line in lines if line and line.strip("^ ") and not line.split("|")[0].strip().isdigit()]
+    return "; ".join(kept)[:1000]
 
 
 class GrammarVocabulary:
@@ -181,7 +188,7 @@ class Matcher:
         self.vocab = vocab
         self.m = llg.LLMatcher(vocab.tokenizer, constraint.grammar, log_level=0)
         if self.m.is_error():
-            raise QuickdraftError(f"invalid {constraint.kind}: {self.m.get_error()}"[:2000], field=constraint.kind)
+            raise QuickdraftError(f"invalid {constraint.kind}: {_one_line(self.m.get_error())}", field=constraint.kind)
 
     def _fill(self, out: torch.Tensor) -> None:
         self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
