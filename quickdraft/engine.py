@@ -545,6 +545,9 @@ class Engine:
                 draft = _limit_depth(draft, ks)
             if draft.tokens.shape[1] == 0:  # nothing proposed for any row
                 draft = None
+        forced = self._forced(rows, ks) if k > 0 else None
+        if forced is not None:
+            draft = _force(draft, forced, self.device)
         if draft is None or draft.parents is None:
             result = self._verify_chain(draft, last, lengths, sampling, rnd)
         else:
@@ -554,13 +557,22 @@ class Engine:
             self.proposer.add_hidden(0, result.hidden, [list(range(n + 1)) if nodes is None else [0] + [1 + i for i in nodes[b]]
                                                         for b, n in enumerate(result.num_accepted)])
         if draft is not None:
-            self.proposer.observe(VerifyResult(result.num_accepted, lengths, k, result.accepted_nodes,
+            # rows that verified forced tokens instead of the proposer's: the proposer hears that none
+            # of its drafts were kept, so that it catches up on the committed tokens (its own cache
+            # holds its drafts, not the forced ones)
+            mine = [not (forced and forced[b]) for b in range(len(rows))]
+            nodes = result.accepted_nodes
+            self.proposer.observe(VerifyResult([n if m else 0 for n, m in zip(result.num_accepted, mine)], lengths, k,
+                                               None if nodes is None else [a if m else [] for a, m in zip(nodes, mine)],
                                                result.target_tokens, draft=draft))
         for b, (r, toks, n, d) in enumerate(zip(rows, result.tokens, result.num_accepted, result.num_drafted)):
             per_pos = None if result.accepted_nodes is None else [1] * n + [0] * (k - n)
             r.stats.observe(d, n, per_pos)
             self.stats.observe(d, n, per_pos)
-            if self.policy is not None:
+            if forced and forced[b]:
+                r.stats.num_forced_tokens += n
+                self.stats.num_forced_tokens += n
+            elif self.policy is not None:  # the policy learns the proposer's acceptance, not the grammar's
                 self.policy.observe(r.spec_state, d, n)
             self._append(r, toks[: n + 1], None if result.logprobs is None else result.logprobs[b])
         if self.policy is not None:
@@ -668,6 +680,15 @@ class Engine:
                            accepted_nodes=[[i for i in row if i >= 0] for row in host["path"]],
                            target_tokens=host["target_tokens"], hidden=hidden, logprobs=lps)
 
+    def _forced(self, rows: list[_Request], ks: list[int]) -> list[list[int]] | None:
+        """Per row, the tokens its constraint forces next (up to the row's k: they are verified in
+        the proposer's place, free to propose and accepted unless the target's tokenization
+        differs), or None when no row has any."""
+        if all(r.matcher is None for r in rows):
+            return None
+        forced = [r.matcher.forced()[:k] if r.matcher is not None and k > 0 else [] for r, k in zip(rows, ks)]
+        return forced if any(forced) else None
+
     def _constrain(self, rows: list[_Request], logits: torch.Tensor, drafts: torch.Tensor | None,
                    parents: torch.Tensor | None) -> torch.Tensor:
         """logits (B, 1 + N, V) with what each constrained row's grammar forbids at each verify
@@ -736,6 +757,38 @@ class Engine:
             self.running.pop()
         if changed:
             self._batch_sampling = None
+
+
+def _force(draft: Draft | None, forced: list[list[int]], device: torch.device) -> Draft:
+    """`draft` with each row that has forced tokens replaced by them, as a chain (in a tree: each
+    node's parent the one before; a draft with q: one-hot q, the distribution they were "drawn"
+    from, so rejection sampling stays exact). The other rows keep the proposer's draft."""
+    if draft is None:
+        return Draft.chain(forced, device)
+    tokens, probs, parents = draft.tokens.clone(), draft.probs, draft.parents
+    width = max(len(f) for f in forced)
+    if width > tokens.shape[1]:  # a chain narrower than a forced run: room for it (k bounds both)
+        pad = width - tokens.shape[1]
+        tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], pad), -1)], 1)
+        if probs is not None:
+            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], pad, probs.shape[2])], 1)
+        if parents is not None:
+            parents = torch.cat([parents, parents.new_full((parents.shape[0], pad), -1)], 1)
+    probs = None if probs is None else probs.clone()
+    parents = None if parents is None else parents.clone()
+    for b, f in enumerate(forced):
+        if not f:
+            continue
+        n = len(f)
+        tokens[b] = -1
+        tokens[b, :n] = torch.tensor(f, device=tokens.device)
+        if parents is not None:
+            parents[b] = -1
+            parents[b, :n] = torch.arange(-1, n - 1, device=parents.device)
+        if probs is not None:
+            probs[b] = 0
+            probs[b, torch.arange(n, device=probs.device), tokens[b, :n]] = 1
+    return Draft(tokens, probs, parents)
 
 
 def _limit_depth(draft: Draft, ks: list[int]) -> Draft:

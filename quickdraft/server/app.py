@@ -566,7 +566,7 @@ def _speculation(method: str, outs: dict[int, RequestOutput]) -> dict[str, Any]:
     return {"method": method, "num_drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens,
             "accepted_tokens": s.num_accepted_tokens, "acceptance_rate": s.acceptance_rate,
             "mean_acceptance_length": s.mean_acceptance_length, "accepted_per_position": list(s.accepted_per_pos),
-            "num_steps": s.num_steps}
+            "num_steps": s.num_steps, "forced_tokens": s.num_forced_tokens}
 
 
 def _sse(obj: Any) -> str:

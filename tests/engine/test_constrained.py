@@ -170,6 +170,8 @@ def test_speculative_greedy_constrained_equals_plain(target_dir, noisy_draft, he
             _check(c, o)
     assert llm.generate([prompts[0]], params[0])[0].token_ids == expected[0].token_ids
     assert llm.stats.num_accepted_tokens > 0
+    # a schema's keys, quotes and separators are forced: verified in the proposer's place, accepted
+    assert got[0].stats.num_forced_tokens >= 5 and got[-1].stats.num_forced_tokens == 0
 
 
 def test_a_constraint_cut_by_max_tokens_ends_with_length(plain):
@@ -181,6 +183,7 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length(plain):
 
 WORDS = ["<s>", "</s>", "a", "b", "c", "d", "ac", "ca", "x", "y", "z", "q"]  # V = 12 tokens
 REGEX = "((a|b)(c|d))*(x|y|z)*"  # what each position allows depends on the tokens before it
+FORCING = "((ac|bd)x)*y*"  # after a: c and x forced (or "ac" then x): forced runs, rejected when the target writes "ac"
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +196,7 @@ def worded(tmp_path_factory):
     t = make_checkpoint(root / "t", vocab=V, seed=0, tokenizer=False, initializer_range=0.3)
     d = make_checkpoint(root / "d", vocab=V, seed=5, layers=1, tokenizer=False, initializer_range=0.3)
     for folder in (t, d):
-        tok = HF(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="q"))
+        tok = HF(models.BPE({w: i for i, w in enumerate(WORDS)}, [("a", "c"), ("c", "a")], unk_token="q"))
         tok.add_special_tokens(["<s>", "</s>"])
         tok.save(str(folder / "tokenizer.json"))
     return t, d
@@ -225,21 +228,29 @@ def exact_joint_masked(model_dir, params: SamplingParams) -> np.ndarray:
 
 
 @pytest.mark.slow  # ~1 minute each on 2 busy cores
-@pytest.mark.parametrize("method,options,kw", [
-    ("draft", {}, dict(temperature=1.0, top_p=0.9)),
-    ("draft", {"tree_width": 3}, dict(temperature=1.0)),
-    ("suffix", {}, dict(temperature=1.0, top_p=0.9)),
-    ("none", {}, dict(temperature=1.0)),
-], ids=["draft-chain-topp", "draft-tree", "suffix-topp", "plain"])
-def test_constrained_sampling_matches_the_masked_target(worded, method, options, kw):
+@pytest.mark.parametrize("method,options,kw,regex", [
+    ("draft", {}, dict(temperature=1.0, top_p=0.9), REGEX),
+    ("draft", {"tree_width": 3}, dict(temperature=1.0), REGEX),
+    ("suffix", {}, dict(temperature=1.0, top_p=0.9), REGEX),
+    ("none", {}, dict(temperature=1.0), REGEX),
+    ("draft", {}, dict(temperature=1.0, top_p=0.9), FORCING),
+    ("draft", {"tree_width": 2, "tree_sampled": True}, dict(temperature=1.0), FORCING),
+    ("suffix", {}, dict(temperature=1.0), FORCING),
+], ids=["draft-chain-topp", "draft-tree", "suffix-topp", "plain", "forced-draft-chain-topp", "forced-draft-sampled-tree",
+        "forced-suffix"])
+def test_constrained_sampling_matches_the_masked_target(worded, method, options, kw, regex):
+    """With FORCING, most steps verify the grammar's forced tokens in the proposer's place (one-hot
+    q), the rest the proposer's own draft."""
     target, draft = worded
     llm = LLM(target, draft=draft if method == "draft" else None, method=method, num_speculative_tokens=2,
               max_num_seqs=N // 4, spec_options=options)
-    c = {"regex": REGEX}
+    c = {"regex": regex}
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, constraint=c, **kw))
     probs = exact_joint_masked(target, SamplingParams(constraint=c, **kw))
     if method != "none":
         assert llm.stats.num_accepted_tokens > 100 and llm.stats.acceptance_rate < 0.95
+        assert (llm.stats.num_forced_tokens > 1000) == (regex == FORCING)
+        assert llm.stats.num_accepted_tokens > llm.stats.num_forced_tokens
     assert chi2_pvalue(counts, probs) > 1e-3
     # controls the same test must reject: the masked draft, and the target mixed with it
     wrong = exact_joint_masked(draft, SamplingParams(constraint=c, **kw))
