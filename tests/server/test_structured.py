@@ -63,6 +63,8 @@ def test_response_format_json_schema_on_chat(client):
         response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    spec = r.usage.speculation  # the schema's keys and separators were forced, verified in the draft's place
+    assert 0 < spec["forced_tokens"] <= spec["accepted_tokens"]
 
 
 @pytest.mark.parametrize("extra,check", [
