@@ -25,6 +25,7 @@ import torch
 from .cache import KVBudget, KVCache, available_memory, return_freed_memory, row_bytes, to_device
 from .config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
                      format_bytes)
+from .constraints import GrammarVocabulary, Vocabularies, batch_masks
 from .errors import ContextLengthError, QuickdraftError
 from .metrics import SpecStats
 from .model.tokenizer import Detokenizer, Tokenizer
@@ -106,16 +107,19 @@ class RequestOutput:
 # Where each generated token came from (RequestOutput.token_origins): the prefill's first token;
 # a draft token the verifier accepted; the token a step samples from the target itself (the
 # recovered token at a rejection, the bonus token after full acceptance, or a step that drafted
-# nothing). Counted per request, PREFILL + TARGET tokens = prefills + steps and DRAFT tokens =
-# accepted drafts (SpecStats), unless an eos or stop string cut the last step short.
-PREFILL, DRAFT, TARGET = "prefill", "draft", "target"
-ORIGINS = (PREFILL, DRAFT, TARGET)
+# nothing); a token a constraint forced (proposed in the proposer's place, then accepted by the
+# verifier like any draft). Counted per request, PREFILL + TARGET tokens = prefills + steps and
+# DRAFT + FORCED tokens = accepted drafts (SpecStats; FORCED alone = its forced_tokens), unless an
+# eos or stop string cut the last step short.
+PREFILL, DRAFT, TARGET, FORCED = "prefill", "draft", "target", "forced"
+ORIGINS = (PREFILL, DRAFT, TARGET, FORCED)
 
 
 class _Request:
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, device: torch.device,
-                 tokenizer: Tokenizer | None, max_k: int | None = None):
+                 tokenizer: Tokenizer | None, max_k: int | None = None, vocab: GrammarVocabulary | None = None):
         self.id = request_id
+        self.vocab = vocab  # the grammar vocabulary, for a request with a constraint
         self.max_k = max_k  # this request's own cap on num_speculative_tokens (None = the engine's)
         self.prompt = prompt
         self.params = params
@@ -137,6 +141,8 @@ class _Request:
         self.text = ""
         self.sent_ids = 0  # how much of output/text earlier outputs carried
         self.sent_text = 0
+        # the constraint's grammar state over the committed output (constraints.Matcher)
+        self.matcher = None if self.params.constraint is None else self.vocab.matcher(self.params.constraint)
 
     @property
     def finished(self) -> bool:
@@ -176,6 +182,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._grammar = Vocabularies(tokenizer, target.config.vocab_size, sorted(self.eos_token_ids))
         self.k = config.spec.k
         self._wants_target_tokens = proposer is not None and proposer.wants_target_tokens
         self._hidden_layers = None if proposer is None else proposer.hidden_layers
@@ -405,6 +412,8 @@ class Engine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise QuickdraftError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                   field="logit_bias")
+        if params.constraint is not None:
+            self._grammar.get()  # built once (about a second): here, so a failure is this request's
         if params.stop and self.tokenizer is None:
             raise QuickdraftError("stop strings need a tokenizer; this model folder has none", field="stop")
         if num_speculative_tokens is not None and (
@@ -419,7 +428,7 @@ class Engine:
         """Queue a request; `num_speculative_tokens` caps its own speculation (0 = none)."""
         prompt = self.check_request(prompt_token_ids, params, num_speculative_tokens)
         request = _Request(request_id or uuid.uuid4().hex, prompt, params, self.device, self.tokenizer,
-                           num_speculative_tokens)
+                           num_speculative_tokens, None if params.constraint is None else self._grammar.get())
         self.waiting.append(request)
         return request.id
 
@@ -598,6 +607,7 @@ class Engine:
         penalties = PenaltyState.build(params, [r.prompt for r in requests], self.target.config.vocab_size, self.device)
         if penalties is not None:
             logits = penalties.apply(logits, [r.output for r in requests])
+        logits = self._constrain(requests, logits[:, None], None, None)[:, 0]
         probs = process_logits(logits, sampling)
         if sampling.all_greedy:
             tokens = probs.argmax(-1)
@@ -663,6 +673,9 @@ class Engine:
                 draft = _limit_depth(draft, ks)
             if draft.tokens.shape[1] == 0:  # nothing proposed for any row
                 draft = None
+        forced = self._forced(rows, ks) if k > 0 else None
+        if forced is not None:
+            draft = _force(draft, forced, self.device)
         if draft is None or draft.parents is None:
             result = self._verify_chain(draft, last, lengths, sampling, rnd)
         else:
@@ -672,16 +685,26 @@ class Engine:
             self.proposer.add_hidden(0, result.hidden, [list(range(n + 1)) if nodes is None else [0] + [1 + i for i in nodes[b]]
                                                         for b, n in enumerate(result.num_accepted)])
         if draft is not None:
-            self.proposer.observe(VerifyResult(result.num_accepted, lengths, k, result.accepted_nodes,
+            # rows that verified forced tokens instead of the proposer's: the proposer hears that none
+            # of its drafts were kept, so that it catches up on the committed tokens (its own cache
+            # holds its drafts, not the forced ones)
+            mine = [not (forced and forced[b]) for b in range(len(rows))]
+            nodes = result.accepted_nodes
+            self.proposer.observe(VerifyResult([n if m else 0 for n, m in zip(result.num_accepted, mine)], lengths, k,
+                                               None if nodes is None else [a if m else [] for a, m in zip(nodes, mine)],
                                                result.target_tokens, draft=draft))
         for b, (r, toks, n, d) in enumerate(zip(rows, result.tokens, result.num_accepted, result.num_drafted)):
             per_pos = None if result.accepted_nodes is None else [1] * n + [0] * (k - n)
             r.stats.observe(d, n, per_pos)
             self.stats.observe(d, n, per_pos)
-            if self.policy is not None:
+            if forced and forced[b]:
+                r.stats.num_forced_tokens += n
+                self.stats.num_forced_tokens += n
+            elif self.policy is not None:  # the policy learns the proposer's acceptance, not the grammar's
                 self.policy.observe(r.spec_state, d, n)
+            kind = FORCED if forced and forced[b] else DRAFT
             self._append(r, toks[: n + 1], None if result.logprobs is None else result.logprobs[b],
-                         origins=(DRAFT,) * n + (TARGET,))
+                         origins=(kind,) * n + (TARGET,))
         if self.policy is not None:
             self.policy.observe_step(len(rows), k, time.perf_counter() - started)
         return list(rows)
@@ -711,6 +734,7 @@ class Engine:
         if self._batch_penalties is not None:  # position i also follows d_1..d_i
             drafts = draft_context(draft_tokens, chain_ancestors(draft_tokens)) if k else None
             logits = self._batch_penalties.apply(logits, [r.output for r in self.running], drafts)
+        logits = self._constrain(self.running, logits, draft_tokens if k else None, None)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             return self._greedy_chain(draft_tokens, argmax, raw, hidden)
@@ -763,6 +787,7 @@ class Engine:
         if self._batch_penalties is not None:  # node n's position also follows its ancestors and itself
             logits = self._batch_penalties.apply(logits, [r.output for r in self.running],
                                                  draft_context(draft.tokens, anc))
+        logits = self._constrain(self.running, logits, draft.tokens, draft.parents)
         argmax = logits.argmax(-1) if sampling.all_greedy or self._wants_target_tokens else None
         if sampling.all_greedy:
             out, num_accepted, path = tree_greedy_verify(draft.tokens, draft.parents, argmax, (anc, depth))
@@ -785,12 +810,37 @@ class Engine:
                            accepted_nodes=[[i for i in row if i >= 0] for row in host["path"]],
                            target_tokens=host["target_tokens"], hidden=hidden, logprobs=lps)
 
+    def _forced(self, rows: list[_Request], ks: list[int]) -> list[list[int]] | None:
+        """Per row, the tokens its constraint forces next (up to the row's k: they are verified in
+        the proposer's place, free to propose and accepted unless the target's tokenization
+        differs), or None when no row has any."""
+        if all(r.matcher is None for r in rows):
+            return None
+        forced = [r.matcher.forced()[:k] if r.matcher is not None and k > 0 else [] for r, k in zip(rows, ks)]
+        return forced if any(forced) else None
+
+    def _constrain(self, rows: list[_Request], logits: torch.Tensor, drafts: torch.Tensor | None,
+                   parents: torch.Tensor | None) -> torch.Tensor:
+        """logits (B, 1 + N, V) with what each constrained row's grammar forbids at each verify
+        position set to -inf: position 0 follows the committed tokens, position 1 + n draft node
+        n's path (constraints.batch_masks); unchanged when no row has a constraint."""
+        matchers = [r.matcher for r in rows]
+        if all(m is None for m in matchers):
+            return logits
+        nodes = None if drafts is None else drafts.tolist()
+        allowed = batch_masks(self._grammar.get(), matchers, nodes, None if parents is None else parents.tolist())
+        return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+
     def _append(self, r: _Request, tokens: list[int], logprobs: list[list[float]] | None = None, *,
                 origins: tuple[str, ...]) -> None:
         """Commit emitted tokens (with their packed logprobs when asked, and each one's origin),
         cutting at eos, a stop string or max_tokens."""
         stops = r.params.stop
         for i, t in enumerate(tokens):
+            if r.matcher is not None and not r.matcher.commit(t):  # a bug if ever: every token was masked
+                log.error("quickdraft: request %s: token %d breaks its constraint; aborted", r.id, t)
+                r.finish_reason = "abort"
+                break
             r.tokens.append(t)
             r.output.append(t)
             r.origins.append(origins[i])
@@ -844,6 +894,38 @@ class Engine:
 def _pow2(n: int) -> int:
     """The least power of two >= n."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def _force(draft: Draft | None, forced: list[list[int]], device: torch.device) -> Draft:
+    """`draft` with each row that has forced tokens replaced by them, as a chain (in a tree: each
+    node's parent the one before; a draft with q: one-hot q, the distribution they were "drawn"
+    from, so rejection sampling stays exact). The other rows keep the proposer's draft."""
+    if draft is None:
+        return Draft.chain(forced, device)
+    tokens, probs, parents = draft.tokens.clone(), draft.probs, draft.parents
+    width = max(len(f) for f in forced)
+    if width > tokens.shape[1]:  # a chain narrower than a forced run: room for it (k bounds both)
+        pad = width - tokens.shape[1]
+        tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], pad), -1)], 1)
+        if probs is not None:
+            probs = torch.cat([probs, probs.new_zeros(probs.shape[0], pad, probs.shape[2])], 1)
+        if parents is not None:
+            parents = torch.cat([parents, parents.new_full((parents.shape[0], pad), -1)], 1)
+    probs = None if probs is None else probs.clone()
+    parents = None if parents is None else parents.clone()
+    for b, f in enumerate(forced):
+        if not f:
+            continue
+        n = len(f)
+        tokens[b] = -1
+        tokens[b, :n] = torch.tensor(f, device=tokens.device)
+        if parents is not None:
+            parents[b] = -1
+            parents[b, :n] = torch.arange(-1, n - 1, device=parents.device)
+        if probs is not None:
+            probs[b] = 0
+            probs[b, torch.arange(n, device=probs.device), tokens[b, :n]] = 1
+    return Draft(tokens, probs, parents)
 
 
 def _limit_depth(draft: Draft, ks: list[int]) -> Draft:

@@ -261,9 +261,10 @@ class LLM:
             return list(prompt)
         raise QuickdraftError("a prompt must be a string or a list of token ids")
 
-    def encode_chat(self, messages: Conversation) -> list[int]:
+    def encode_chat(self, messages: Conversation, tools: Sequence[Mapping] | None = None) -> list[int]:
         """One conversation rendered with the model's chat template (with the assistant's
-        generation prompt) and encoded: what `chat`, `generate --chat` and the server send."""
+        generation prompt and, if given, OpenAI-style `tools` for templates that render them) and
+        encoded: what `chat`, `generate --chat` and the server send."""
         if self.tokenizer is None:
             raise QuickdraftError("this model folder has no tokenizer.json: chat needs a tokenizer")
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
@@ -272,7 +273,7 @@ class LLM:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or \
                     not isinstance(m.get("content"), str):
                 raise QuickdraftError(f"each message must have a string \"role\" and \"content\", got {m!r}")
-        return self.tokenizer.encode_chat([dict(m) for m in messages])
+        return self.tokenizer.encode_chat([dict(m) for m in messages], None if tools is None else [dict(t) for t in tools])
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

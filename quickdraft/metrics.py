@@ -18,6 +18,7 @@ class SpecStats:
     num_steps: int = 0  # target verify/decode forwards (prefill not counted)
     num_output_tokens: int = 0  # generated tokens returned to the caller (after stop cuts)
     elapsed_s: float = 0.0  # wall time spent generating
+    num_forced_tokens: int = 0  # accepted tokens a constraint forced (proposed in the proposer's place)
 
     def observe(self, num_drafted: int, num_accepted: int, per_position: list[int] | None = None) -> None:
         """Record one step: `num_drafted` proposed, `num_accepted` kept. `per_position`
@@ -46,6 +47,7 @@ class SpecStats:
         self.num_steps += other.num_steps
         self.num_output_tokens += other.num_output_tokens
         self.elapsed_s += other.elapsed_s
+        self.num_forced_tokens += other.num_forced_tokens
 
     @property
     def acceptance_rate(self) -> float:
@@ -76,6 +78,7 @@ class SpecStats:
             "num_steps": self.num_steps,
             "num_output_tokens": self.num_output_tokens,
             "elapsed_s": self.elapsed_s,
+            "num_forced_tokens": self.num_forced_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "tokens_per_step": self.tokens_per_step,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .constraints import Constraint
 from .errors import QuickdraftError
 
 
@@ -138,11 +139,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # > 0; 1 = off: prompt and generated tokens' logits / or * it
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
+    # structured output (constraints.Constraint, or a one-entry mapping such as {"json_schema": {...}},
+    # {"regex": "..."}, {"choice": [...]}, {"grammar": "..."}, {"json_object": True}): the target's
+    # logits are masked to what the grammar allows, after penalties and before temperature / truncation
+    constraint: Constraint | Mapping | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> QuickdraftError:
             return QuickdraftError(f"invalid {field}: {msg}", field=field)
 
+        object.__setattr__(self, "constraint", Constraint.of(self.constraint))
         for name in FIELD_CHECKS:
             value = getattr(self, name)
             if value is not None or name not in ("seed", "logprobs", "prompt_logprobs"):

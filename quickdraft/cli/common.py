@@ -10,6 +10,7 @@ Command modules import this module, never `quickdraft.cli` itself (which imports
 from __future__ import annotations
 
 import functools
+import json
 import math
 import shlex
 import sys
@@ -256,3 +257,37 @@ PROMPTS_FILE = typer.Option(None, "--prompts", help="JSONL of {\"prompt\": text 
                             "built-in workload).")
 WORKLOAD = typer.Option("code", "--workload", help="Built-in workload: code | editing (held-out files).")
 OUT_DIR = typer.Option(Path("bench-results"), "--out-dir", help="Folder for the result files.")
+
+
+# ---- structured output (docs/structured-output.md) ----------------------------------------
+
+JSON_SCHEMA = typer.Option(None, "--json-schema", help="Constrain the output to this JSON schema (a .json file).")
+JSON_OBJECT = typer.Option(False, "--json-object", help="Constrain the output to a JSON object.")
+REGEX = typer.Option(None, "--regex", help="Constrain the output to match this regular expression.")
+CHOICE = typer.Option(None, "--choice", help="Constrain the output to one of these strings (repeatable).")
+GRAMMAR = typer.Option(None, "--grammar", help="Constrain the output to this grammar file (Lark, or llama.cpp's GBNF).")
+
+
+def constraint_flags(json_schema: Path | None, json_object: bool, regex: str | None, choice: list[str] | None,
+                     grammar: Path | None) -> dict | None:
+    """The constraint (constraints.Constraint.of's mapping) the flags ask for, or None; at most one."""
+    given = [(flag, kind, value) for flag, kind, value in (
+        ("--json-schema", "json_schema", json_schema), ("--json-object", "json_object", json_object or None),
+        ("--regex", "regex", regex), ("--choice", "choice", choice or None), ("--grammar", "grammar", grammar))
+        if value is not None]
+    if len(given) > 1:
+        fail(f"one constraint at a time: {given[0][0]} and {given[1][0]} were both given")
+    if not given:
+        return None
+    flag, kind, value = given[0]
+    if isinstance(value, Path):
+        try:
+            value = value.read_text()
+        except OSError as exc:
+            fail(f"cannot read {flag} {value}: {exc.strerror}")
+        if kind == "json_schema":
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                fail(f"{flag} {given[0][2]} is not JSON: {exc}")
+    return {kind: value}

@@ -51,6 +51,11 @@ def generate(
     tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
     threads: Optional[int] = opts.THREADS,
     kv_cache_memory: Optional[str] = opts.KV_CACHE_MEMORY,
+    json_schema: Optional[Path] = opts.JSON_SCHEMA,
+    json_object: bool = opts.JSON_OBJECT,
+    regex: Optional[str] = opts.REGEX,
+    choice: Optional[list[str]] = opts.CHOICE,
+    grammar: Optional[Path] = opts.GRAMMAR,
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from ..llm import LLM
@@ -60,7 +65,8 @@ def generate(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                            repetition_penalty=repetition_penalty)
+                            repetition_penalty=repetition_penalty,
+                            constraint=opts.constraint_flags(json_schema, json_object, regex, choice, grammar))
     options = parse_spec_options(spec_option, tree_width)
     tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,

@@ -85,6 +85,10 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def special_token_ids(self) -> list[int]:
+        """The ids of the special added tokens (bos, eos, chat markers): never text a grammar can match."""
+        return sorted(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
@@ -156,7 +160,10 @@ class Tokenizer:
         """token_bytes as text (a partial character becomes U+FFFD)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the model's template writes it; `tools` (OpenAI's function
+        definitions) go to the template as transformers passes them (`tools=`)."""
         if not self.chat_template:
             raise QuickdraftError("this model has no chat template (tokenizer_config.json has no chat_template)")
         if self._compiled is None:
@@ -178,13 +185,13 @@ class Tokenizer:
 
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
         except TemplateError as exc:
             raise QuickdraftError(f"chat template error: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template already writes bos where the model wants it: do not add it twice.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
 class Detokenizer:

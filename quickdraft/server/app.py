@@ -39,12 +39,14 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..constraints import KINDS
 from ..engine import RequestOutput
 from ..model.tokenizer import Detokenizer
 from ..errors import ContextLengthError, QuickdraftError
 from ..metrics import SpecStats
 from ..sampling import SamplingParams
 from . import logprobs as lpfmt
+from . import tools as toolcalls
 from .access import add_access_control
 from .async_engine import EngineDead, EngineError, QueueFull, now
 from .metrics import RequestTimer
@@ -211,6 +213,7 @@ class _Prepared:
     subs: list[_Sub]
     prompts: list[list[int]]
     echo: list[str] | None = None  # completions with echo: each prompt's text, answered before its completion
+    tools: toolcalls.ToolPlan | None = None  # chat with tools: how the answer is read (server/tools.py)
 
 
 def _prepare_completion(state: ServerState, body: bytes) -> _Prepared:
@@ -243,8 +246,10 @@ def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
     if tok is None or not tok.chat_template:
         raise APIError(400, "this model has no chat template (tokenizer_config.json has no chat_template; "
                        "start the server with --chat-template FILE, or use /v1/completions)", "messages")
+    plan = toolcalls.plan(req.tools, req.tool_choice)
     try:
-        prompt = state.llm.encode_chat([m.as_template_input() for m in req.messages])  # LLM.chat's path
+        prompt = state.llm.encode_chat([m.as_template_input() for m in req.messages],  # LLM.chat's path
+                                       None if plan is None else plan.tools)
     except QuickdraftError as exc:
         raise APIError(400, str(exc), "messages") from None
     except Exception as exc:  # noqa: BLE001 - a template failing on odd input is the input's fault
@@ -253,8 +258,8 @@ def _prepare_chat(state: ServerState, body: bytes) -> _Prepared:
     limit = req.max_completion_tokens or req.max_tokens
     if limit is None:
         limit = max(1, engine.engine.max_model_len - len(prompt))  # _check names the messages if none is left
-    subs = _subs(engine.engine, req, [prompt], [limit])
-    return _Prepared(req, subs, [prompt])
+    subs = _subs(engine.engine, req, [prompt], [limit], plan)
+    return _Prepared(req, subs, [prompt], tools=plan)
 
 
 def _begin(state: ServerState, body: bytes, model):
@@ -316,23 +321,38 @@ def _check_model(state: ServerState, model: str) -> None:
                        "model", code="model_not_found")
 
 
-def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int]) -> list[_Sub]:
+def _constraint(req, plan: toolcalls.ToolPlan | None) -> tuple[str, dict[str, Any]] | None:
+    """The request's one constraint (the body field it came from, Constraint.of's mapping):
+    response_format or a guided_* field, or tool_choice "required" / a named function."""
+    given = req.constraint()
+    tool = None if plan is None else plan.constraint()
+    if given is not None and tool is not None:
+        raise APIError(400, f"tool_choice {plan.choice!r} constrains the answer to a tool call: it cannot be combined "
+                       f"with {given[0]}", given[0])
+    return given if tool is None else ("tool_choice", tool)
+
+
+def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int],
+          plan: toolcalls.ToolPlan | None = None) -> list[_Sub]:
     """The engine requests of one HTTP request: n choices per prompt, each prompt checked once."""
     subs = []
+    constraint = _constraint(req, plan)
     for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
         for j in range(req.n):
-            params = _sampling(req, mt, j)
+            params = _sampling(req, mt, j, constraint)
             if j == 0:
-                _check(engine, req, prompt, params)
+                _check(engine, req, prompt, params, constraint)
             subs.append(_Sub(i * req.n + j, prompt, params))
     return subs
 
 
+_CONSTRAINT_FIELDS = KINDS + ("constraint",)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
 
 
-def _sampling(req, max_tokens: int, seed_offset: int) -> SamplingParams:
+def _sampling(req, max_tokens: int, seed_offset: int, constraint: tuple[str, dict[str, Any]] | None = None
+              ) -> SamplingParams:
     seed = req.seed
     if seed is not None and seed_offset:
         seed = (seed + seed_offset) % (2**64)  # distinct choices from one seed
@@ -341,8 +361,11 @@ def _sampling(req, max_tokens: int, seed_offset: int) -> SamplingParams:
     try:
         return SamplingParams(
             **given, max_tokens=max_tokens, seed=seed, stop=tuple(req.stop_list()), ignore_eos=req.ignore_eos,
-            logit_bias=req.logit_bias_ids(), logprobs=req.wanted_logprobs(), prompt_logprobs=_prompt_logprobs(req))
+            logit_bias=req.logit_bias_ids(), logprobs=req.wanted_logprobs(), prompt_logprobs=_prompt_logprobs(req),
+            constraint=None if constraint is None else constraint[1])
     except QuickdraftError as exc:
+        if constraint is not None and exc.field in _CONSTRAINT_FIELDS:  # name the body field it came from
+            raise APIError(400, str(exc), constraint[0]) from None
         raise _param_error(exc, req) from None
 
 
@@ -372,7 +395,8 @@ def _body_field(field: str | None, req) -> str | None:
     return field
 
 
-def _check(engine, req, prompt: list[int], params: SamplingParams) -> None:
+def _check(engine, req, prompt: list[int], params: SamplingParams,
+           constraint: tuple[str, dict[str, Any]] | None = None) -> None:
     if len(prompt) >= engine.max_model_len:  # no max_tokens could make it fit: name the prompt
         what = "messages take" if isinstance(req, ChatCompletionRequest) else "prompt takes"
         raise APIError(400, f"the {what} {len(prompt)} tokens, {engine.context_text()} is "
@@ -381,6 +405,8 @@ def _check(engine, req, prompt: list[int], params: SamplingParams) -> None:
     try:
         engine.check_request(prompt, params, req.num_speculative_tokens)
     except QuickdraftError as exc:
+        if constraint is not None and exc.field in _CONSTRAINT_FIELDS:
+            raise APIError(400, str(exc), constraint[0]) from None
         raise _param_error(exc, req) from None
 
 
@@ -419,7 +445,7 @@ async def _respond(state: ServerState, request: Request, prepared: _Prepared, ar
         out = finals[index]
         choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": out.finish_reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["message"], choice["finish_reason"] = toolcalls.message(out.text, out.finish_reason, prepared.tools)
         else:
             choice["text"] = shape.echo_text(index) + out.text
         shape.add(choice, index, out, out.logprobs, first=True)
@@ -451,6 +477,8 @@ class _Shape:
         self.subs = prepared.subs
         self.offsets: dict[int, int] = {}  # completions: text offset reached per choice (streaming)
         self.detoks: dict[int, Detokenizer] = {}  # return_token_origins: each token's text, per choice
+        self.tools = prepared.tools
+        self.tool_streams: dict[int, toolcalls.ToolStream] = {}
 
     def token_texts(self, index: int, token_ids: list[int]) -> list[str] | None:
         """The text each of these tokens (the choice's next ones) adds, as the engine's detokenizer
@@ -462,6 +490,11 @@ class _Shape:
             self.detoks[index] = Detokenizer(self.tok, self.subs[index].prompt)
         detok = self.detoks[index]
         return [detok.add(t) for t in token_ids]
+
+    def tool_deltas(self, index: int, out: RequestOutput) -> tuple[list[dict[str, Any]], str | None]:
+        """A chat with tools: the deltas of `out`'s new text (content or tool calls) and the finish_reason."""
+        stream = self.tool_streams.setdefault(index, toolcalls.ToolStream(self.tools))
+        return stream.feed(out.new_text, out.finished, out.finish_reason)
 
     def echo_text(self, index: int) -> str:
         return "" if self.echo is None else self.echo[index // self.req.n]
@@ -511,7 +544,14 @@ async def _stream(state: ServerState, job: _Job, rid: str, created: int, n: int,
             started.add(index)
             choice: dict[str, Any] = {"index": index, "logprobs": None,
                                       "finish_reason": out.finish_reason if out.finished else None}
-            if chat:
+            if chat and shape.tools is not None:
+                deltas, reason = shape.tool_deltas(index, out)
+                for d in deltas[:-1]:
+                    yield chunk([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}])
+                choice["delta"] = deltas[-1] if deltas else {}
+                if out.finished:
+                    choice["finish_reason"] = reason
+            elif chat:
                 choice["delta"] = {"content": out.new_text} if out.new_text else {}
             else:
                 choice["text"] = (shape.echo_text(index) if echo else "") + out.new_text
@@ -558,7 +598,7 @@ def _speculation(method: str, outs: dict[int, RequestOutput]) -> dict[str, Any]:
     return {"method": method, "num_drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens,
             "accepted_tokens": s.num_accepted_tokens, "acceptance_rate": s.acceptance_rate,
             "mean_acceptance_length": s.mean_acceptance_length, "accepted_per_position": list(s.accepted_per_pos),
-            "num_steps": s.num_steps}
+            "num_steps": s.num_steps, "forced_tokens": s.num_forced_tokens}
 
 
 def _sse(obj: Any) -> str:

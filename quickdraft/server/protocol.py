@@ -1,13 +1,20 @@
 """Request bodies of the OpenAI API (the parts quickdraft serves) and OpenAI's error body.
 
 Unknown fields are ignored, as OpenAI's own server does. Fields that OpenAI defines but
-quickdraft cannot honour (suffix, best_of > n, tools, a structured response_format) are a
-400 when set to anything but their neutral value, rather than being silently dropped:
-a client that asks for them would otherwise get a different answer than it thinks.
+quickdraft cannot honour (suffix, best_of > n) are a 400 when set to anything but their
+neutral value, rather than being silently dropped: a client that asks for them would otherwise
+get a different answer than it thinks.
+
+Structured output (docs/structured-output.md): OpenAI's `response_format` (`json_object`,
+`json_schema`) on both endpoints, and the body extensions vLLM's clients send: `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` ({"json", "regex",
+"choice", "grammar", "json_object"}). One per request; `constraint()` names the body field it
+came from, so that a bad schema's 400 names it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
@@ -133,9 +140,58 @@ class _Sampling(BaseModel):
     repetition_penalty: _number("repetition_penalty") | None = None  # extra field (vLLM): 1 = off
     logit_bias: dict[StrictStr, Number] | None = None  # token id (as a JSON key) -> bias, clamped to [-100, 100]
     prompt_logprobs: _integer("prompt_logprobs") | None = None  # extra field (vLLM)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictBool | Text | None = None  # extra fields (vLLM): a schema (or its JSON text)
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None  # Lark or GBNF
+    structured_outputs: dict[str, Any] | None = None  # extra field (vLLM >= 0.10)
 
     def unsupported(self) -> list[str]:
         return []
+
+    def constraint(self) -> tuple[str, dict[str, Any]] | None:
+        """(the body field it came from, {kind: value} for constraints.Constraint.of), or None."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(400, "response_format json_schema needs json_schema.schema: a JSON schema object",
+                                   "response_format.json_schema.schema")
+                if not isinstance(spec.get("strict", False), (bool, type(None))):
+                    raise APIError(400, "response_format json_schema.strict must be a boolean",
+                                   "response_format.json_schema.strict")
+                # strict or not, the schema is enforced: output always validates
+                found.append(("response_format.json_schema.schema", {"json_schema": schema}))
+            elif kind not in (None, "text"):
+                raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                               "response_format.type")
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                if name == "guided_json" and isinstance(value, bool):
+                    raise APIError(400, "guided_json must be a JSON schema (an object or its JSON text)", name)
+                found.append((name, {kind: value}))
+        so = self.structured_outputs
+        if so:
+            kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                     "json_object": "json_object"}
+            given = [(k, v) for k, v in so.items() if k in kinds and v not in (None, False)]
+            unknown = [k for k, v in so.items() if k not in kinds and v not in (None, False)]
+            if unknown:
+                raise APIError(400, f"structured_outputs.{unknown[0]} is not supported by this server "
+                               f"(supported: {', '.join(kinds)})", f"structured_outputs.{unknown[0]}")
+            found += [(f"structured_outputs.{k}", {kinds[k]: v}) for k, v in given]
+        if len(found) > 1:
+            raise APIError(400, f"one constraint per request: got {found[0][0]} and {found[1][0]}", found[1][0])
+        return found[0] if found else None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """logit_bias with its keys as token ids; a key that is not one is a 400."""
@@ -203,6 +259,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (server/tools.py)
+    tool_call_id: Text | None = None  # a tool message answers this call
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -211,6 +269,19 @@ class ChatMessage(BaseModel):
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:  # templates read the arguments as an object, as transformers gives them
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+                calls.append({**c, "function": fn})
+            msg["tool_calls"] = calls
         return msg
 
 
@@ -219,8 +290,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: _integer("max_tokens") | None = None
     logprobs: StrictBool = False
     top_logprobs: _integer("logprobs") | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # checked by server/tools.py's plan
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None  # "required" allows several calls either way
 
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -229,10 +301,6 @@ class ChatCompletionRequest(_Sampling):
         bad = super().unsupported()
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if self.tools:
-            bad.append("tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            bad.append("response_format")
         return bad
 
 
