@@ -172,6 +172,9 @@ def test_speculative_greedy_constrained_equals_plain(target_dir, noisy_draft, he
     assert llm.stats.num_accepted_tokens > 0
     # a schema's keys, quotes and separators are forced: verified in the proposer's place, accepted
     assert got[0].stats.num_forced_tokens >= 5 and got[-1].stats.num_forced_tokens == 0
+    for o in got:  # every forced token is labelled so (token origins), unless the end cut it off
+        forced = o.token_origins.count("forced")
+        assert forced <= o.stats.num_forced_tokens and (forced > 0) == (o.stats.num_forced_tokens > 0)
 
 
 def test_a_constraint_cut_by_max_tokens_ends_with_length(plain):
