@@ -26,6 +26,7 @@ from .cache import KVCache, to_device
 from .config import EngineConfig
 from .errors import ContextLengthError, QuickdraftError
 from .metrics import SpecStats
+from .prefix_cache import PrefixCache
 from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks
 from .proposers import get as get_proposer
@@ -98,6 +99,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per generated token (SamplingParams.logprobs)
     new_logprobs: list[TokenLogprob] | None = None  # since the previous output (new_token_ids')
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
 
 class _Request:
@@ -117,6 +119,12 @@ class _Request:
     def start_over(self, device: torch.device, tokenizer: Tokenizer | None) -> None:
         """Nothing generated yet (a new request, or one whose prefill is retried)."""
         self.tokens = list(self.prompt)  # prompt + generated, committed
+        self.num_computed = 0  # prompt positions whose KV the target's cache holds (chunked prefill)
+        self.num_cached = 0  # of them, copied from the prefix cache
+        # positions whose KV has the bits a prefill gives them (None: every committed one). A token
+        # tree's verify computes its nodes' keys among their siblings' slots, whose sums differ in
+        # the last bits: the prefix cache keeps only what a prefill of the same tokens would compute.
+        self.kv_exact: int | None = None
         self.output: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -144,7 +152,7 @@ class _Request:
                             new_text=self.text[self.sent_text:visible],
                             logprobs=None if lps is None else list(lps),
                             new_logprobs=None if lps is None else lps[self.sent_ids:],
-                            prompt_logprobs=self.prompt_logprobs)
+                            prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached)
         self.sent_ids, self.sent_text = len(self.output), visible
         return out
 
@@ -193,8 +201,17 @@ class Engine:
         self.fixed_size = config.max_model_len is not None or config.preallocate
         self.device = target.device
         self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
+        self.running: list[_Request] = []  # decoding, in rows 0..len - 1
+        # admitted, prompt not fully computed yet (chunked prefill), in the rows after the running ones, in order
+        self.prefilling: list[_Request] = []
+        self._prefilled_last = False  # the last step prefilled: the next one decodes (streams keep flowing)
         self.cache: KVCache | None = None
+        self.prefix_cache: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            if getattr(target, "new_kv_cache", None) is not None:
+                raise QuickdraftError("prefix caching does not support a tensor-parallel target yet: "
+                                      "turn it off (enable_prefix_caching=False, --no-enable-prefix-caching)")
+            self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         self._batch_sampling: BatchSampling | None = None  # rebuilt when the batch changes
         self._batch_penalties: PenaltyState | None = None  # with it: None when no row has penalties
         self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
@@ -357,13 +374,13 @@ class Engine:
         for r in list(self.waiting):
             if r.id == request_id:
                 self.waiting.remove(r)
-        for r in self.running:
+        for r in self.running + self.prefilling:
             if r.id == request_id and not r.finished:
                 r.finish_reason = "abort"
         self._release_finished()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     @property
     def num_running(self) -> int:
@@ -371,21 +388,33 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.prefilling)  # admitted but no token yet: still waiting for a user
 
     # ---- the step ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit and prefill waiting requests if any fit, else run one speculative step
-        for the running batch. Returns an output (with deltas) per request touched."""
+        """Admit waiting requests that fit; then prefill up to max_num_batched_tokens prompt tokens
+        of the admitted ones, or run one speculative step for the running batch (the two
+        alternate while both have work, so running streams keep flowing while a long prompt is
+        computed). Returns an output (with deltas) per request touched."""
         if self._pending_build is not None:  # between steps: the only place the forwards may change
             self._switch_if_built()
-        admitted = self._stepping = self._admit()
-        touched = self._prefill(admitted) if admitted else self._decode() if self.running else []
+        admitted = self._admit()
+        if admitted:
+            self._stepping = self.prefilling + admitted
+            self._start_prefill(admitted)
+            self._stepping = []
+        if self.prefilling and not (self.running and self._prefilled_last):
+            self._stepping = list(self.prefilling)
+            touched = self._prefill()
+            self._prefilled_last = True
+        else:
+            touched = self._decode() if self.running else []
+            self._prefilled_last = False
         self._stepping = []
         outputs = [r.snapshot() for r in touched]
-        if any(r.finished for r in self.running):
+        if any(r.finished for r in self.running + self.prefilling):
             self._release_finished()
         return outputs
 
@@ -395,10 +424,12 @@ class Engine:
     def _admit(self) -> list[_Request]:
         if not self.waiting:
             return []
-        if not self.running:
+        if self._admit_singly and self.prefilling:  # after a failed prefill: one request per prefill step
+            return []
+        if not self.running and not self.prefilling:
             self._size_cache()
         admitted = []
-        while (self.waiting and len(self.running) + len(admitted) < self.cache.max_slots
+        while (self.waiting and len(self.running) + len(self.prefilling) + len(admitted) < self.cache.max_slots
                and self._capacity_needed(self.waiting[0]) <= self.cache.capacity):
             admitted.append(self.waiting.popleft())
             if self._admit_singly:
@@ -414,7 +445,9 @@ class Engine:
         if not admitted:
             return list(self.running), False
         ids = {r.id for r in admitted}
+        # every request prefilling when the step failed (they sit in the last rows, so none moves)
         self.running = [r for r in self.running if r.id not in ids]
+        self.prefilling = [r for r in self.prefilling if r.id not in ids]
         self._batch_sampling = None
         for r in admitted:  # back to the state add_request left it in
             r.start_over(self.device, self.tokenizer)
@@ -439,16 +472,62 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.reserve(slots, capacity)
 
-    def _prefill(self, requests: list[_Request]) -> list[_Request]:
-        start = len(self.running)
-        self.running.extend(requests)
-        self._batch_sampling = None
-        for i, r in enumerate(requests):
+    def _start_prefill(self, requests: list[_Request]) -> None:
+        """The admitted requests take the rows after the prefilling ones; a prompt's longest cached
+        prefix (prefix caching) is copied into its row, with the proposer's state of it."""
+        for r in requests:
+            row = len(self.running) + len(self.prefilling)
+            self.prefilling.append(r)
             r.started = time.perf_counter()
+            r.num_computed = r.num_cached = 0
             if self.policy is not None:
                 r.spec_state = self.policy.new_state()
             if self.proposer is not None:
-                self.proposer.start(start + i, r.prompt)
+                self.proposer.start(row, r.prompt)
+            if r.params.prompt_logprobs is not None:
+                r.prompt_logprobs = [None]
+            elif self.prefix_cache is not None:  # (prompt logprobs need every position's states: no lookup)
+                self._load_prefix(r, row)
+
+    def _load_prefix(self, r: _Request, row: int) -> None:
+        pc, proposer = self.prefix_cache, self.proposer
+        kind = "none" if proposer is None else proposer.prefix_state
+        blocks = pc.match(r.prompt, need_extra=kind == "required")
+        r.num_computed = r.num_cached = pc.load(blocks, self.cache, row)
+        if kind != "none":
+            with_state = next((i for i, b in enumerate(blocks) if b.extra is None), len(blocks))
+            if with_state:
+                proposer.load_state(row, torch.cat([b.extra for b in blocks[:with_state]], dim=-2),
+                                    with_state * pc.block_size)
+
+    def _store_prefix(self, r: _Request, row: int, length: int) -> None:
+        """Keep positions [0, length) of `row` (committed tokens of r) in the prefix cache."""
+        proposer = self.proposer
+        if proposer is None or proposer.prefix_state == "none":
+            self.prefix_cache.store(r.tokens, length, self.cache, row)
+        else:
+            self.prefix_cache.store(r.tokens, length, self.cache, row,
+                                    lambda a, b: proposer.save_state(row, a, b), proposer.state_length(row))
+
+    def _prefill(self) -> list[_Request]:
+        """Compute up to max_num_batched_tokens prompt tokens of the prefilling requests, in row
+        order, each from its first position without KV (after a cached prefix or an earlier
+        chunk); the requests whose prompt is complete sample their first token and join the
+        running batch. A row's bits do not depend on how its prompt is cut (row-invariant
+        kernels), so chunks and cache hits give the tokens a whole prefill gives."""
+        budget = self.config.max_num_batched_tokens
+        requests, chunks = [], []
+        for r in self.prefilling:
+            n = len(r.prompt) - r.num_computed
+            if budget is not None:
+                if budget <= 0:
+                    break
+                n = min(n, budget)
+                budget -= n
+            requests.append(r)
+            chunks.append(r.prompt[r.num_computed:r.num_computed + n])
+        start = len(self.running)
+        starts = [r.num_computed for r in requests]
         view = self.cache.rows(start, start + len(requests))
         # prompt logprobs read the final hidden states of every prompt position (the layer count's index)
         want_prompt = [i for i, r in enumerate(requests) if r.params.prompt_logprobs is not None]
@@ -456,16 +535,30 @@ class Engine:
         if want_prompt:
             hidden_at = (hidden_at or ()) + (self.target.config.num_hidden_layers,)
         if hidden_at is not None:
-            logits, hidden = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view,
-                                            hidden_at=hidden_at)
+            logits, hidden = forward_chunks(self.target, chunks, starts, view, hidden_at=hidden_at)
             H = self.target.config.hidden_size
             if self._hidden_layers is not None:
                 self.proposer.add_hidden(start, hidden[..., :len(self._hidden_layers) * H],
-                                         [list(range(len(r.prompt))) for r in requests])
+                                         [list(range(len(c))) for c in chunks])
             for i in want_prompt:
-                self._prompt_logprobs(requests[i], hidden[i, :, -H:])
+                self._prompt_logprobs(requests[i], hidden[i, :len(chunks[i]), -H:], starts[i])
         else:
-            logits = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view)
+            logits = forward_chunks(self.target, chunks, starts, view)
+        for r, c in zip(requests, chunks):
+            r.num_computed += len(c)
+        done = [r for r in requests if r.num_computed == len(r.prompt)]  # the first rows (the budget went in order)
+        if done:
+            self._first_tokens(done, logits[:len(done)])
+            if self.prefix_cache is not None:  # the prompts' KV, for requests that arrive while these run
+                for i, r in enumerate(done):
+                    self._store_prefix(r, start + i, len(r.prompt))
+            self.running.extend(done)
+            del self.prefilling[:len(done)]
+            self._batch_sampling = None
+        return done
+
+    def _first_tokens(self, requests: list[_Request], logits: torch.Tensor) -> None:
+        """Sample each request's first token from the logits after its prompt (B, V)."""
         raw = logits
         params = [r.params for r in requests]
         sampling = BatchSampling.build(params, self.device)
@@ -481,7 +574,6 @@ class Engine:
         lps = self._logprobs(requests, raw[:, None], tokens[:, None])
         for i, (r, t) in enumerate(zip(requests, tokens.tolist())):
             self._append(r, [t], None if lps is None else lps[i])
-        return requests
 
     def _logprobs(self, rows: list[_Request], logits: torch.Tensor, tokens: torch.Tensor) -> list | None:
         """For the rows asking for logprobs: token_logprobs of `tokens` (B, T) under the raw
@@ -498,17 +590,20 @@ class Engine:
             out[b] = packed
         return out
 
-    def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, chunk: int = 256) -> None:
-        """r.prompt_logprobs from the prefill's final hidden states (T, H) (before the final
-        norm): the lm_head runs over `chunk` positions at a time, so a long prompt never holds
-        its whole (T, V) logits."""
-        n, top = len(r.prompt), r.params.prompt_logprobs
-        ids = to_device(r.prompt[1:], hidden.device)
+    def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, first: int, chunk: int = 256) -> None:
+        """Extend r.prompt_logprobs from the prefill's final hidden states (T, H) (before the final
+        norm) of prompt positions first .. first + T - 1 (position p scores token p + 1): the
+        lm_head runs over `chunk` positions at a time, so a long prompt never holds its whole
+        (T, V) logits."""
+        top = r.params.prompt_logprobs
+        n = min(hidden.shape[0], len(r.prompt) - 1 - first)  # the prompt's last position scores no prompt token
+        targets = r.prompt[first + 1:first + 1 + n]
+        ids = to_device(targets, hidden.device)
         packed: list[list[float]] = []
-        for s in range(0, n - 1, chunk):
-            logits = self.target.lm_head(self.target.model.norm(hidden[s:min(s + chunk, n - 1)]))
+        for s in range(0, n, chunk):
+            logits = self.target.lm_head(self.target.model.norm(hidden[s:min(s + chunk, n)]))
             packed += token_logprobs(logits[None], ids[None, s:s + chunk], top)[0].tolist()
-        r.prompt_logprobs = [None] + [_token_logprob(p, t, top) for p, t in zip(packed, r.prompt[1:])]
+        r.prompt_logprobs += [_token_logprob(p, t, top) for p, t in zip(packed, targets)]
 
     def _decode(self) -> list[_Request]:
         started = time.perf_counter()
@@ -541,6 +636,8 @@ class Engine:
             result = self._verify_chain(draft, last, lengths, sampling, rnd)
         else:
             result = self._verify_tree(draft, last, lengths, sampling, rnd)
+            for r, n in zip(rows, lengths):  # the root (the last committed token, position n - 1) was a chain query
+                r.kv_exact = n if r.kv_exact is None else r.kv_exact
         if result.hidden is not None:  # every committed token but the new last one now has its state
             nodes = result.accepted_nodes
             self.proposer.add_hidden(0, result.hidden, [list(range(n + 1)) if nodes is None else [0] + [1 + i for i in nodes[b]]
@@ -691,15 +788,19 @@ class Engine:
 
     @torch.inference_mode()
     def _release_finished(self) -> None:
-        """Drop finished rows, moving the last running row into each freed one."""
+        """Drop finished rows (keeping their KV in the prefix cache), moving the last running row
+        into each freed one; the prefilling rows then move down after the running ones, in order."""
         changed = False
+        first_prefilling = len(self.running)
         for i in reversed(range(len(self.running))):
             if not self.running[i].finished:
                 continue
             changed = True
             last = len(self.running) - 1
+            done = self.running[i]
+            if self.prefix_cache is not None:  # every committed token but the last has its KV
+                self._store_prefix(done, i, min(len(done.tokens) - 1, done.kv_exact or len(done.tokens)))
             if self.proposer is not None:
-                done = self.running[i]
                 self.proposer.finish(i, done.tokens, len(done.prompt))
             if i != last:
                 moved = self.running[last]
@@ -710,6 +811,20 @@ class Engine:
             self.running.pop()
         if changed:
             self._batch_sampling = None
+        kept = []
+        for j, r in enumerate(self.prefilling):  # aborted while prefilling: leave; the others move down
+            row = first_prefilling + j
+            if r.finished:
+                if self.proposer is not None:
+                    self.proposer.finish(row, r.tokens, len(r.prompt))
+                continue
+            dst = len(self.running) + len(kept)
+            if row != dst:
+                self.cache.move_row(row, dst, r.num_computed)
+                if self.proposer is not None:
+                    self.proposer.move_row(row, dst)
+            kept.append(r)
+        self.prefilling = kept
 
 
 def _limit_depth(draft: Draft, ks: list[int]) -> Draft:

@@ -137,6 +137,24 @@ class Proposer:
     def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
         """The request in `row` is leaving (finished or aborted): tokens = prompt + output."""
 
+    # Prefix caching (quickdraft.prefix_cache) keeps a proposer's per-position state with the target's
+    # KV blocks: "none" keeps none (token state comes from start(): n-gram, suffix, lookahead);
+    # "rebuild" keeps it (a draft model's KV) and computes the positions a hit lacks from the tokens;
+    # "required" cannot compute them (an EAGLE-3 head's KV comes from the target's hidden states),
+    # so a hit covers only blocks that carry its state.
+    prefix_state: str = "none"
+
+    def state_length(self, row: int) -> int:
+        """Positions [0, n) of `row` whose state save_state can give (committed tokens only)."""
+        return 0
+
+    def save_state(self, row: int, start: int, end: int) -> torch.Tensor:
+        """A copy of `row`'s state at positions [start, end), positions along dim -2."""
+        raise NotImplementedError
+
+    def load_state(self, row: int, state: torch.Tensor, length: int) -> None:
+        """After start(row, ...): positions [0, length) of `row` take `state` (save_state's layout)."""
+
     def add_hidden(self, start: int, hidden: torch.Tensor, index: list[list[int]]) -> None:
         """For proposers with `hidden_layers`: the target's states hidden (B, T, ...) from a
         forward over rows start .. start + B - 1, and per row the columns holding its next

@@ -30,6 +30,7 @@ import functools
 import torch
 
 from ..cache import KVCache, to_device
+from ..prefix_cache import read_positions, write_positions
 from ..compile import CompiledVariants, chain_key, pad_chain, warm_samplings, warms_up
 from ..errors import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
@@ -152,6 +153,18 @@ class DraftModelProposer(Proposer):
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst, self.cached[src])
         self.cached[dst] = self.cached[src]
+
+    prefix_state = "rebuild"  # the draft's KV is cached with the target's; a hit without it is caught up
+
+    def state_length(self, row: int) -> int:
+        return self.cached[row]
+
+    def save_state(self, row: int, start: int, end: int) -> torch.Tensor:
+        return read_positions(self.cache, row, start, end)
+
+    def load_state(self, row: int, state: torch.Tensor, length: int) -> None:
+        write_positions(self.cache, row, 0, state)
+        self.cached[row] = length
 
     def _catch_up(self, batch: ProposeBatch) -> torch.Tensor:
         """Feed each row the committed tokens its cache lacks; logits after the last (B, V)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache, to_device
+from ..prefix_cache import read_positions, write_positions
 from ..errors import QuickdraftError
 from ..model.eagle3 import Eagle3Head
 from ..sampling import process_logits, race
@@ -97,6 +98,21 @@ class Eagle3Proposer(Proposer):
         self.pending[dst], self.pending[src] = self.pending[src], []
 
     def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
+        self.pending[row] = []
+
+    # The head's KV is cached with the target's: a hit brings no target states for its positions,
+    # so it covers only blocks that carry the head's KV (acceptance on a hit is acceptance without).
+    prefix_state = "required"
+
+    def state_length(self, row: int) -> int:
+        return self.cached[row]
+
+    def save_state(self, row: int, start: int, end: int) -> torch.Tensor:
+        return read_positions(self.cache, row, start, end)
+
+    def load_state(self, row: int, state: torch.Tensor, length: int) -> None:
+        write_positions(self.cache, row, 0, state)
+        self.cached[row] = length
         self.pending[row] = []
 
     def add_hidden(self, start: int, hidden: torch.Tensor, index: list[list[int]]) -> None:
