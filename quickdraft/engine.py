@@ -493,12 +493,10 @@ class Engine:
         pc, proposer = self.prefix_cache, self.proposer
         kind = "none" if proposer is None else proposer.prefix_state
         blocks = pc.match(r.prompt, need_extra=kind == "required")
-        r.num_computed = r.num_cached = pc.load(blocks, self.cache, row)
-        if kind != "none":
-            with_state = next((i for i, b in enumerate(blocks) if b.extra is None), len(blocks))
-            if with_state:
-                proposer.load_state(row, torch.cat([b.extra for b in blocks[:with_state]], dim=-2),
-                                    with_state * pc.block_size)
+        r.num_computed, with_state = pc.load(blocks, self.cache, row, None if kind == "none" else proposer.state_cache())
+        r.num_cached = r.num_computed
+        if with_state:
+            proposer.loaded_state(row, with_state)
 
     def _store_prefix(self, r: _Request, row: int, length: int) -> None:
         """Keep positions [0, length) of `row` (committed tokens of r) in the prefix cache."""
@@ -506,8 +504,7 @@ class Engine:
         if proposer is None or proposer.prefix_state == "none":
             self.prefix_cache.store(r.tokens, length, self.cache, row)
         else:
-            self.prefix_cache.store(r.tokens, length, self.cache, row,
-                                    lambda a, b: proposer.save_state(row, a, b), proposer.state_length(row))
+            self.prefix_cache.store(r.tokens, length, self.cache, row, proposer.state_cache(), proposer.state_length(row))
 
     def _prefill(self) -> list[_Request]:
         """Compute up to max_num_batched_tokens prompt tokens of the prefilling requests, in row

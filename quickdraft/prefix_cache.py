@@ -30,7 +30,6 @@ descendants (unreachable without it). `max_bytes` bounds the bytes blocks hold.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,18 +39,41 @@ from .cache import KVCache
 BLOCK_SIZE = 16  # tokens per block (vLLM's default); measured against 32 in docs/server.md
 
 
-def read_positions(cache: KVCache, row: int, start: int, end: int) -> torch.Tensor:
-    """Positions [start, end) of one row, every layer: (layers, 2, H_kv, end - start, D), a copy."""
-    return torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end]))
-                        for k, v in zip(cache.k, cache.v)])
+def _views(cache: KVCache, row: int, start: int, size: int) -> list[torch.Tensor]:
+    """Positions [start, start + size) of one row: per layer its keys' and values' views (H_kv, size, D)."""
+    return [t[row, :, start:start + size] for pair in zip(cache.k, cache.v) for t in pair]
 
 
-def write_positions(cache: KVCache, row: int, start: int, kv: torch.Tensor) -> None:
-    """The inverse of read_positions: kv (layers, 2, H_kv, n, D) into positions [start, start + n)."""
-    n = kv.shape[3]
-    for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-        k[row, :, start:start + n] = kv[layer, 0]
-        v[row, :, start:start + n] = kv[layer, 1]
+def _parts(block: torch.Tensor) -> list[torch.Tensor]:
+    """A block's (layers, 2, H_kv, size, D) as _views' list."""
+    return list(block.flatten(0, 1).unbind(0))
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Every copy in one call (thousands of small ones for a long prefix: ~2 us each one by one)."""
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def read_blocks(cache: KVCache, row: int, start: int, count: int, size: int) -> list[torch.Tensor]:
+    """`count` blocks of `size` positions of one row from `start` on, each a new (layers, 2, H_kv,
+    size, D) tensor."""
+    _, H, _, D = cache.k[0].shape
+    blocks = [cache.k[0].new_empty(len(cache.k), 2, H, size, D) for _ in range(count)]
+    _copy([p for b in blocks for p in _parts(b)],
+          [v for j in range(count) for v in _views(cache, row, start + j * size, size)])
+    return blocks
+
+
+def write_blocks(cache: KVCache, row: int, blocks: list[torch.Tensor]) -> int:
+    """Blocks (read_blocks') into positions 0, size, 2 size ... of one row; returns the positions written."""
+    at, dst, src = 0, [], []
+    for b in blocks:
+        dst += _views(cache, row, at, b.shape[3])
+        src += _parts(b)
+        at += b.shape[3]
+    _copy(dst, src)
+    return at
 
 
 @dataclass(eq=False)
@@ -59,7 +81,7 @@ class Block:
     id: int
     key: tuple  # (parent id, tokens)
     kv: torch.Tensor  # the target's (layers, 2, H_kv, block_size, D)
-    extra: torch.Tensor | None = None  # the proposer's state of these positions (its save_state), if kept
+    extra: torch.Tensor | None = None  # the proposer's cache at these positions (Proposer.state_cache), if kept
     children: list[int] = field(default_factory=list)
 
     @property
@@ -116,54 +138,56 @@ class PrefixCache:
         self.stats.hits += len(blocks) * self.block_size
         return blocks
 
-    def load(self, blocks: list[Block], cache: KVCache, row: int) -> int:
-        """Copy the blocks' target KV into positions [0, n) of `row`; returns n."""
-        if not blocks:
-            return 0
-        write_positions(cache, row, 0, torch.cat([b.kv for b in blocks], dim=3))
-        return len(blocks) * self.block_size
+    def load(self, blocks: list[Block], cache: KVCache, row: int, state: KVCache | None = None) -> tuple[int, int]:
+        """Copy the blocks' target KV into positions [0, n) of `row`, and into `state` (the
+        proposer's cache) the proposer's state of the leading blocks that carry it, positions [0, m);
+        returns (n, m)."""
+        n = write_blocks(cache, row, [b.kv for b in blocks])
+        m = 0
+        if state is not None:
+            with_state = next((i for i, b in enumerate(blocks) if b.extra is None), len(blocks))
+            m = write_blocks(state, row, [b.extra for b in blocks[:with_state]])
+        return n, m
 
-    def store(self, tokens: list[int], length: int, cache: KVCache, row: int,
-              extra: Callable[[int, int], torch.Tensor] | None = None, extra_length: int = 0) -> None:
-        """Keep the KV of tokens[:length] (positions whose KV `row` holds), whole blocks only;
-        `extra(start, end)` gives the proposer's state of positions it holds ([0, extra_length))
-        for the blocks that lack it."""
+    def store(self, tokens: list[int], length: int, cache: KVCache, row: int, state: KVCache | None = None,
+              state_length: int = 0) -> None:
+        """Keep the KV of tokens[:length] (positions whose KV `row` holds), whole blocks only,
+        with the proposer's state (`state`: its cache, positions [0, state_length) of `row`) for
+        the blocks it covers and that lack it."""
         bs = self.block_size
+        if state is None:
+            state_length = 0
         parent, chain = -1, set()
-        new_from = None
-        for i, s in enumerate(range(0, length - bs + 1, bs)):
-            key = (parent, tuple(tokens[s:s + bs]))
-            block = self._index.get(key)
+        new_from = length - length % bs  # where the blocks not cached yet start
+        for s in range(0, length - bs + 1, bs):
+            block = self._index.get((parent, tuple(tokens[s:s + bs])))
             if block is None:
                 new_from = s
                 break
             chain.add(block.id)
             self._lru.move_to_end(block.id)
-            if block.extra is None and extra is not None and s + bs <= extra_length:
-                block.extra = extra(s, s + bs).clone()
+            if block.extra is None and s + bs <= state_length:
+                block.extra = read_blocks(state, row, s, 1, bs)[0]
                 self.nbytes += block.extra.numel() * block.extra.element_size()
             parent = block.id
-        if new_from is not None:
-            end = new_from + (length - new_from) // bs * bs
-            kv = read_positions(cache, row, new_from, end)
-            ex = None
-            ex_end = min(end, extra_length - extra_length % bs) if extra is not None else new_from
-            if ex_end > new_from:
-                ex = extra(new_from, ex_end)
-            for j, s in enumerate(range(new_from, end, bs)):
-                block = Block(self._next_id, (parent, tuple(tokens[s:s + bs])), kv[:, :, :, j * bs:(j + 1) * bs].clone(),
-                              None if s + bs > ex_end else ex[..., j * bs:(j + 1) * bs, :].clone())
-                if not self._make_room(block.nbytes, chain):
-                    break
-                self._next_id += 1
-                self._index[block.key] = block
-                self._lru[block.id] = block
-                if parent >= 0:
-                    self._lru[parent].children.append(block.id)
-                self.nbytes += block.nbytes
-                chain.add(block.id)
-                parent = block.id
-        self._make_room(0, chain)  # the proposer states added above may have passed the limit
+        count = (length - new_from) // bs
+        kvs = read_blocks(cache, row, new_from, count, bs)
+        extras = read_blocks(state, row, new_from, max(0, min(count, (state_length - new_from) // bs)), bs) \
+            if state is not None else []
+        for j, kv in enumerate(kvs):
+            s = new_from + j * bs
+            block = Block(self._next_id, (parent, tuple(tokens[s:s + bs])), kv, extras[j] if j < len(extras) else None)
+            if not self._make_room(block.nbytes, chain):
+                break
+            self._next_id += 1
+            self._index[block.key] = block
+            self._lru[block.id] = block
+            if parent >= 0:
+                self._lru[parent].children.append(block.id)
+            self.nbytes += block.nbytes
+            chain.add(block.id)
+            parent = block.id
+        self._make_room(0, chain)  # the proposer states added to cached blocks may have passed the limit
 
     def _make_room(self, nbytes: int, keep: set[int]) -> bool:
         """Evict least recently used blocks (not in `keep`: the chain being stored) until

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import KVCache
 from ..errors import QuickdraftError
 from ..sampling import BatchSampling, PenaltyState, StepRandom
 
@@ -144,16 +145,16 @@ class Proposer:
     # so a hit covers only blocks that carry its state.
     prefix_state: str = "none"
 
+    def state_cache(self) -> KVCache | None:
+        """The KV cache holding that state, rows as the engine's (the prefix cache copies blocks of it)."""
+        return None
+
     def state_length(self, row: int) -> int:
-        """Positions [0, n) of `row` whose state save_state can give (committed tokens only)."""
+        """Positions [0, n) of `row` whose state is in state_cache (committed tokens only)."""
         return 0
 
-    def save_state(self, row: int, start: int, end: int) -> torch.Tensor:
-        """A copy of `row`'s state at positions [start, end), positions along dim -2."""
-        raise NotImplementedError
-
-    def load_state(self, row: int, state: torch.Tensor, length: int) -> None:
-        """After start(row, ...): positions [0, length) of `row` take `state` (save_state's layout)."""
+    def loaded_state(self, row: int, length: int) -> None:
+        """After start(row, ...): the prefix cache wrote positions [0, length) of `row` in state_cache."""
 
     def add_hidden(self, start: int, hidden: torch.Tensor, index: list[list[int]]) -> None:
         """For proposers with `hidden_layers`: the target's states hidden (B, T, ...) from a

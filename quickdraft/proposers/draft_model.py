@@ -30,7 +30,6 @@ import functools
 import torch
 
 from ..cache import KVCache, to_device
-from ..prefix_cache import read_positions, write_positions
 from ..compile import CompiledVariants, chain_key, pad_chain, warm_samplings, warms_up
 from ..errors import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
@@ -156,14 +155,13 @@ class DraftModelProposer(Proposer):
 
     prefix_state = "rebuild"  # the draft's KV is cached with the target's; a hit without it is caught up
 
+    def state_cache(self) -> KVCache:
+        return self.cache
+
     def state_length(self, row: int) -> int:
         return self.cached[row]
 
-    def save_state(self, row: int, start: int, end: int) -> torch.Tensor:
-        return read_positions(self.cache, row, start, end)
-
-    def load_state(self, row: int, state: torch.Tensor, length: int) -> None:
-        write_positions(self.cache, row, 0, state)
+    def loaded_state(self, row: int, length: int) -> None:
         self.cached[row] = length
 
     def _catch_up(self, batch: ProposeBatch) -> torch.Tensor:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache, to_device
-from ..prefix_cache import read_positions, write_positions
 from ..errors import QuickdraftError
 from ..model.eagle3 import Eagle3Head
 from ..sampling import process_logits, race
@@ -104,14 +103,13 @@ class Eagle3Proposer(Proposer):
     # so it covers only blocks that carry the head's KV (acceptance on a hit is acceptance without).
     prefix_state = "required"
 
+    def state_cache(self) -> KVCache:
+        return self.cache
+
     def state_length(self, row: int) -> int:
         return self.cached[row]
 
-    def save_state(self, row: int, start: int, end: int) -> torch.Tensor:
-        return read_positions(self.cache, row, start, end)
-
-    def load_state(self, row: int, state: torch.Tensor, length: int) -> None:
-        write_positions(self.cache, row, 0, state)
+    def loaded_state(self, row: int, length: int) -> None:
         self.cached[row] = length
         self.pending[row] = []
 

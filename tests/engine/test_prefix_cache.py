@@ -14,7 +14,7 @@ from quickdraft import LLM, SamplingParams
 from quickdraft.cache import KVCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.quant import row_invariant
-from quickdraft.prefix_cache import PrefixCache, read_positions
+from quickdraft.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
@@ -187,8 +187,9 @@ def test_prefix_cache_blocks_lru_and_byte_limit():
     hit = pc.match(a[:40] + [1, 2], need_extra=False)
     assert len(hit) == 2  # 42 tokens: two blocks, and at least one token left to compute
     row = _cache_with(1, 64)
-    assert pc.load(hit, row, 0) == 32
-    assert torch.equal(read_positions(row, 0, 0, 32), read_positions(kv, 0, 0, 32))
+    assert pc.load(hit, row, 0) == (32, 0)
+    for a_, b_ in zip(row.k + row.v, kv.k + kv.v):
+        assert torch.equal(a_[0, :, :32], b_[0, :, :32]) and not a_[0, :, 32:].eq(b_[0, :, 32:]).any()
     pc.match(a, need_extra=False)  # a's chain is the most recently used
     pc.store(b, 64, kv, 1)  # 4 more blocks: 7 > 5, the least recently used go first
     assert pc.nbytes <= pc.max_bytes and pc.stats.evictions >= 2
