@@ -640,10 +640,10 @@ def faulty_server(target_dir, draft_dir):
         engine = llm.engine
         prefill, decode = engine._prefill, engine._decode
 
-        def bad_prefill(requests):
-            if any(POISON_PREFILL in r.prompt for r in requests):
+        def bad_prefill():  # a prefill step over the prefilling requests (all of them: short prompts)
+            if any(POISON_PREFILL in r.prompt for r in engine.prefilling):
                 raise ValueError("injected prefill fault")
-            return prefill(requests)
+            return prefill()
 
         def bad_decode():
             if any(POISON_DECODE in r.prompt and len(r.output) >= 3 for r in engine.running):
