@@ -159,7 +159,7 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5  # k: draft tokens proposed per step (per request, at most)
 MAX_NUM_SPECULATIVE_TOKENS = 64  # the longest speculation any configuration may ask for
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompt tokens one prefill step computes (chunked prefill): ~0.3-1 s of a 360M model on 2 CPU cores
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompt tokens one prefill step computes at most (chunked prefill): what a running stream may wait between two tokens
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # what the prefix cache's blocks may hold (SmolLM2, float32: 80 KiB a token, ~13k tokens)
 DEFAULT_MAX_NUM_SEQS = 32  # rows of the running batch (KV-cache slots; a server preallocates them all: 64 would take ~24 GB for SmolLM2 at its 8,192-token context in float32)
 
