@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from . import aot
-from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, EngineConfig, SpecConfig,
-                     check_kv_cache_memory, check_max_num_seqs, check_num_speculative_tokens)
+from .config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                     EngineConfig, SpecConfig, check_kv_cache_memory, check_max_num_batched_tokens,
+                     check_max_num_seqs, check_num_speculative_tokens, check_prefix_cache_bytes)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
@@ -67,7 +68,9 @@ class LLM:
                  quantization: str | None = None, draft_quantization: str | None = None,
                  preallocate: bool = False, draft_dtype: str | torch.dtype | None = None,
                  tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None,
-                 kv_cache_memory: int | float | str | None = None):
+                 kv_cache_memory: int | float | str | None = None,
+                 enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None,
+                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
         then cached on disk) before the first token; False: eager. None (default): CUDA graphs on
@@ -89,10 +92,18 @@ class LLM:
         static shapes for CUDA graphs; a server); on a CPU the caches grow as needed whatever it
         says. tensor_parallel_size: the target split over this many ranks
         (quickdraft.parallel; processes spawned here, or joined under torchrun);
-        tensor_parallel_options: lm_head ("rank0" | "vocab"), timeout_s (collectives)."""
+        tensor_parallel_options: lm_head ("rank0" | "vocab"), timeout_s (collectives).
+        enable_prefix_caching: keep the KV of computed tokens and reuse it for later prompts with
+        the same prefix (quickdraft.prefix_cache; the server's default); its blocks take what the KV
+        budget has free and are evicted when requests need it; prefix_cache_bytes (None: no cap of
+        its own) caps them further.
+        max_num_batched_tokens: prompt tokens one prefill step computes at most (chunked prefill;
+        None: whole prompts)."""
         check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
         check_max_num_seqs(max_num_seqs)
         check_kv_cache_memory(kv_cache_memory)
+        check_max_num_batched_tokens(max_num_batched_tokens)
+        check_prefix_cache_bytes(prefix_cache_bytes)
         if target is None:
             target, default_draft = default_model_dirs()
             if not target.exists():
@@ -152,7 +163,9 @@ class LLM:
         if compile is None:
             compile = True if dev.type == "cuda" else "auto"
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
-                              preallocate=preallocate, kv_cache_memory=kv_cache_memory)
+                              preallocate=preallocate, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching, prefix_cache_bytes=prefix_cache_bytes,
+                              max_num_batched_tokens=max_num_batched_tokens)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
         self.aot_build = None  # the background build of missing AOT packages, if this LLM started one
