@@ -1,7 +1,7 @@
 """Prefix caching and chunked prefill: a cache hit, and a prompt cut into chunks, give the bits a
 whole prefill gives (tokens, logprobs, seeded samples, acceptance), for plain decoding and every
-proposer; eviction keeps the byte limit; running streams keep flowing while a long prompt is
-prefilled."""
+proposer; eviction keeps the byte limit, and the KV budget's (the blocks give way to requests);
+running streams keep flowing while a long prompt is prefilled."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.cache import KVCache
+from quickdraft.cache import KVCache, row_bytes
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.quant import row_invariant
 from quickdraft.prefix_cache import PrefixCache
@@ -208,3 +208,62 @@ def test_bad_settings_are_clear_errors(target_dir):
     from quickdraft.config import EngineConfig
     with pytest.raises(QuickdraftError, match="prefix_cache_bytes"):
         EngineConfig(prefix_cache_bytes=-1)
+    with pytest.raises(QuickdraftError, match="prefix_cache_bytes"):
+        LLM(target_dir, method="none", enable_prefix_caching=True, prefix_cache_bytes="1GiB")
+
+
+def test_prefix_cache_gives_way_to_requests_within_the_kv_budget(target_dir):
+    """One budget: the prefix cache's blocks take what the rows leave free, and a request that
+    needs more than is free evicts them (all of them if it must) instead of waiting forever;
+    the budget is never exceeded and every output is plain decoding's."""
+    probe = LLM(target_dir, method="none", compile=False).engine
+    tb = probe.budget.token_bytes
+    total = row_bytes(tb, 64) + 48 * tb  # one row of 64 positions, and three 16-token blocks beside it
+    llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True, kv_cache_memory=total)
+    exact_or_skip(llm)
+    eng, pc = llm.engine, llm.engine.prefix_cache
+    assert pc.max_bytes is None and eng.budget.total == total  # the default: the budget alone bounds it
+    a, b = prompt(40, 11), prompt(40, 12)
+    short, long_ = (SamplingParams(max_tokens=n, temperature=0, logprobs=1, ignore_eos=True) for n in (12, 40))
+    outs = []
+    for p, params in ((a, short), (a, short), (b, long_)):
+        rid = eng.add_request(p, params)
+        for _ in range(200):  # a request the cache's blocks kept waiting would never finish
+            done = [o for o in eng.step() if o.finished and o.request_id == rid]
+            assert eng.budget.used <= total
+            assert eng.budget.claims["prefix"] == pc.nbytes
+            if done:
+                outs += done
+                break
+        assert not eng.has_unfinished()
+        if len(outs) == 1:  # a's 51 computed positions: three blocks, exactly what the rows (1 x 64) leave
+            assert pc.nbytes == 48 * tb and pc.stats.evictions == 0
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 0]  # the second a hit; b is another prompt
+    assert pc.stats.evictions == 3  # b's row (81 positions) needed the blocks' memory: all of a's chain went
+    plain = LLM(target_dir, method="none", compile=False).engine
+    assert_same(outs, [plain.generate([(p, params)])[0] for p, params in ((a, short), (a, short), (b, long_))])
+
+
+def test_growth_while_a_prompt_prefills_keeps_its_computed_chunks(target_dir):
+    """A request admitted while another's long prompt is half prefilled (chunked) makes the caches
+    grow; the prefilling row's computed positions are kept (rows after the running ones), so both
+    outputs are what each gives alone."""
+    llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=8, max_num_seqs=4)
+    exact_or_skip(llm)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
+    long_, late = prompt(60, 21), prompt(9, 22)
+    first = eng.add_request(long_, params)
+    eng.step()
+    eng.step()  # 16 of its 60 positions computed, in a cache of one row
+    assert len(eng.prefilling) == 1 and eng.prefilling[0].num_computed == 16 and eng.cache.max_slots == 1
+    second = eng.add_request(late, SamplingParams(max_tokens=200, temperature=0, logprobs=1, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert eng.cache.max_slots >= 2  # it grew while the first prompt was prefilling
+    alone = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=None).engine
+    assert_same([outs[first], outs[second]],
+                [alone.generate([(long_, params)])[0],
+                 alone.generate([(late, SamplingParams(max_tokens=200, temperature=0, logprobs=1,
+                                                       ignore_eos=True))])[0]])
