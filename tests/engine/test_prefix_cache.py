@@ -267,3 +267,21 @@ def test_growth_while_a_prompt_prefills_keeps_its_computed_chunks(target_dir):
                 [alone.generate([(long_, params)])[0],
                  alone.generate([(late, SamplingParams(max_tokens=200, temperature=0, logprobs=1,
                                                        ignore_eos=True))])[0]])
+
+
+def test_prefix_cache_claims_from_the_budget_under_its_cap():
+    from quickdraft.cache import KVBudget
+
+    kv = _cache_with(2, 64)
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    budget = KVBudget(6 * block_bytes, token_bytes=block_bytes // 16)
+    budget.claim("rows", 2 * block_bytes)
+    pc = PrefixCache(budget=budget, block_size=16)  # no cap of its own: what the rows leave free
+    pc.store(prompt(96, 1), 96, _cache_with(1, 96), 0)  # six blocks offered, four fit
+    assert pc.nbytes == 4 * block_bytes == budget.claims["prefix"] and budget.used == budget.total
+    assert budget.make_room("rows", 3 * block_bytes)  # the rows need one more block: the cache gives way
+    assert budget.claims["prefix"] == pc.nbytes < 4 * block_bytes and pc.stats.evictions >= 1
+    assert budget.make_room("rows", 6 * block_bytes) and pc.nbytes == 0  # it can give everything back
+    capped = PrefixCache(max_bytes=block_bytes, budget=KVBudget(6 * block_bytes, block_bytes // 16), block_size=16)
+    capped.store(prompt(64, 2), 64, kv, 1)
+    assert capped.nbytes == block_bytes  # its own cap, below what the budget has free
