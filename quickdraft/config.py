@@ -178,6 +178,7 @@ _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10*
                  "t": 2**40}
 SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
 DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompt tokens one prefill step computes at most (chunked prefill): what a running stream may wait between two tokens
 
 
 def _is_int(value: Any) -> bool:
@@ -241,6 +242,24 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def check_max_num_batched_tokens(value: Any) -> int | None:
+    """The prefill's per-step token budget: None (no chunking) or an integer >= 1 (LLM, EngineConfig,
+    --max-num-batched-tokens)."""
+    if value is not None and (not _is_int(value) or value < 1):
+        raise QuickdraftError(f"max_num_batched_tokens must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_prefix_cache_bytes(value: Any) -> int | None:
+    """The prefix cache's own cap: None (the default: the KV budget alone decides, the blocks
+    evicted when requests need the memory) or an integer >= 0 of bytes, at most that much of the
+    budget (LLM, EngineConfig)."""
+    if value is not None and (not _is_int(value) or value < 0):
+        raise QuickdraftError(f"prefix_cache_bytes must be None or an integer >= 0, got {value!r}",
+                              field="prefix_cache_bytes")
+    return value
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "draft"  # "none" = plain decoding, or a registered proposer (quickdraft.proposers)
@@ -275,10 +294,20 @@ class EngineConfig:
     # a server). Otherwise, and on a CPU always, the caches grow as requests need them, within the budget.
     preallocate: bool = False
     kv_cache_memory: int | float | str | None = None  # the KV budget: check_kv_cache_memory
+    # Automatic prefix caching (quickdraft.prefix_cache): the KV of computed tokens kept after a request, reused by
+    # later requests with the same prefix. Its blocks are claimed from the KV budget and evicted (least recently
+    # used first) when requests need the memory; prefix_cache_bytes caps them further (None: only the budget).
+    enable_prefix_caching: bool = False
+    prefix_cache_bytes: int | None = None
+    # Chunked prefill: prompt tokens one step prefills at most, between decode steps of the running requests
+    # (None: a whole batch of prompts in one step)
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self) -> None:
         check_max_num_seqs(self.max_num_seqs)
         object.__setattr__(self, "kv_cache_memory", check_kv_cache_memory(self.kv_cache_memory))
+        check_max_num_batched_tokens(self.max_num_batched_tokens)
+        check_prefix_cache_bytes(self.prefix_cache_bytes)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise QuickdraftError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.compile not in (False, True, "aot", "auto"):

@@ -28,6 +28,7 @@ from .config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, E
 from .constraints import GrammarVocabulary, Vocabularies, batch_masks
 from .errors import ContextLengthError, QuickdraftError
 from .metrics import SpecStats
+from .prefix_cache import PrefixCache
 from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks
 from .proposers import get as get_proposer
@@ -100,6 +101,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per generated token (SamplingParams.logprobs)
     new_logprobs: list[TokenLogprob] | None = None  # since the previous output (new_token_ids')
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     token_origins: list[str] = field(default_factory=list)  # per generated token: an ORIGINS word
     new_token_origins: list[str] = field(default_factory=list)  # since the previous output (new_token_ids')
 
@@ -133,6 +135,12 @@ class _Request:
     def start_over(self, device: torch.device, tokenizer: Tokenizer | None) -> None:
         """Nothing generated yet (a new request, or one whose prefill is retried)."""
         self.tokens = list(self.prompt)  # prompt + generated, committed
+        self.num_computed = 0  # prompt positions whose KV the target's cache holds (chunked prefill)
+        self.num_cached = 0  # of them, copied from the prefix cache
+        # positions whose KV has the bits a prefill gives them (None: every committed one). A token
+        # tree's verify computes its nodes' keys among their siblings' slots, whose sums differ in
+        # the last bits: the prefix cache keeps only what a prefill of the same tokens would compute.
+        self.kv_exact: int | None = None
         self.output: list[int] = []
         self.origins: list[str] = []  # per output token (ORIGINS)
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
@@ -164,7 +172,7 @@ class _Request:
                             logprobs=None if lps is None else list(lps),
                             new_logprobs=None if lps is None else lps[self.sent_ids:],
                             prompt_logprobs=self.prompt_logprobs, token_origins=list(self.origins),
-                            new_token_origins=self.origins[self.sent_ids:])
+                            new_token_origins=self.origins[self.sent_ids:], num_cached_tokens=self.num_cached)
         self.sent_ids, self.sent_text = len(self.output), visible
         return out
 
@@ -214,8 +222,18 @@ class Engine:
         # for CUDA graphs: config.preallocate); else they grow and shrink as requests need them.
         self.fixed_size = config.preallocate and self.device.type != "cpu"
         self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
+        self.running: list[_Request] = []  # decoding, in rows 0..len - 1
+        # admitted, prompt not fully computed yet (chunked prefill), in the rows after the running ones, in order
+        self.prefilling: list[_Request] = []
+        self._prefilled_last = False  # the last step prefilled: the next one decodes (streams keep flowing)
         self.cache: KVCache | None = None
+        self.prefix_cache: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            if getattr(target, "new_kv_cache", None) is not None:
+                raise QuickdraftError("prefix caching does not support a tensor-parallel target yet: "
+                                      "turn it off (enable_prefix_caching=False, --no-enable-prefix-caching)")
+            # its blocks are claimed from the budget ("prefix") and evicted when requests need the memory
+            self.prefix_cache = PrefixCache(config.prefix_cache_bytes, budget=self.budget)
         self._batch_sampling: BatchSampling | None = None  # rebuilt when the batch changes
         self._batch_penalties: PenaltyState | None = None  # with it: None when no row has penalties
         self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
@@ -281,13 +299,16 @@ class Engine:
         return f"the model's context length ({self.max_model_len})"
 
     def kv_cache_bytes(self) -> int:
-        """Bytes the KV caches hold now (the target's and the proposer's rows)."""
+        """Bytes the KV caches hold now (the target's and the proposer's rows; the prefix cache's
+        blocks are its own claim in the budget)."""
         return self.budget.claims.get("rows", 0)
 
     def release_caches(self) -> None:
         """With no request running: free the caches (the next request allocates what it needs).
-        A no-op while requests run, and for caches allocated once (config.preallocate on a GPU)."""
-        if self.running or self.cache is None or self.fixed_size:
+        A no-op while requests run, and for caches allocated once (config.preallocate on a GPU).
+        The prefix cache's blocks are tensors of their own and stay (the budget evicts them when
+        requests need the memory)."""
+        if self.running or self.prefilling or self.cache is None or self.fixed_size:
             return
         self.cache = None
         if self.proposer is not None:
@@ -454,13 +475,13 @@ class Engine:
         for r in list(self.waiting):
             if r.id == request_id:
                 self.waiting.remove(r)
-        for r in self.running:
+        for r in self.running + self.prefilling:
             if r.id == request_id and not r.finished:
                 r.finish_reason = "abort"
         self._release_finished()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     @property
     def num_running(self) -> int:
@@ -468,21 +489,33 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.prefilling)  # admitted but no token yet: still waiting for a user
 
     # ---- the step ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit and prefill waiting requests if any fit, else run one speculative step
-        for the running batch. Returns an output (with deltas) per request touched."""
+        """Admit waiting requests that fit; then prefill up to max_num_batched_tokens prompt tokens
+        of the admitted ones, or run one speculative step for the running batch (the two
+        alternate while both have work, so running streams keep flowing while a long prompt is
+        computed). Returns an output (with deltas) per request touched."""
         if self._pending_build is not None:  # between steps: the only place the forwards may change
             self._switch_if_built()
-        admitted = self._stepping = self._admit()
-        touched = self._prefill(admitted) if admitted else self._decode() if self.running else []
+        admitted = self._admit()
+        if admitted:
+            self._stepping = self.prefilling + admitted
+            self._start_prefill(admitted)
+            self._stepping = []
+        if self.prefilling and not (self.running and self._prefilled_last):
+            self._stepping = list(self.prefilling)
+            touched = self._prefill()
+            self._prefilled_last = True
+        else:
+            touched = self._decode() if self.running else []
+            self._prefilled_last = False
         self._stepping = []
         outputs = [r.snapshot() for r in touched]
-        if any(r.finished for r in self.running):
+        if any(r.finished for r in self.running + self.prefilling):
             self._release_finished()
         return outputs
 
@@ -495,9 +528,12 @@ class Engine:
         that does not fit yet waits (the budget frees up as running requests finish)."""
         if not self.waiting:
             return []
+        if self._admit_singly and self.prefilling:  # after a failed prefill: one request per prefill step
+            return []
         admitted: list[_Request] = []
-        rows = len(self.running)
-        capacity = max((self._capacity_needed(r) for r in self.running), default=0)
+        # the prefilling rows follow the running ones: both hold rows and positions
+        rows = len(self.running) + len(self.prefilling)
+        capacity = max((self._capacity_needed(r) for r in self.running + self.prefilling), default=0)
         while self.waiting and rows < self.config.max_num_seqs:
             need = max(capacity, self._capacity_needed(self.waiting[0]))
             if not self._fits(rows + 1, need):
@@ -510,6 +546,7 @@ class Engine:
         if admitted:
             self._size_cache(rows, capacity)
         return admitted
+
     def recover_failed_step(self) -> tuple[list[_Request], bool]:
         """After step() raised: if it was prefilling, take those requests out of the batch,
         reset, and return them with True; else return the running batch with False (whose
@@ -518,7 +555,9 @@ class Engine:
         if not admitted:
             return list(self.running), False
         ids = {r.id for r in admitted}
+        # every request prefilling when the step failed (they sit in the last rows, so none moves)
         self.running = [r for r in self.running if r.id not in ids]
+        self.prefilling = [r for r in self.prefilling if r.id not in ids]
         self._batch_sampling = None
         for r in admitted:  # back to the state add_request left it in
             r.start_over(self.device, self.tokenizer)
@@ -545,8 +584,8 @@ class Engine:
         return self.budget.make_room("rows", rows * row_bytes(self.budget.token_bytes, capacity))
 
     def _size_cache(self, rows: int, capacity: int) -> None:
-        """Make the caches hold `rows` rows of `capacity` positions, keeping the running rows'
-        entries exactly. Growth is geometric (rows and positions to the next power of two, at
+        """Make the caches hold `rows` rows of `capacity` positions, keeping the running and
+        prefilling rows' entries exactly. Growth is geometric (rows and positions to the next power of two, at
         least doubling) so that it copies rarely; where that exceeds the budget, the least that
         fits (_fits checked that rows x capacity does)."""
         c = self.cache
@@ -563,7 +602,7 @@ class Engine:
             shape = next(((r, p) for r, p in ((grown_rows, grown_cap), (max(r0, rows), max(c0, capacity)),
                                                (rows, max(c0, capacity)), (max(r0, rows), capacity))
                           if r * row_bytes(token_bytes, p) <= free), (rows, capacity))
-        keep = len(self.running)
+        keep = len(self.running) + len(self.prefilling)  # the prefilling rows' computed positions too
         if c is None:
             self.cache = KVCache.for_model(self.target, *shape)
         else:
@@ -574,16 +613,59 @@ class Engine:
         log.debug("quickdraft: KV caches now %d rows x %d positions (%s)", shape[0], shape[1],
                   format_bytes(self.kv_cache_bytes()))
 
-    def _prefill(self, requests: list[_Request]) -> list[_Request]:
-        start = len(self.running)
-        self.running.extend(requests)
-        self._batch_sampling = None
-        for i, r in enumerate(requests):
+    def _start_prefill(self, requests: list[_Request]) -> None:
+        """The admitted requests take the rows after the prefilling ones; a prompt's longest cached
+        prefix (prefix caching) is copied into its row, with the proposer's state of it."""
+        for r in requests:
+            row = len(self.running) + len(self.prefilling)
+            self.prefilling.append(r)
             r.started = time.perf_counter()
+            r.num_computed = r.num_cached = 0
             if self.policy is not None:
                 r.spec_state = self.policy.new_state()
             if self.proposer is not None:
-                self.proposer.start(start + i, r.prompt)
+                self.proposer.start(row, r.prompt)
+            if r.params.prompt_logprobs is not None:
+                r.prompt_logprobs = [None]
+            elif self.prefix_cache is not None:  # (prompt logprobs need every position's states: no lookup)
+                self._load_prefix(r, row)
+
+    def _load_prefix(self, r: _Request, row: int) -> None:
+        pc, proposer = self.prefix_cache, self.proposer
+        kind = "none" if proposer is None else proposer.prefix_state
+        blocks = pc.match(r.prompt, need_extra=kind == "required")
+        r.num_computed, with_state = pc.load(blocks, self.cache, row, None if kind == "none" else proposer.state_cache())
+        r.num_cached = r.num_computed
+        if with_state:
+            proposer.loaded_state(row, with_state)
+
+    def _store_prefix(self, r: _Request, row: int, length: int) -> None:
+        """Keep positions [0, length) of `row` (committed tokens of r) in the prefix cache."""
+        proposer = self.proposer
+        if proposer is None or proposer.prefix_state == "none":
+            self.prefix_cache.store(r.tokens, length, self.cache, row)
+        else:
+            self.prefix_cache.store(r.tokens, length, self.cache, row, proposer.state_cache(), proposer.state_length(row))
+
+    def _prefill(self) -> list[_Request]:
+        """Compute up to max_num_batched_tokens prompt tokens of the prefilling requests, in row
+        order, each from its first position without KV (after a cached prefix or an earlier
+        chunk); the requests whose prompt is complete sample their first token and join the
+        running batch. A row's bits do not depend on how its prompt is cut (row-invariant
+        kernels), so chunks and cache hits give the tokens a whole prefill gives."""
+        budget = self.config.max_num_batched_tokens
+        requests, chunks = [], []
+        for r in self.prefilling:
+            n = len(r.prompt) - r.num_computed
+            if budget is not None:
+                if budget <= 0:
+                    break
+                n = min(n, budget)
+                budget -= n
+            requests.append(r)
+            chunks.append(r.prompt[r.num_computed:r.num_computed + n])
+        start = len(self.running)
+        starts = [r.num_computed for r in requests]
         view = self.cache.rows(start, start + len(requests))
         # prompt logprobs read the final hidden states of every prompt position (the layer count's index)
         want_prompt = [i for i, r in enumerate(requests) if r.params.prompt_logprobs is not None]
@@ -591,16 +673,30 @@ class Engine:
         if want_prompt:
             hidden_at = (hidden_at or ()) + (self.target.config.num_hidden_layers,)
         if hidden_at is not None:
-            logits, hidden = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view,
-                                            hidden_at=hidden_at)
+            logits, hidden = forward_chunks(self.target, chunks, starts, view, hidden_at=hidden_at)
             H = self.target.config.hidden_size
             if self._hidden_layers is not None:
                 self.proposer.add_hidden(start, hidden[..., :len(self._hidden_layers) * H],
-                                         [list(range(len(r.prompt))) for r in requests])
+                                         [list(range(len(c))) for c in chunks])
             for i in want_prompt:
-                self._prompt_logprobs(requests[i], hidden[i, :, -H:])
+                self._prompt_logprobs(requests[i], hidden[i, :len(chunks[i]), -H:], starts[i])
         else:
-            logits = forward_chunks(self.target, [r.prompt for r in requests], [0] * len(requests), view)
+            logits = forward_chunks(self.target, chunks, starts, view)
+        for r, c in zip(requests, chunks):
+            r.num_computed += len(c)
+        done = [r for r in requests if r.num_computed == len(r.prompt)]  # the first rows (the budget went in order)
+        if done:
+            self._first_tokens(done, logits[:len(done)])
+            if self.prefix_cache is not None:  # the prompts' KV, for requests that arrive while these run
+                for i, r in enumerate(done):
+                    self._store_prefix(r, start + i, len(r.prompt))
+            self.running.extend(done)
+            del self.prefilling[:len(done)]
+            self._batch_sampling = None
+        return done
+
+    def _first_tokens(self, requests: list[_Request], logits: torch.Tensor) -> None:
+        """Sample each request's first token from the logits after its prompt (B, V)."""
         raw = logits
         params = [r.params for r in requests]
         sampling = BatchSampling.build(params, self.device)
@@ -617,7 +713,6 @@ class Engine:
         lps = self._logprobs(requests, raw[:, None], tokens[:, None])
         for i, (r, t) in enumerate(zip(requests, tokens.tolist())):
             self._append(r, [t], None if lps is None else lps[i], origins=(PREFILL,))
-        return requests
 
     def _logprobs(self, rows: list[_Request], logits: torch.Tensor, tokens: torch.Tensor) -> list | None:
         """For the rows asking for logprobs: token_logprobs of `tokens` (B, T) under the raw
@@ -634,17 +729,20 @@ class Engine:
             out[b] = packed
         return out
 
-    def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, chunk: int = 256) -> None:
-        """r.prompt_logprobs from the prefill's final hidden states (T, H) (before the final
-        norm): the lm_head runs over `chunk` positions at a time, so a long prompt never holds
-        its whole (T, V) logits."""
-        n, top = len(r.prompt), r.params.prompt_logprobs
-        ids = to_device(r.prompt[1:], hidden.device)
+    def _prompt_logprobs(self, r: _Request, hidden: torch.Tensor, first: int, chunk: int = 256) -> None:
+        """Extend r.prompt_logprobs from the prefill's final hidden states (T, H) (before the final
+        norm) of prompt positions first .. first + T - 1 (position p scores token p + 1): the
+        lm_head runs over `chunk` positions at a time, so a long prompt never holds its whole
+        (T, V) logits."""
+        top = r.params.prompt_logprobs
+        n = min(hidden.shape[0], len(r.prompt) - 1 - first)  # the prompt's last position scores no prompt token
+        targets = r.prompt[first + 1:first + 1 + n]
+        ids = to_device(targets, hidden.device)
         packed: list[list[float]] = []
-        for s in range(0, n - 1, chunk):
-            logits = self.target.lm_head(self.target.model.norm(hidden[s:min(s + chunk, n - 1)]))
+        for s in range(0, n, chunk):
+            logits = self.target.lm_head(self.target.model.norm(hidden[s:min(s + chunk, n)]))
             packed += token_logprobs(logits[None], ids[None, s:s + chunk], top)[0].tolist()
-        r.prompt_logprobs = [None] + [_token_logprob(p, t, top) for p, t in zip(packed, r.prompt[1:])]
+        r.prompt_logprobs += [_token_logprob(p, t, top) for p, t in zip(packed, targets)]
 
     def _decode(self) -> list[_Request]:
         started = time.perf_counter()
@@ -680,6 +778,8 @@ class Engine:
             result = self._verify_chain(draft, last, lengths, sampling, rnd)
         else:
             result = self._verify_tree(draft, last, lengths, sampling, rnd)
+            for r, n in zip(rows, lengths):  # the root (the last committed token, position n - 1) was a chain query
+                r.kv_exact = n if r.kv_exact is None else r.kv_exact
         if result.hidden is not None:  # every committed token but the new last one now has its state
             nodes = result.accepted_nodes
             self.proposer.add_hidden(0, result.hidden, [list(range(n + 1)) if nodes is None else [0] + [1 + i for i in nodes[b]]
@@ -870,15 +970,19 @@ class Engine:
 
     @torch.inference_mode()
     def _release_finished(self) -> None:
-        """Drop finished rows, moving the last running row into each freed one."""
+        """Drop finished rows (keeping their KV in the prefix cache), moving the last running row
+        into each freed one; the prefilling rows then move down after the running ones, in order."""
         changed = False
+        first_prefilling = len(self.running)
         for i in reversed(range(len(self.running))):
             if not self.running[i].finished:
                 continue
             changed = True
             last = len(self.running) - 1
+            done = self.running[i]
+            if self.prefix_cache is not None:  # every committed token but the last has its KV
+                self._store_prefix(done, i, min(len(done.tokens) - 1, done.kv_exact or len(done.tokens)))
             if self.proposer is not None:
-                done = self.running[i]
                 self.proposer.finish(i, done.tokens, len(done.prompt))
             if i != last:
                 moved = self.running[last]
@@ -889,6 +993,20 @@ class Engine:
             self.running.pop()
         if changed:
             self._batch_sampling = None
+        kept = []
+        for j, r in enumerate(self.prefilling):  # aborted while prefilling: leave; the others move down
+            row = first_prefilling + j
+            if r.finished:
+                if self.proposer is not None:
+                    self.proposer.finish(row, r.tokens, len(r.prompt))
+                continue
+            dst = len(self.running) + len(kept)
+            if row != dst:
+                self.cache.move_row(row, dst, r.num_computed)
+                if self.proposer is not None:
+                    self.proposer.move_row(row, dst)
+            kept.append(r)
+        self.prefilling = kept
 
 
 def _pow2(n: int) -> int:

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from . import aot
-from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SELF_DRAFT_QUANTIZATION,
-                     SELF_DRAFT, EngineConfig, SpecConfig, check_kv_cache_memory, check_max_num_seqs,
-                     check_num_speculative_tokens)
+from .config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                     DEFAULT_SELF_DRAFT_QUANTIZATION, SELF_DRAFT, EngineConfig, SpecConfig,
+                     check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
+                     check_num_speculative_tokens, check_prefix_cache_bytes)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
@@ -68,7 +69,9 @@ class LLM:
                  quantization: str | None = None, draft_quantization: str | None = None,
                  preallocate: bool = False, draft_dtype: str | torch.dtype | None = None,
                  tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None,
-                 kv_cache_memory: int | float | str | None = None):
+                 kv_cache_memory: int | float | str | None = None,
+                 enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None,
+                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
         then cached on disk) before the first token; False: eager. None (default): CUDA graphs on
@@ -97,7 +100,13 @@ class LLM:
         profile: a JSON profile from `quickdraft tune` (the goodput policy's costs) or `quickdraft
         select`, whose choice (method, draft, k, spec options) is used when neither method nor
         draft is given (num_speculative_tokens, when given, still wins). num_speculative_tokens:
-        default DEFAULT_NUM_SPECULATIVE_TOKENS (or the profile's choice)."""
+        default DEFAULT_NUM_SPECULATIVE_TOKENS (or the profile's choice).
+        enable_prefix_caching: keep the KV of computed tokens and reuse it for later prompts with
+        the same prefix (quickdraft.prefix_cache; the server's default); its blocks take what the KV
+        budget has free and are evicted when requests need it; prefix_cache_bytes (None: no cap of
+        its own) caps them further.
+        max_num_batched_tokens: prompt tokens one prefill step computes at most (chunked prefill;
+        None: whole prompts)."""
         choice = _profile_choice(profile, target) if method is None and draft is None else None
         if choice is not None:
             method, draft = choice.method, choice.draft
@@ -109,6 +118,8 @@ class LLM:
         check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
         check_max_num_seqs(max_num_seqs)
         check_kv_cache_memory(kv_cache_memory)
+        check_max_num_batched_tokens(max_num_batched_tokens)
+        check_prefix_cache_bytes(prefix_cache_bytes)
         self_draft = isinstance(draft, str) and draft == SELF_DRAFT
         if self_draft:
             draft = None
@@ -181,7 +192,9 @@ class LLM:
         if compile is None:
             compile = True if dev.type == "cuda" else "auto"
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
-                              preallocate=preallocate, kv_cache_memory=kv_cache_memory)
+                              preallocate=preallocate, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching, prefix_cache_bytes=prefix_cache_bytes,
+                              max_num_batched_tokens=max_num_batched_tokens)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
         self.aot_build = None  # the background build of missing AOT packages, if this LLM started one

@@ -20,9 +20,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, DEFAULT_MAX_NUM_SEQS,
-                      DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_NUM_SPECULATIVE_TOKENS, check_kv_cache_memory,
-                      check_max_num_seqs, check_num_speculative_tokens)
+from ..config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                      DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_NUM_SPECULATIVE_TOKENS,
+                      check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
+                      check_num_speculative_tokens)
 from ..errors import QuickdraftError
 from ..sampling import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams, check_field
 
@@ -196,6 +197,14 @@ KV_CACHE_MEMORY = typer.Option(None, "--kv-cache-memory", help="KV memory budget
                                f"{DEFAULT_KV_CACHE_MEMORY_GPU:g} of the free memory on a GPU (never more than "
                                "--max-num-seqs requests of the model's context use).",
                                callback=checked(check_kv_cache_memory))
+MAX_NUM_BATCHED_TOKENS = typer.Option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens",
+                                      help="Prompt tokens one prefill step computes at most: a longer prompt is "
+                                      "prefilled in chunks between decode steps of the running requests.",
+                                      callback=checked(check_max_num_batched_tokens))
+ENABLE_PREFIX_CACHING = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching",
+                                     help="Keep the KV of computed tokens and reuse it for later prompts with the "
+                                     "same prefix (multi-turn chat, shared system prompts); output is unchanged. "
+                                     "Default: on, except with --tensor-parallel-size > 1 (not supported there yet).")
 THREADS = typer.Option(None, "--threads", help="CPU threads torch uses (default: PyTorch's, one per core).",
                        callback=checked(check_threads))
 TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates per depth (>1 = token tree).")

@@ -28,6 +28,8 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     max_num_seqs: int = opts.MAX_NUM_SEQS,
+    max_num_batched_tokens: int = opts.MAX_NUM_BATCHED_TOKENS,
+    enable_prefix_caching: Optional[bool] = opts.ENABLE_PREFIX_CACHING,
     max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting for a slot at most (then 429)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Tokens per request, prompt and "
                                                 "answer (default: the model's context, or what --kv-cache-memory "
@@ -97,7 +99,9 @@ def serve_command(
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
                       profile=None if profile is None else str(profile), compile="aot" if aot else compile,
                       quantization=quantization, draft_quantization=draft_quantization, draft_dtype=draft_dtype,
-                      preallocate=True, kv_cache_memory=kv_cache_memory, **tp)
+                      preallocate=True, kv_cache_memory=kv_cache_memory, max_num_batched_tokens=max_num_batched_tokens,
+                      enable_prefix_caching=tensor_parallel_size == 1 if enable_prefix_caching is None
+                      else enable_prefix_caching, **tp)
 
     def load():
         from ..llm import LLM

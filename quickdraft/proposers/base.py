@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import KVCache
 from ..errors import QuickdraftError
 from ..sampling import BatchSampling, PenaltyState, StepRandom
 
@@ -147,6 +148,24 @@ class Proposer:
 
     def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
         """The request in `row` is leaving (finished or aborted): tokens = prompt + output."""
+
+    # Prefix caching (quickdraft.prefix_cache) keeps a proposer's per-position state with the target's
+    # KV blocks: "none" keeps none (token state comes from start(): n-gram, suffix, lookahead);
+    # "rebuild" keeps it (a draft model's KV) and computes the positions a hit lacks from the tokens;
+    # "required" cannot compute them (an EAGLE-3 head's KV comes from the target's hidden states),
+    # so a hit covers only blocks that carry its state.
+    prefix_state: str = "none"
+
+    def state_cache(self) -> KVCache | None:
+        """The KV cache holding that state, rows as the engine's (the prefix cache copies blocks of it)."""
+        return None
+
+    def state_length(self, row: int) -> int:
+        """Positions [0, n) of `row` whose state is in state_cache (committed tokens only)."""
+        return 0
+
+    def loaded_state(self, row: int, length: int) -> None:
+        """After start(row, ...): the prefix cache wrote positions [0, length) of `row` in state_cache."""
 
     def add_hidden(self, start: int, hidden: torch.Tensor, index: list[list[int]]) -> None:
         """For proposers with `hidden_layers`: the target's states hidden (B, T, ...) from a

@@ -165,6 +165,17 @@ class DraftModelProposer(Proposer):
         self.cache.move_row(src, dst, self.cached[src])
         self.cached[dst] = self.cached[src]
 
+    prefix_state = "rebuild"  # the draft's KV is cached with the target's; a hit without it is caught up
+
+    def state_cache(self) -> KVCache:
+        return self.cache
+
+    def state_length(self, row: int) -> int:
+        return self.cached[row]
+
+    def loaded_state(self, row: int, length: int) -> None:
+        self.cached[row] = length
+
     def _catch_up(self, batch: ProposeBatch) -> torch.Tensor:
         """Feed each row the committed tokens its cache lacks; logits after the last (B, V)."""
         B = len(batch.tokens)

@@ -114,6 +114,20 @@ class Eagle3Proposer(Proposer):
     def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
         self.pending[row] = []
 
+    # The head's KV is cached with the target's: a hit brings no target states for its positions,
+    # so it covers only blocks that carry the head's KV (acceptance on a hit is acceptance without).
+    prefix_state = "required"
+
+    def state_cache(self) -> KVCache:
+        return self.cache
+
+    def state_length(self, row: int) -> int:
+        return self.cached[row]
+
+    def loaded_state(self, row: int, length: int) -> None:
+        self.cached[row] = length
+        self.pending[row] = []
+
     def add_hidden(self, start: int, hidden: torch.Tensor, index: list[list[int]]) -> None:
         """Target states for the rows from `start` on: hidden (B, T, 3 x h), and per row the
         columns that are its next committed positions, in order."""

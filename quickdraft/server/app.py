@@ -585,7 +585,9 @@ def _usage(state: ServerState, prompts: list[list[int]], outs: dict[int, Request
     figures, summed over its choices (docs/server.md)."""
     p = sum(len(x) for x in prompts)
     c = sum(len(o.token_ids) for o in outs.values())
+    cached = sum(o.num_cached_tokens for o in outs.values())
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached},  # OpenAI's: prompt tokens the prefix cache gave
             "speculation": _speculation(state.llm.engine.config.spec.method, outs)}
 
 

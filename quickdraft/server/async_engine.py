@@ -145,7 +145,8 @@ class AsyncEngine:
         try:
             while True:
                 idle = not engine.has_unfinished()
-                if idle:  # at rest the server holds no KV memory (the next request allocates its own)
+                if idle:  # at rest the server holds no request rows (the next request allocates its own; the
+                    # prefix cache's blocks stay, within the budget, and give way when requests need it)
                     engine.release_caches()
                 if not self._apply_commands(block=idle):
                     return

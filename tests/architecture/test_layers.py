@@ -18,7 +18,7 @@ LAYERS = [
     {"llm"},
     {"engine"},
     {"policy", "proposers", "compile", "aot", "parallel"},
-    {"model", "kernels", "verify", "sampling", "constraints", "tree", "cache", "metrics"},
+    {"model", "kernels", "verify", "sampling", "constraints", "tree", "cache", "prefix_cache", "metrics"},
     {"config", "paths"},
     {"errors"},
 ]

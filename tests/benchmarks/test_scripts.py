@@ -63,6 +63,11 @@ def _check_gpu_check(out: Path) -> None:
         assert "error" not in data[key] and "skipped" not in data[key], (key, data[key])
 
 
+def _check_multi_turn(data: dict) -> None:
+    assert data["identical"] is True and [t["turn"] for t in data["turns"]] == [1, 2]
+    assert data["turns"][1]["cached_tokens"][0] >= 32  # the second turn reuses the first one's KV
+
+
 CASES: dict[str, Case] = {
     "ar_vs_transformers.py": Case(["--repeats", "1", "--warmup", "0", "--new-tokens", "4", "--prompt-len", "8",
                                    "--out-dir", "{out}"], ["ar_vs_transformers_cpu.json", "ar_vs_transformers_cpu.md"]),
@@ -95,6 +100,9 @@ CASES: dict[str, Case] = {
                         ["llamacpp_bundled_cpu.json", "llamacpp_bundled_cpu.md"], marks=[pytest.mark.slow],
                         skip_run="builds llama.cpp from source: about 10 minutes on 2 cores (run it by hand)",
                         timeout=3600),
+    "multi_turn.py": Case(["--turns", "2", "--conversations", "1", "--system-tokens", "40", "--max-tokens", "4",
+                           "--method", "draft", "--out-dir", "{out}", "--name", "mt"], ["mt.json", "mt.md"],
+                          check=lambda out: _check_multi_turn(_json(out, "mt.json"))),
     "openai_fields.py": Case(["--baseline", "", "--models", "bundled", "--prompts", "1", "--new-tokens", "4",
                               "--repeats", "1", "--compile", "eager", "--out-dir", "{out}"],
                              ["openai_fields_cpu.json", "openai_fields_cpu.md"]),

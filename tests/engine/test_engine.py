@@ -300,10 +300,10 @@ def test_a_failed_prefill_is_retried_one_request_at_a_time(target_dir, draft_dir
     prefill = engine._prefill
     poison = [0, 333]
 
-    def faulty(requests):
-        if any(r.prompt == poison for r in requests):
+    def faulty():  # a prefill step over the prefilling requests (all of them: short prompts)
+        if any(r.prompt == poison for r in engine.prefilling):
             raise RuntimeError("injected")
-        return prefill(requests)
+        return prefill()
 
     engine._prefill = faulty
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

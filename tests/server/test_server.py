@@ -191,6 +191,29 @@ def test_metrics(server, client):
     assert metric(server, 'request_success_total{finished_reason="length"}') >= 1
 
 
+def test_second_chat_turn_reuses_the_first_ones_kv(server, client, plain):
+    """Prefix caching is on by default: a conversation's second turn resends the first and gets its
+    KV from the cache (usage.prompt_tokens_details.cached_tokens, the prefix_cache_* metrics), with
+    the tokens plain decoding gives."""
+    system = {"role": "system", "content": "You answer with Python code only. " * 4}
+    messages = [system, {"role": "user", "content": "def add(a, b):"}]
+    before = {n: metric(server, f"prefix_cache_{n}_total") for n in ("queries", "hits")}
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "class Point:"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    ids = plain.tokenizer.encode_chat(messages)
+    assert second.usage.prompt_tokens == len(ids)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0 and cached < len(ids)
+    assert second.choices[0].message.content == plain.generate(ids, greedy(10))[0].text
+    queries, hits = (metric(server, f"prefix_cache_{n}_total") - before[n] for n in ("queries", "hits"))
+    assert queries == first.usage.prompt_tokens + len(ids) and hits >= cached
+    assert metric(server, "prefix_cache_cached_tokens") >= cached and metric(server, "prefix_cache_memory_bytes") > 0
+
+
 def per_pos_metric(server) -> list[float]:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     found = {int(p): float(v) for p, v in re.findall(
@@ -617,10 +640,10 @@ def faulty_server(target_dir, draft_dir):
         engine = llm.engine
         prefill, decode = engine._prefill, engine._decode
 
-        def bad_prefill(requests):
-            if any(POISON_PREFILL in r.prompt for r in requests):
+        def bad_prefill():  # a prefill step over the prefilling requests (all of them: short prompts)
+            if any(POISON_PREFILL in r.prompt for r in engine.prefilling):
                 raise ValueError("injected prefill fault")
-            return prefill(requests)
+            return prefill()
 
         def bad_decode():
             if any(POISON_DECODE in r.prompt and len(r.output) >= 3 for r in engine.running):

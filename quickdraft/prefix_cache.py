@@ -1,0 +1,262 @@
+"""Automatic prefix caching: the KV of computed tokens, kept after a request and reused by
+later requests that start with the same tokens (multi-turn chat resends its whole history;
+many requests share a system prompt).
+
+Layout. The cache holds blocks of `block_size` tokens. A block is keyed by its parent block's id
+and its own tokens, so one dict lookup per block walks a prompt's chain from the start, and a
+key is the exact token prefix (no hash can collide: the dict compares the tokens). A block holds
+the target's keys and values of its positions, every layer, as one tensor (layers, 2, H_kv,
+block_size, D), and, when the proposer keeps per-position state (a draft model's KV, an EAGLE-3
+head's KV), that state for the same positions (`extra`).
+
+Reuse copies. A request that hits copies its blocks into its own row of the engine's KV cache
+(the kernels read contiguous rows: no paged attention) and prefills only the rest, from the first
+position past the copied prefix; at least one prompt token is always prefilled, so the first
+token's logits come from a forward as without the cache. A copy costs a memory copy of the
+prefix against a prefill of it (figures in docs/server.md).
+Running requests never read the cache's blocks, so eviction never touches what a request uses.
+
+Exactness. A position's KV is a function of the tokens up to it whenever the forward gives a row
+the same bits whatever rows are beside it (row-invariant matmuls: quant.row_invariant; the CPU
+attention kernel, kernels.attend): then a copied prefix is the bits a prefill gives, and output
+with a hit is output without one, to the bit. Elsewhere (PyTorch's GEMMs, GPU) the bits of a
+prefill depend on its row count, as they already do between batch sizes.
+
+Memory. The blocks are claimed from the engine's KV budget (cache.KVBudget) under "prefix": a
+store keeps what the budget has free beside the requests' rows (and at most `max_bytes`, when
+given), and when admitting a request needs more than is free, the budget asks the prefix cache to
+`release` blocks; it can release every one (no running request reads them), so a request that
+fits the budget is never kept waiting by cached blocks.
+
+Eviction: least recently used block first (a hit or a store touches its chain from the root
+on, so a block is never older than its parent and leaves go first); evicting a block evicts its
+descendants (unreachable without it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVBudget, KVCache
+
+BLOCK_SIZE = 16  # tokens per block (vLLM's default); measured against 32 in docs/server.md
+
+
+def _views(cache: KVCache, row: int, start: int, size: int) -> list[torch.Tensor]:
+    """Positions [start, start + size) of one row: per layer its keys' and values' views (H_kv, size, D)."""
+    return [t[row, :, start:start + size] for pair in zip(cache.k, cache.v) for t in pair]
+
+
+def _parts(block: torch.Tensor) -> list[torch.Tensor]:
+    """A block's (layers, 2, H_kv, size, D) as _views' list."""
+    return list(block.flatten(0, 1).unbind(0))
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Every copy in one call (thousands of small ones for a long prefix: ~2 us each one by one)."""
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def read_blocks(cache: KVCache, row: int, start: int, count: int, size: int) -> list[torch.Tensor]:
+    """`count` blocks of `size` positions of one row from `start` on, each a new (layers, 2, H_kv,
+    size, D) tensor."""
+    _, H, _, D = cache.k[0].shape
+    blocks = [cache.k[0].new_empty(len(cache.k), 2, H, size, D) for _ in range(count)]
+    _copy([p for b in blocks for p in _parts(b)],
+          [v for j in range(count) for v in _views(cache, row, start + j * size, size)])
+    return blocks
+
+
+def write_blocks(cache: KVCache, row: int, blocks: list[torch.Tensor]) -> int:
+    """Blocks (read_blocks') into positions 0, size, 2 size ... of one row; returns the positions written."""
+    at, dst, src = 0, [], []
+    for b in blocks:
+        dst += _views(cache, row, at, b.shape[3])
+        src += _parts(b)
+        at += b.shape[3]
+    _copy(dst, src)
+    return at
+
+
+@dataclass(eq=False)
+class Block:
+    id: int
+    key: tuple  # (parent id, tokens)
+    kv: torch.Tensor  # the target's (layers, 2, H_kv, block_size, D)
+    extra: torch.Tensor | None = None  # the proposer's cache at these positions (Proposer.state_cache), if kept
+    children: list[int] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        size = self.kv.numel() * self.kv.element_size()
+        return size + (0 if self.extra is None else self.extra.numel() * self.extra.element_size())
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters under vLLM's names: queries and hits in tokens (a request's prompt looked up, the
+    tokens found), blocks evicted."""
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+class PrefixCache:
+    """Blocks of computed KV. `max_bytes`: a cap of its own (None: none); `budget`: the KV budget
+    its blocks are claimed from (under "prefix"), which evicts them when others need the memory."""
+
+    NAME = "prefix"  # its holder name in the KV budget
+
+    def __init__(self, max_bytes: int | None = None, block_size: int = BLOCK_SIZE, budget: KVBudget | None = None):
+        if max_bytes is None and budget is None:
+            raise ValueError("a prefix cache needs max_bytes or a budget to bound it")
+        self.max_bytes = max_bytes
+        self.block_size = block_size
+        self.budget = budget
+        self._index: dict[tuple, Block] = {}
+        self._lru: OrderedDict[int, Block] = OrderedDict()  # least recently used first
+        self._next_id = 0
+        self._nbytes = 0
+        self.stats = PrefixCacheStats()
+        if budget is not None:
+            budget.claim(self.NAME, 0)
+            budget.on_pressure(self.NAME, self.release)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the blocks hold (the budget's "prefix" claim)."""
+        return self._nbytes
+
+    @nbytes.setter
+    def nbytes(self, value: int) -> None:
+        self._nbytes = value
+        if self.budget is not None:
+            self.budget.claim(self.NAME, value)
+
+    def limit(self) -> int:
+        """The bytes the blocks may hold now: the cap, and what the budget leaves free."""
+        if self.budget is None:
+            return self.max_bytes
+        free = self.budget.free_for(self.NAME)
+        return free if self.max_bytes is None else min(self.max_bytes, free)
+
+    def release(self, nbytes: int) -> int:
+        """Evict least recently used blocks until `nbytes` are freed or none is left (the KV
+        budget's pressure callback); returns the bytes freed."""
+        before = self.nbytes
+        while self._lru and before - self.nbytes < nbytes:
+            self._evict(next(iter(self._lru.values())))
+        return before - self.nbytes
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return len(self._lru) * self.block_size
+
+    def _chain(self, tokens: list[int], limit: int) -> list[Block]:
+        """The cached blocks covering tokens[:limit] from the start, longest first-to-last."""
+        bs, parent, out = self.block_size, -1, []
+        for s in range(0, limit - bs + 1, bs):
+            block = self._index.get((parent, tuple(tokens[s:s + bs])))
+            if block is None:
+                break
+            out.append(block)
+            parent = block.id
+        return out
+
+    def match(self, tokens: list[int], need_extra: bool) -> list[Block]:
+        """The longest cached prefix of `tokens` that leaves at least one token to compute (as
+        blocks, touched as recently used); with `need_extra`, only blocks that carry the
+        proposer's state. Counts a query of len(tokens) tokens."""
+        blocks = self._chain(tokens, len(tokens) - 1)
+        if need_extra:
+            n = next((i for i, b in enumerate(blocks) if b.extra is None), len(blocks))
+            blocks = blocks[:n]
+        for b in blocks:
+            self._lru.move_to_end(b.id)
+        self.stats.queries += len(tokens)
+        self.stats.hits += len(blocks) * self.block_size
+        return blocks
+
+    def load(self, blocks: list[Block], cache: KVCache, row: int, state: KVCache | None = None) -> tuple[int, int]:
+        """Copy the blocks' target KV into positions [0, n) of `row`, and into `state` (the
+        proposer's cache) the proposer's state of the leading blocks that carry it, positions [0, m);
+        returns (n, m)."""
+        n = write_blocks(cache, row, [b.kv for b in blocks])
+        m = 0
+        if state is not None:
+            with_state = next((i for i, b in enumerate(blocks) if b.extra is None), len(blocks))
+            m = write_blocks(state, row, [b.extra for b in blocks[:with_state]])
+        return n, m
+
+    def store(self, tokens: list[int], length: int, cache: KVCache, row: int, state: KVCache | None = None,
+              state_length: int = 0) -> None:
+        """Keep the KV of tokens[:length] (positions whose KV `row` holds), whole blocks only,
+        with the proposer's state (`state`: its cache, positions [0, state_length) of `row`) for
+        the blocks it covers and that lack it."""
+        bs = self.block_size
+        if state is None:
+            state_length = 0
+        parent, chain = -1, set()
+        new_from = length - length % bs  # where the blocks not cached yet start
+        for s in range(0, length - bs + 1, bs):
+            block = self._index.get((parent, tuple(tokens[s:s + bs])))
+            if block is None:
+                new_from = s
+                break
+            chain.add(block.id)
+            self._lru.move_to_end(block.id)
+            if block.extra is None and s + bs <= state_length:
+                block.extra = read_blocks(state, row, s, 1, bs)[0]
+                self.nbytes += block.extra.numel() * block.extra.element_size()
+            parent = block.id
+        count = (length - new_from) // bs
+        kvs = read_blocks(cache, row, new_from, count, bs)
+        extras = read_blocks(state, row, new_from, max(0, min(count, (state_length - new_from) // bs)), bs) \
+            if state is not None else []
+        for j, kv in enumerate(kvs):
+            s = new_from + j * bs
+            block = Block(self._next_id, (parent, tuple(tokens[s:s + bs])), kv, extras[j] if j < len(extras) else None)
+            if not self._make_room(block.nbytes, chain):
+                break
+            self._next_id += 1
+            self._index[block.key] = block
+            self._lru[block.id] = block
+            if parent >= 0:
+                self._lru[parent].children.append(block.id)
+            self.nbytes += block.nbytes
+            chain.add(block.id)
+            parent = block.id
+        self._make_room(0, chain)  # the proposer states added to cached blocks may have passed the limit
+
+    def _make_room(self, nbytes: int, keep: set[int]) -> bool:
+        """Evict least recently used blocks (not in `keep`: the chain being stored) until
+        `nbytes` more fit; False if they cannot."""
+        limit = self.limit()
+        while self.nbytes + nbytes > limit:
+            victim = next((b for b in self._lru.values() if b.id not in keep), None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _evict(self, block: Block) -> None:
+        stack = [block]
+        parent = self._lru.get(block.key[0])
+        if parent is not None:
+            parent.children.remove(block.id)
+        while stack:
+            b = stack.pop()
+            del self._index[b.key]
+            del self._lru[b.id]
+            self.nbytes -= b.nbytes
+            self.stats.evictions += 1
+            stack.extend(self._lru[c] for c in b.children)
+
+    def clear(self) -> None:
+        self._index.clear()
+        self._lru.clear()
+        self.nbytes = 0

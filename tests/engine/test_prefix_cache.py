@@ -1,0 +1,287 @@
+"""Prefix caching and chunked prefill: a cache hit, and a prompt cut into chunks, give the bits a
+whole prefill gives (tokens, logprobs, seeded samples, acceptance), for plain decoding and every
+proposer; eviction keeps the byte limit, and the KV budget's (the blocks give way to requests);
+running streams keep flowing while a long prompt is prefilled."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.cache import KVCache, row_bytes
+from quickdraft.errors import QuickdraftError
+from quickdraft.model.quant import row_invariant
+from quickdraft.prefix_cache import PrefixCache
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+
+
+def prompt(n: int, seed: int, vocab: int = 300) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(n)]
+
+
+def conversation(llm: LLM, params: SamplingParams, system: list[int], turns: list[list[int]] | None = None) -> list:
+    """Two chat turns and a second conversation with the same system prompt: each turn sends the
+    whole history (the second turn and the other conversation hit the cache when it is on)."""
+    eng = llm.engine
+    turns = turns or [prompt(9, 1), prompt(7, 2), prompt(11, 3)]
+    first = system + turns[0]
+    out1 = eng.generate([(first, params)])[0]
+    second = first + out1.token_ids + turns[1]
+    out2 = eng.generate([(second, params)])[0]
+    other = eng.generate([(system + turns[2], params)])[0]
+    return [out1, out2, other]
+
+
+def assert_same(a: list, b: list) -> None:
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == y.logprobs  # TokenLogprob floats compared exactly: the same bits
+        assert (x.stats.num_draft_tokens, x.stats.num_accepted_tokens) == (y.stats.num_draft_tokens,
+                                                                           y.stats.num_accepted_tokens)
+
+
+def exact_or_skip(llm: LLM) -> None:
+    if not row_invariant(llm.target):
+        pytest.skip("the target's matmuls are not row-invariant here (quickdraft's kernels did not build): "
+                    "a prefill's bits depend on its row count")
+
+
+CASES = {
+    "none": dict(method="none"),
+    "draft": dict(method="draft", num_speculative_tokens=3),
+    "draft-tree": dict(method="draft", num_speculative_tokens=3, spec_options={"tree_width": 2}),
+    "suffix": dict(method="suffix", num_speculative_tokens=3),
+    "ngram": dict(method="ngram", num_speculative_tokens=3),
+    "lookahead": dict(method="lookahead", num_speculative_tokens=3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_hit_gives_the_bits_of_a_miss(target_dir, noisy_draft, case, params):
+    kw = dict(CASES[case], compile=False, max_num_seqs=4)
+    if kw["method"] == "draft":
+        kw["draft"] = noisy_draft
+    system = prompt(40, 0)
+    plain = LLM(target_dir, **kw)
+    exact_or_skip(plain)
+    cached = LLM(target_dir, enable_prefix_caching=True, **kw)
+    without, with_ = conversation(plain, params, system), conversation(cached, params, system)
+    assert_same(without, with_)
+    assert [o.num_cached_tokens for o in without] == [0, 0, 0]
+    hits = [o.num_cached_tokens for o in with_]
+    assert hits[0] == 0 and hits[1] >= 48 and hits[2] == 32  # whole 16-token blocks; the system prompt
+    s = cached.engine.prefix_cache.stats
+    assert s.hits == sum(hits) and s.queries == sum(len(o.prompt_token_ids) for o in with_)
+
+
+@pytest.mark.parametrize("tree_width", [1, 2])
+def test_eagle3_head_state_is_cached_with_the_target(tree_width):
+    """The bundled target and its EAGLE-3 head: the head's KV comes with the target's blocks, so
+    acceptance on a hit is acceptance without (vLLM #47930: it collapsed when it was not)."""
+    kw = dict(draft="target-eagle3", num_speculative_tokens=3, compile=False,
+              spec_options={"tree_width": tree_width})
+    plain = LLM(**kw)
+    exact_or_skip(plain)
+    cached = LLM(enable_prefix_caching=True, **kw)
+    enc = plain.tokenizer.encode
+    system = enc("You are a helpful assistant. Answer the question briefly. " * 3)
+    turns = [enc(" Question: what is two plus two?"), enc(" And three plus three?"), enc(" What is the capital of France?")]
+    for params in (GREEDY, SEEDED):
+        without, with_ = conversation(plain, params, system, turns), conversation(cached, params, system, turns)
+        assert_same(without, with_)
+        assert with_[1].num_cached_tokens > 0 and with_[1].stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_chunked_prefill_gives_the_bits_of_a_whole_prefill(target_dir, noisy_draft, method):
+    kw = dict(method=method, compile=False, num_speculative_tokens=3, draft=noisy_draft if method == "draft" else None)
+    whole = LLM(target_dir, max_num_batched_tokens=None, **kw)
+    exact_or_skip(whole)
+    chunked = LLM(target_dir, max_num_batched_tokens=7, **kw)
+    params = [SamplingParams(max_tokens=8, temperature=0, logprobs=1, prompt_logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    batch = [(prompt(n, n), p) for n, p in zip((30, 5, 19), params)]
+    a, b = whole.engine.generate(batch), chunked.engine.generate(batch)
+    assert_same(a, b)
+    assert a[0].prompt_logprobs == b[0].prompt_logprobs and len(b[0].prompt_logprobs) == 30
+
+
+def test_streams_keep_flowing_while_a_long_prompt_prefills(target_dir):
+    """A long prompt arriving is prefilled max_num_batched_tokens at a time, a decode step of the
+    running request between chunks; then it joins the batch (and its output is what it is alone)."""
+    llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=16, max_model_len=256)
+    eng = llm.engine
+    exact_or_skip(llm)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    eng.add_request(prompt(10, 1), params, request_id="running")
+    eng.step()  # its prefill
+    long = prompt(100, 2)
+    eng.add_request(long, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), request_id="long")
+    steps, outs, recording = [], {}, True
+    while eng.has_unfinished():
+        touched = eng.step()
+        outs.update((o.request_id, o) for o in touched)
+        if recording:  # until the long prompt's first token
+            steps.append({o.request_id: len(o.new_token_ids) for o in touched})
+            recording = "long" not in steps[-1]
+    assert sum("running" not in s for s in steps) == 7  # ceil(100 / 16) chunks, the last giving its first token
+    assert all(("running" in a) != ("running" in b) for a, b in zip(steps, steps[1:]))  # decode, chunk, decode...
+    assert steps[-1] == {"long": 1}
+    alone = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=None)
+    assert outs["long"].token_ids == alone.engine.generate([(long, SamplingParams(
+        max_tokens=3, temperature=0, ignore_eos=True))])[0].token_ids
+
+
+def test_abort_while_prefilling_leaves_the_rest_exact(target_dir):
+    llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=8, max_model_len=256,
+              enable_prefix_caching=True)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ids = [eng.add_request(prompt(n, n), params) for n in (40, 33, 21)]
+    eng.step()
+    eng.step()
+    assert len(eng.prefilling) == 3
+    eng.abort_request(ids[1])
+    assert [r.id for r in eng.prefilling] == [ids[0], ids[2]]
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    fresh = LLM(target_dir, method="none", compile=False).engine
+    for rid, n in ((ids[0], 40), (ids[2], 21)):
+        assert outs[rid].token_ids == fresh.generate([(prompt(n, n), params)])[0].token_ids
+
+
+def test_prompt_logprobs_requests_compute_every_position(target_dir):
+    llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True)
+    p = prompt(40, 5)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    llm.engine.generate([(p, SamplingParams(max_tokens=2, temperature=0))])
+    out = llm.engine.generate([(p, params)])[0]
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == 40
+    assert llm.engine.generate([(p, SamplingParams(max_tokens=2, temperature=0))])[0].num_cached_tokens == 32
+
+
+def _cache_with(rows: int, length: int) -> KVCache:
+    c = KVCache(2, rows, 2, length + 1, 16, torch.float32, "cpu")
+    for t in c.k + c.v:
+        t.copy_(torch.randn(t.shape))
+    return c
+
+
+def test_prefix_cache_blocks_lru_and_byte_limit():
+    kv = _cache_with(3, 64)
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers x (k, v) x heads x tokens x dim x float32
+    pc = PrefixCache(max_bytes=5 * block_bytes, block_size=16)
+    a, b = prompt(64, 1), prompt(64, 2)
+    pc.store(a, 50, kv, 0)  # 3 whole blocks of 50 positions
+    assert pc.nbytes == 3 * block_bytes and pc.num_cached_tokens == 48
+    hit = pc.match(a[:40] + [1, 2], need_extra=False)
+    assert len(hit) == 2  # 42 tokens: two blocks, and at least one token left to compute
+    row = _cache_with(1, 64)
+    assert pc.load(hit, row, 0) == (32, 0)
+    for a_, b_ in zip(row.k + row.v, kv.k + kv.v):
+        assert torch.equal(a_[0, :, :32], b_[0, :, :32]) and not a_[0, :, 32:].eq(b_[0, :, 32:]).any()
+    pc.match(a, need_extra=False)  # a's chain is the most recently used
+    pc.store(b, 64, kv, 1)  # 4 more blocks: 7 > 5, the least recently used go first
+    assert pc.nbytes <= pc.max_bytes and pc.stats.evictions >= 2
+    # evicting a's root evicted its descendants too: nothing of a is reachable, nothing orphaned remains
+    assert pc.match(a, need_extra=False) == [] and pc.num_cached_tokens * block_bytes // 16 == pc.nbytes
+    assert len(pc.match(b, need_extra=False)) == 3  # b's 4 blocks are kept; a match leaves a token to compute
+    # a chain longer than the limit keeps its first blocks
+    small = PrefixCache(max_bytes=2 * block_bytes, block_size=16)
+    small.store(a, 64, kv, 0)
+    assert small.num_cached_tokens == 32 and len(small.match(a, need_extra=False)) == 2
+
+
+def test_bad_settings_are_clear_errors(target_dir):
+    with pytest.raises(QuickdraftError, match="max_num_batched_tokens"):
+        LLM(target_dir, method="none", max_num_batched_tokens=0)
+    from quickdraft.config import EngineConfig
+    with pytest.raises(QuickdraftError, match="prefix_cache_bytes"):
+        EngineConfig(prefix_cache_bytes=-1)
+    with pytest.raises(QuickdraftError, match="prefix_cache_bytes"):
+        LLM(target_dir, method="none", enable_prefix_caching=True, prefix_cache_bytes="1GiB")
+
+
+def test_prefix_cache_gives_way_to_requests_within_the_kv_budget(target_dir):
+    """One budget: the prefix cache's blocks take what the rows leave free, and a request that
+    needs more than is free evicts them (all of them if it must) instead of waiting forever;
+    the budget is never exceeded and every output is plain decoding's."""
+    probe = LLM(target_dir, method="none", compile=False).engine
+    tb = probe.budget.token_bytes
+    total = row_bytes(tb, 64) + 48 * tb  # one row of 64 positions, and three 16-token blocks beside it
+    llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True, kv_cache_memory=total)
+    exact_or_skip(llm)
+    eng, pc = llm.engine, llm.engine.prefix_cache
+    assert pc.max_bytes is None and eng.budget.total == total  # the default: the budget alone bounds it
+    a, b = prompt(40, 11), prompt(40, 12)
+    short, long_ = (SamplingParams(max_tokens=n, temperature=0, logprobs=1, ignore_eos=True) for n in (12, 40))
+    outs = []
+    for p, params in ((a, short), (a, short), (b, long_)):
+        rid = eng.add_request(p, params)
+        for _ in range(200):  # a request the cache's blocks kept waiting would never finish
+            done = [o for o in eng.step() if o.finished and o.request_id == rid]
+            assert eng.budget.used <= total
+            assert eng.budget.claims["prefix"] == pc.nbytes
+            if done:
+                outs += done
+                break
+        assert not eng.has_unfinished()
+        if len(outs) == 1:  # a's 51 computed positions: three blocks, exactly what the rows (1 x 64) leave
+            assert pc.nbytes == 48 * tb and pc.stats.evictions == 0
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 0]  # the second a hit; b is another prompt
+    assert pc.stats.evictions == 3  # b's row (81 positions) needed the blocks' memory: all of a's chain went
+    plain = LLM(target_dir, method="none", compile=False).engine
+    assert_same(outs, [plain.generate([(p, params)])[0] for p, params in ((a, short), (a, short), (b, long_))])
+
+
+def test_growth_while_a_prompt_prefills_keeps_its_computed_chunks(target_dir):
+    """A request admitted while another's long prompt is half prefilled (chunked) makes the caches
+    grow; the prefilling row's computed positions are kept (rows after the running ones), so both
+    outputs are what each gives alone."""
+    llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=8, max_num_seqs=4)
+    exact_or_skip(llm)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
+    long_, late = prompt(60, 21), prompt(9, 22)
+    first = eng.add_request(long_, params)
+    eng.step()
+    eng.step()  # 16 of its 60 positions computed, in a cache of one row
+    assert len(eng.prefilling) == 1 and eng.prefilling[0].num_computed == 16 and eng.cache.max_slots == 1
+    second = eng.add_request(late, SamplingParams(max_tokens=200, temperature=0, logprobs=1, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert eng.cache.max_slots >= 2  # it grew while the first prompt was prefilling
+    alone = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=None).engine
+    assert_same([outs[first], outs[second]],
+                [alone.generate([(long_, params)])[0],
+                 alone.generate([(late, SamplingParams(max_tokens=200, temperature=0, logprobs=1,
+                                                       ignore_eos=True))])[0]])
+
+
+def test_prefix_cache_claims_from_the_budget_under_its_cap():
+    from quickdraft.cache import KVBudget
+
+    kv = _cache_with(2, 64)
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    budget = KVBudget(6 * block_bytes, token_bytes=block_bytes // 16)
+    budget.claim("rows", 2 * block_bytes)
+    pc = PrefixCache(budget=budget, block_size=16)  # no cap of its own: what the rows leave free
+    pc.store(prompt(96, 1), 96, _cache_with(1, 96), 0)  # six blocks offered, four fit
+    assert pc.nbytes == 4 * block_bytes == budget.claims["prefix"] and budget.used == budget.total
+    assert budget.make_room("rows", 3 * block_bytes)  # the rows need one more block: the cache gives way
+    assert budget.claims["prefix"] == pc.nbytes < 4 * block_bytes and pc.stats.evictions >= 1
+    assert budget.make_room("rows", 6 * block_bytes) and pc.nbytes == 0  # it can give everything back
+    capped = PrefixCache(max_bytes=block_bytes, budget=KVBudget(6 * block_bytes, block_bytes // 16), block_size=16)
+    capped.store(prompt(64, 2), 64, kv, 1)
+    assert capped.nbytes == block_bytes  # its own cap, below what the budget has free
