@@ -8,10 +8,13 @@ models; both are cached outside the repository, under the quickdraft cache
   (`pip download --no-binary :all:`), built into peers/llama.cpp-<v>/build/bin with cmake + the
   system C++ compiler (CPU only, -DGGML_NATIVE=ON, static; AMX left out where the CPU lists it
   but a probe program using it dies, as in some VMs, else llama.cpp's AMX kernels hit SIGILL);
+  with `--isa avx2` a second build in peers/llama.cpp-<v>/build-avx2 (-DGGML_NATIVE=OFF, SSE4.2,
+  AVX, AVX2, FMA, F16C, BMI2 on; AVX-VNNI, AVX-512 and AMX off: a Zen 3 / Intel Core 12th+ CPU);
 - peers/pydeps: sentencepiece, which llama.cpp's convert_hf_to_gguf.py imports (installed with
   `pip install --target`, so the project's virtual environment is left as it is);
 - peers/models: the GGUF files llama.cpp runs, all made from the same weights ours loads:
-  F32 and Q8_0 by convert_hf_to_gguf.py, Q4_0 and Q4_K_M by llama-quantize from the F32 file.
+  F32 (BF16 for big) and Q8_0 by convert_hf_to_gguf.py, Q4_0 and Q4_K_M by llama-quantize from
+  the F32 (BF16) file; and big-1.7b, the big model's folder.
 
 Models:
 - smollm2: SmolLM2-135M-Instruct. quickdraft's catalogue ships it as a Q4_1 GGUF; the float32
@@ -24,11 +27,17 @@ Models:
   Converted from a copy in the cache: its BPE pre-tokenizer is declared "gpt-2" (llama.cpp's
   converter does not recognise the tokenizer by hash) and a config without "architectures"
   gets one.
+- big: a randomly initialised model of SmolLM2-1.7B's shape (24 layers, hidden 2048, MLP 8192,
+  32 heads, 32 kv heads, vocabulary 49,152, rope theta 130000, tied embeddings) with SmolLM2's
+  tokenizer and chat template: bfloat16 weights from N(0, 0.02) (norms 1), seed 0, made once into
+  peers/models/big-1.7b (3.4 GB). Speed only: its text is noise and acceptance means nothing.
+  Its reference is bfloat16 (configuration bf16 vs the BF16 GGUF); float32 rows are skipped.
 The token ids llama.cpp makes of every prompt are read back (`--verbose-prompt`) and compared
 with ours before anything is timed.
 
 Configurations (ours vs llama.cpp):
 - f32: dtype float32 vs the F32 GGUF (the outputs should be the same text);
+- bf16: dtype bfloat16 vs the BF16 GGUF (same weights, same bytes per weight);
 - bf16-q8_0: dtype bfloat16 vs Q8_0;  int8-q8_0: quantization="int8" vs Q8_0;
 - int4-q4_0, int4-q4_k_m: quantization="int4" vs Q4_0 / Q4_K_M (skipped while quickdraft
   has no int4);
@@ -43,6 +52,23 @@ Configurations (ours vs llama.cpp):
   width 3, depth 4, 8 nodes), float32, vs llama.cpp's plain decoding and vs llama-lookup (k 8):
   llama.cpp runs no EAGLE-3 heads on CPU and has no draft model for SmolLM2, so these are its
   best methods here. Chat and code workloads.
+
+- prefill, prefill-int8-q8_0, prefill-int4-q4_0: the prompt phase of 512-token prompts
+  (stretches of held-out source files, raw text, the same ids in both engines), 1 new token:
+  the model's reference weights (f32; bf16 for big), int8 vs Q8_0, int4 vs Q4_0. tok/s = prompt
+  tokens / prompt seconds (ours: the first `LLM.stream` step, prefill and first token;
+  llama.cpp: its prompt eval time), ratio ours / llama.cpp as for decoding.
+
+ISA (`--isa`): native (default) lets both engines use all this CPU has; `--isa avx2` runs both as
+on an AVX2 + FMA machine without AVX-512: llama.cpp from its build-avx2 build, ours started again
+with QUICKDRAFT_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ONEDNN_MAX_CPU_ISA=AVX2 set before torch is imported (it stops unless quickdraft's kernels and
+ATen both report AVX2). Both sides' ISA (llama.cpp's system_info line) are in the JSON and the
+markdown; the files are llamacpp_<model>_cpu_avx2.* then.
+
+Loading: per configuration, the wall time of `LLM(folder, ...)` (reading, quantising, packing
+and, with --compile aot, building or loading the AOT steps) and the first request's prompt
+phase after it (one-time costs included): "loads" in the JSON, a table in the markdown.
 
 Timing. Batch 1, greedy, N new tokens, eos ignored (llama.cpp's --ignore-eos bans end-of-generation
 tokens; ours keeps sampling past eos, so outputs are compared up to ours' first special token).
@@ -61,7 +87,7 @@ Per repeat a block's tok/s is its decode tokens / decode seconds over all prompt
 ours / llama.cpp is taken per repeat and its median reported, with the medians of both rates.
 Threads: ours torch.set_num_threads(t) (OMP_NUM_THREADS=t set too), llama.cpp -t t -tb t.
 
-    python benchmarks/llamacpp.py                       # everything: about 3-4 h on 2 cores
+    python benchmarks/llamacpp.py --models smollm2 bundled   # the small models, everything: about 3-4 h on 2 cores
     python benchmarks/llamacpp.py --quick --threads 1 --out-dir /tmp/lc   # ~10 min after the build
     python benchmarks/llamacpp.py --models bundled --configs draft-k3 draft-k5 --repeats 5
 """
@@ -106,6 +132,7 @@ BINARIES = ("llama-completion", "llama-bench", "llama-speculative-simple", "llam
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF")
 MODELS = ("smollm2", "bundled", "big")
+DEFAULT_MODELS = ("smollm2", "bundled")  # big: 3.4 GB of weights and ~7 GB of GGUFs, made on first use
 WORKLOADS = {"smollm2": ("chat", "code", "editing"), "bundled": ("code", "editing"), "big": ("chat", "code")}
 PEER_TIMEOUT_S = 1800
 COMPILE_MODES = {"aot": "aot", "auto": None, "off": False}  # --compile -> LLM(compile=...)
@@ -495,17 +522,17 @@ def prefill_prompts(models: ModelSet, tokenizer: Tokenizer, n: int, length: int 
     ids = tokenizer.encode(text, add_special_tokens=False)
     out, start = [], 0
     while len(out) < n:
+        if start + 2 * length > len(ids):
+            raise QuickdraftError(f"the held-out corpus has too few tokens for {n} prefill prompts")
         for cut in sorted(range(length - 16, length + 16), key=lambda c: abs(c - length)):
             piece = tokenizer.decode(ids[start:start + cut])
             got = tokenizer.encode(piece, add_special_tokens=bos)
             if len(got) == length:
                 out.append(Prompt(piece, got))
+                start += 2 * length
                 break
         else:
-            raise QuickdraftError(f"no {length}-token stretch of the corpus at token {start}")
-        start += 2 * length
-        if start + 2 * length > len(ids):
-            raise QuickdraftError(f"the held-out corpus has too few tokens for {n} prefill prompts")
+            start += 1  # (merges at the cut skip `length` here: the next start)
     return out
 
 
@@ -839,6 +866,9 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             log(f"{name} {cname}: skipped ({reason})")
             skipped[cname] = reason
             continue
+        block_workloads = ["prefill"] if config.prefill else [w for w in config.workloads or workloads if w in prompts]
+        if not block_workloads:
+            continue
         draft_gguf = models.gguf(llama, "F32", draft=True) if config.draft else None
         ours_kwargs, gguf_kind = config.resolved(models)
         peer = Peer(llama, config.peer, models.gguf(llama, gguf_kind), list(config.flags), draft_gguf)
@@ -854,7 +884,7 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             skipped[cname] = f"quickdraft could not load it: {exc}"
             continue
         ours = Ours(llm, special)
-        first = next(iter(prompts["prefill" if config.prefill else (config.workloads or workloads)[0]]))
+        first = prompts[block_workloads[0]][0]
         first_s = ours.run(first, 1).prompt_s  # the first request after loading: one-time costs included
         loads[cname] = {"load_s": load_s, "first_token_s": first_s, "time_to_first_token_s": load_s + first_s,
                         "first_prompt_tokens": len(first.ids), "threads": load_threads,
@@ -863,9 +893,7 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             f"{len(first.ids)}-token prompt {first_s:.2f} s; steps: {type(llm.engine._forward).__name__}")
         peer_commands[cname] = peer.describe()
         for threads in args.threads:
-            for w in ["prefill"] if config.prefill else config.workloads or workloads:
-                if w not in prompts:
-                    continue
+            for w in block_workloads:
                 log(f"  {name} {cname}, {w}, {threads} thread(s):")
                 try:
                     n = PREFILL_NEW_TOKENS if config.prefill else args.new_tokens
@@ -972,7 +1000,8 @@ def main() -> None:
 
     steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=None, help=f"of {', '.join(MODELS)} (default: both)")
+    ap.add_argument("--models", nargs="+", default=None,
+                    help=f"of {', '.join(MODELS)} (default: {' '.join(DEFAULT_MODELS)}; big only when named)")
     ap.add_argument("--configs", nargs="+", default=None, help=f"of {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--workloads", nargs="+", default=None, help="of chat, code, editing (default: the model's)")
     ap.add_argument("--threads", nargs="+", default=None, help="thread counts, one block each (default 1 2)")
@@ -990,7 +1019,7 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results",
                     help="where llamacpp_<model>_cpu.json and .md go (default benchmarks/results)")
     args = ap.parse_args()
-    args.models = split_list(args.models) or list(MODELS)
+    args.models = split_list(args.models) or list(DEFAULT_MODELS)
     args.configs = split_list(args.configs) or list(CONFIGS)
     args.workloads = split_list(args.workloads)
     args.threads = [int(t) for t in split_list(args.threads) or ["1", "2"]]
