@@ -55,10 +55,11 @@ def has_kernel(op: str, device: torch.device) -> bool:
         return device.type == "cpu"
 
 
-# Quantisers work through a weight this many elements at a time: the float32 temporaries stay in
-# the CPU's caches, and a 16-bit checkpoint weight is never widened whole (a 1.7B model's float32
-# copy is 6.8 GB). Same bits as the whole-tensor expressions in their docstrings.
-_QUANT_CHUNK = 1 << 18
+# Quantisers work through a weight this many elements at a time (16 MB of float32 temporaries),
+# in place: a 16-bit checkpoint weight is never widened whole (a 1.7B model's float32 copy is
+# 6.8 GB). Same bits as the whole-tensor expressions in their docstrings. (Much smaller chunks
+# mean many small parallel ops, which crawl on an oversubscribed machine.)
+_QUANT_CHUNK = 1 << 22
 
 
 def _row_chunks(w: torch.Tensor):
