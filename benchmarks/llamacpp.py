@@ -68,7 +68,8 @@ markdown; the files are llamacpp_<model>_cpu_avx2.* then.
 
 Loading: per configuration, the wall time of `LLM(folder, ...)` (reading, quantising, packing
 and, with --compile aot, building or loading the AOT steps) and the first request's prompt
-phase after it (one-time costs included): "loads" in the JSON, a table in the markdown.
+phase after it (one-time costs included), at the largest --threads: "loads" in the JSON, a table in
+the markdown.
 
 Timing. Batch 1, greedy, N new tokens, eos ignored (llama.cpp's --ignore-eos bans end-of-generation
 tokens; ours keeps sampling past eos, so outputs are compared up to ours' first special token).
@@ -874,7 +875,8 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
         peer = Peer(llama, config.peer, models.gguf(llama, gguf_kind), list(config.flags), draft_gguf)
         kwargs = {"device": "cpu", "method": "none", "compile": COMPILE_MODES[args.compile], **ours_kwargs}
         try:
-            load_threads = torch.get_num_threads()
+            load_threads = max(args.threads)  # every configuration loads at the same thread count
+            set_threads(load_threads)
             started = time.perf_counter()
             draft = models.draft if config.draft else models.head if config.head else None
             llm = LLM(models.target, draft=draft, **kwargs)
