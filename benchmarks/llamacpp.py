@@ -89,8 +89,9 @@ ours / llama.cpp is taken per repeat and its median reported, with the medians o
 Threads: ours torch.set_num_threads(t) (OMP_NUM_THREADS=t set too), llama.cpp -t t -tb t.
 
     python benchmarks/llamacpp.py --models smollm2 bundled   # the small models, everything: about 3-4 h on 2 cores
-    # issue 36's bars on a quiet machine, both ISAs (each about 30 min on 2 cores the first time:
-    # AOT step builds per model and format, ~10 min more for the AVX2 llama.cpp build; ~20 min cached)
+    # issue 36's bars on a quiet machine, both ISAs: each about 30-45 min on 2 cores the first time
+    # (7 AOT step builds, one per model and format, of ~2-5 min; ~10 min more for the AVX2
+    # llama.cpp build), ~20 min with everything cached
     python benchmarks/llamacpp.py --models big smollm2 --configs f32 bf16 int8-q8_0 int4-q4_0 prefill \
         --workloads chat --threads 1 2 --repeats 3 --prompts 1 --new-tokens 64 --out-dir /tmp/lc-native
     python benchmarks/llamacpp.py --isa avx2 --models big smollm2 --configs f32 bf16 int8-q8_0 int4-q4_0 \
