@@ -8,10 +8,13 @@ models; both are cached outside the repository, under the quickdraft cache
   (`pip download --no-binary :all:`), built into peers/llama.cpp-<v>/build/bin with cmake + the
   system C++ compiler (CPU only, -DGGML_NATIVE=ON, static; AMX left out where the CPU lists it
   but a probe program using it dies, as in some VMs, else llama.cpp's AMX kernels hit SIGILL);
+  with `--isa avx2` a second build in peers/llama.cpp-<v>/build-avx2 (-DGGML_NATIVE=OFF, SSE4.2,
+  AVX, AVX2, FMA, F16C, BMI2 on; AVX-VNNI, AVX-512 and AMX off: a Zen 3 / Intel Core 12th+ CPU);
 - peers/pydeps: sentencepiece, which llama.cpp's convert_hf_to_gguf.py imports (installed with
   `pip install --target`, so the project's virtual environment is left as it is);
 - peers/models: the GGUF files llama.cpp runs, all made from the same weights ours loads:
-  F32 and Q8_0 by convert_hf_to_gguf.py, Q4_0 and Q4_K_M by llama-quantize from the F32 file.
+  F32 (BF16 for big) and Q8_0 by convert_hf_to_gguf.py, Q4_0 and Q4_K_M by llama-quantize from
+  the F32 (BF16) file; and big-1.7b, the big model's folder.
 
 Models:
 - smollm2: SmolLM2-135M-Instruct. quickdraft's catalogue ships it as a Q4_1 GGUF; the float32
@@ -24,11 +27,17 @@ Models:
   Converted from a copy in the cache: its BPE pre-tokenizer is declared "gpt-2" (llama.cpp's
   converter does not recognise the tokenizer by hash) and a config without "architectures"
   gets one.
+- big: a randomly initialised model of SmolLM2-1.7B's shape (24 layers, hidden 2048, MLP 8192,
+  32 heads, 32 kv heads, vocabulary 49,152, rope theta 130000, tied embeddings) with SmolLM2's
+  tokenizer and chat template: bfloat16 weights from N(0, 0.02) (norms 1), seed 0, made once into
+  peers/models/big-1.7b (3.4 GB). Speed only: its text is noise and acceptance means nothing.
+  Its reference is bfloat16 (configuration bf16 vs the BF16 GGUF); float32 rows are skipped.
 The token ids llama.cpp makes of every prompt are read back (`--verbose-prompt`) and compared
 with ours before anything is timed.
 
 Configurations (ours vs llama.cpp):
 - f32: dtype float32 vs the F32 GGUF (the outputs should be the same text);
+- bf16: dtype bfloat16 vs the BF16 GGUF (same weights, same bytes per weight);
 - bf16-q8_0: dtype bfloat16 vs Q8_0;  int8-q8_0: quantization="int8" vs Q8_0;
 - int4-q4_0, int4-q4_k_m: quantization="int4" vs Q4_0 / Q4_K_M (skipped while quickdraft
   has no int4);
@@ -43,6 +52,24 @@ Configurations (ours vs llama.cpp):
   width 3, depth 4, 8 nodes), float32, vs llama.cpp's plain decoding and vs llama-lookup (k 8):
   llama.cpp runs no EAGLE-3 heads on CPU and has no draft model for SmolLM2, so these are its
   best methods here. Chat and code workloads.
+
+- prefill, prefill-int8-q8_0, prefill-int4-q4_0: the prompt phase of 512-token prompts
+  (stretches of held-out source files, raw text, the same ids in both engines), 1 new token:
+  the model's reference weights (f32; bf16 for big), int8 vs Q8_0, int4 vs Q4_0. tok/s = prompt
+  tokens / prompt seconds (ours: the first `LLM.stream` step, prefill and first token;
+  llama.cpp: its prompt eval time), ratio ours / llama.cpp as for decoding.
+
+ISA (`--isa`): native (default) lets both engines use all this CPU has; `--isa avx2` runs both as
+on an AVX2 + FMA machine without AVX-512: llama.cpp from its build-avx2 build, ours started again
+with QUICKDRAFT_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ONEDNN_MAX_CPU_ISA=AVX2 set before torch is imported (it stops unless quickdraft's kernels and
+ATen both report AVX2). Both sides' ISA (llama.cpp's system_info line) are in the JSON and the
+markdown; the files are llamacpp_<model>_cpu_avx2.* then.
+
+Loading: per configuration, the wall time of `LLM(folder, ...)` (reading, quantising, packing
+and, with --compile aot, building or loading the AOT steps) and the first request's prompt
+phase after it (one-time costs included), at the largest --threads: "loads" in the JSON, a table in
+the markdown.
 
 Timing. Batch 1, greedy, N new tokens, eos ignored (llama.cpp's --ignore-eos bans end-of-generation
 tokens; ours keeps sampling past eos, so outputs are compared up to ours' first special token).
@@ -61,7 +88,15 @@ Per repeat a block's tok/s is its decode tokens / decode seconds over all prompt
 ours / llama.cpp is taken per repeat and its median reported, with the medians of both rates.
 Threads: ours torch.set_num_threads(t) (OMP_NUM_THREADS=t set too), llama.cpp -t t -tb t.
 
-    python benchmarks/llamacpp.py                       # everything: about 3-4 h on 2 cores
+    python benchmarks/llamacpp.py --models smollm2 bundled   # the small models, everything: about 3-4 h on 2 cores
+    # issue 36's bars on a quiet machine, both ISAs: each about 30-45 min on 2 cores the first time
+    # (7 AOT step builds, one per model and format, of ~2-5 min; ~10 min more for the AVX2
+    # llama.cpp build), ~20 min with everything cached
+    python benchmarks/llamacpp.py --models big smollm2 --configs f32 bf16 int8-q8_0 int4-q4_0 prefill \
+        --workloads chat --threads 1 2 --repeats 3 --prompts 1 --new-tokens 64 --out-dir /tmp/lc-native
+    python benchmarks/llamacpp.py --isa avx2 --models big smollm2 --configs f32 bf16 int8-q8_0 int4-q4_0 \
+        prefill --workloads chat --threads 1 2 --repeats 3 --prompts 1 --new-tokens 64 --out-dir /tmp/lc-avx2
+    # (add prefill-int8-q8_0 prefill-int4-q4_0 int4-q4_k_m for the quantised prefill and Q4_K_M rows)
     python benchmarks/llamacpp.py --quick --threads 1 --out-dir /tmp/lc   # ~10 min after the build
     python benchmarks/llamacpp.py --models bundled --configs draft-k3 draft-k5 --repeats 5
 """
@@ -103,16 +138,39 @@ from real_model import hf_folder  # the float32 SmolLM2 folder, shared with real
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp we build
 BINARIES = ("llama-completion", "llama-bench", "llama-speculative-simple", "llama-lookup", "llama-quantize")
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF")
-MODELS = ("smollm2", "bundled")
-WORKLOADS = {"smollm2": ("chat", "code", "editing"), "bundled": ("code", "editing")}
+MODELS = ("smollm2", "bundled", "big")
+DEFAULT_MODELS = ("smollm2", "bundled")  # big: 3.4 GB of weights and ~7 GB of GGUFs, made on first use
+WORKLOADS = {"smollm2": ("chat", "code", "editing"), "bundled": ("code", "editing"), "big": ("chat", "code")}
 PEER_TIMEOUT_S = 1800
 COMPILE_MODES = {"aot": "aot", "auto": None, "off": False}  # --compile -> LLM(compile=...)
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def force_isa(isa: str) -> None:
+    """Run this script again with ISA_ENV[isa] set, unless it is: torch, MKL and oneDNN read them
+    when torch is imported, which this module has done already."""
+    env = ISA_ENV[isa]
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    log(f"--isa {isa}: starting again with {' '.join(f'{k}={v}' for k, v in env.items())}")
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+
+
+def ours_isa(isa: str) -> dict:
+    """What our side runs: quickdraft's kernel path and ATen's CPU capability; for a forced ISA,
+    an error unless both took it."""
+    from quickdraft import kernels
+
+    got = {"quickdraft_kernels": kernels.isa(), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "env": {k: os.environ.get(k) for k in ISA_ENV["avx2"]}}
+    if isa == "avx2" and (got["quickdraft_kernels"] != "avx2" or got["aten_cpu_capability"] != "AVX2"):
+        raise QuickdraftError(f"--isa avx2 did not take on our side: {got}")
+    return got
 
 
 def peers_dir() -> Path:
@@ -133,16 +191,21 @@ def run_cmd(cmd: list[str], what: str, env: dict | None = None, cwd: Path | None
 
 @dataclasses.dataclass(frozen=True)
 class LlamaCpp:
-    root: Path  # peers/llama.cpp-<v>: source/ and build/
+    root: Path  # peers/llama.cpp-<v>: source/ and one build folder per ISA
     cmake_flags: tuple[str, ...]  # what it was built with
+    isa: str = "native"  # of ISAS: the build folder and the instructions it may use
 
     @property
     def source(self) -> Path:
         return self.root / "source"
 
     @property
+    def build(self) -> Path:
+        return self.root / ("build" if self.isa == "native" else f"build-{self.isa}")
+
+    @property
     def bin(self) -> Path:
-        return self.root / "build" / "bin"
+        return self.build / "bin"
 
     def exe(self, name: str) -> str:
         return str(self.bin / name)
@@ -151,36 +214,63 @@ class LlamaCpp:
         out = subprocess.run([self.exe("llama-completion"), "--version"], capture_output=True, text=True)
         return " ".join((out.stdout + out.stderr).split())
 
+    def system_info(self, gguf: Path) -> str:
+        """The instruction sets the build runs (its system_info line, "CPU : SSE3 = 1 | ... |")."""
+        proc = run_cmd([self.exe("llama-completion"), "-m", str(gguf), "-p", "a", "-n", "1", "-t", "1",
+                        "-no-cnv", "--no-warmup", "-c", "64"], "llama-completion system_info")
+        m = re.search(r"system_info: .*", proc.stderr.decode("utf-8", "replace"))
+        return m.group(0).strip() if m else "?"
 
-def ensure_llama_cpp() -> LlamaCpp:
-    """The cached build, made first when a binary is missing or the build flags changed:
+
+# --isa: what each engine may use. native = everything this CPU has (llama.cpp -march=native,
+# quickdraft's own choice); avx2 = an AVX2 + FMA machine without AVX-512 (Zen 3, Intel Core 12th+):
+# llama.cpp built without -march=native with only those instruction sets, quickdraft's kernels,
+# ATen, MKL and oneDNN capped at AVX2 through their environment variables.
+ISAS = ("native", "avx2")
+ISA_CMAKE_FLAGS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
+             "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF",
+             "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"),
+}
+ISA_ENV = {  # set in our worker before torch is imported
+    "native": {},
+    "avx2": {"QUICKDRAFT_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+
+
+def ensure_llama_cpp(isa: str = "native") -> LlamaCpp:
+    """The cached build for `isa`, made first when a binary is missing or the build flags changed:
     download the sdist, unpack its vendor/llama.cpp, configure and build the binaries we run."""
-    flags = cmake_flags()
-    llama = LlamaCpp(peers_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON}", tuple(flags))
-    stamp = llama.root / "build" / "quickdraft-cmake-flags.json"
-    if all((llama.bin / b).exists() for b in BINARIES) and stamp.exists() and json.loads(stamp.read_text()) == flags:
+    flags = cmake_flags(isa)
+    llama = LlamaCpp(peers_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON}", tuple(flags), isa)
+    stamp = llama.build / "quickdraft-cmake-flags.json"
+    if all((llama.bin / b).exists() for b in BINARIES) and stamp.exists() and sorted(json.loads(stamp.read_text())) == sorted(flags):
         return llama
     if not (llama.source / "CMakeLists.txt").exists():
         fetch_source(llama.source)
     cmake = shutil.which("cmake") or install_cmake()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    build = llama.root / "build"
-    log(f"building llama.cpp into {build} (about 10 minutes on 2 cores)...")
+    log(f"building llama.cpp ({isa}) into {llama.build} (about 10 minutes on 2 cores)...")
     start = time.perf_counter()
-    run_cmd([cmake, "-S", str(llama.source), "-B", str(build), *generator, *flags], "cmake configure")
-    run_cmd([cmake, "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", *BINARIES], "cmake build")
+    run_cmd([cmake, "-S", str(llama.source), "-B", str(llama.build), *generator, *flags], "cmake configure")
+    run_cmd([cmake, "--build", str(llama.build), "-j", str(os.cpu_count() or 1), "--target", *BINARIES],
+            "cmake build")
     stamp.write_text(json.dumps(flags) + "\n")
     log(f"built llama.cpp in {time.perf_counter() - start:.0f} s")
     return llama
 
 
-def cmake_flags() -> list[str]:
-    """CMAKE_FLAGS, plus the compiler told to leave AMX out where the CPU advertises it but
-    cannot run it (GGML_NATIVE's -march=native would build AMX kernels that die with SIGILL)."""
-    if not amx_unusable():
-        return list(CMAKE_FLAGS)
+def cmake_flags(isa: str = "native") -> list[str]:
+    """CMAKE_FLAGS with the ISA's, plus (native) the compiler told to leave AMX out where the CPU
+    advertises it but cannot run it (-march=native would build AMX kernels that die with SIGILL)."""
+    flags = [*CMAKE_FLAGS, *ISA_CMAKE_FLAGS[isa]]
+    if isa != "native" or not amx_unusable():
+        return flags
     no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    return [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+    return [*flags, f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
 
 
 _AMX_PROBE = r"""
@@ -267,21 +357,27 @@ class ModelSet:
     pre_tokenizer: str | None  # declared to llama.cpp's converter where it cannot tell
     draft_status: str
     head: Path | None = None  # the EAGLE-3 head quickdraft ships for the model (eagle3 rows)
+    # the unquantised weights both engines compare at: ours' dtype and llama.cpp's GGUF type (F32
+    # for the small models; a 1.7B model's float32 copy, 6.8 GB, would only measure DRAM: BF16)
+    dtype: str = "float32"
+    reference: str = "F32"
 
     def gguf(self, llama: LlamaCpp, kind: str, draft: bool = False) -> Path:
-        """The GGUF of the target (or draft) in `kind` (F32, Q8_0, Q4_0, Q4_K_M), made once."""
+        """The GGUF of the target (or draft) in `kind` (F32, BF16, Q8_0, Q4_0, Q4_K_M), made once:
+        F32 / BF16 / Q8_0 by llama.cpp's converter from the folder, the others by llama-quantize
+        from the reference GGUF."""
         stem = f"{self.name}-draft" if draft else self.name
         out = peers_dir() / "models" / f"{stem}-{kind}.gguf"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
-        if kind in ("F32", "Q8_0"):
+        if kind in ("F32", "BF16", "Q8_0"):
             convert(llama, self.hf_draft if draft else self.hf_target, out, kind.lower(), self.pre_tokenizer)
         else:
-            f32 = self.gguf(llama, "F32", draft)
-            log(f"quantising {f32.name} to {kind}")
+            ref = self.gguf(llama, self.reference, draft)
+            log(f"quantising {ref.name} to {kind}")
             tmp = out.with_suffix(".tmp")
-            run_cmd([llama.exe("llama-quantize"), str(f32), str(tmp), kind], "llama-quantize")
+            run_cmd([llama.exe("llama-quantize"), str(ref), str(tmp), kind], "llama-quantize")
             tmp.rename(out)
         return out
 
@@ -327,7 +423,58 @@ def converter_copy(folder: Path, dest: Path) -> Path:
     return dest
 
 
+# SmolLM2-1.7B's shape (its published config.json), randomly initialised: speed only, never acceptance
+BIG_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-05, "max_position_embeddings": 8192,
+    "rope_theta": 130000.0, "rope_scaling": None, "tie_word_embeddings": True, "mlp_bias": False,
+    "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+BIG_SEED, BIG_STD = 0, 0.02
+
+
+def big_folder() -> Path:
+    """peers/models/big-1.7b: a Hugging Face folder of SmolLM2-1.7B's shape with SmolLM2's tokenizer,
+    bfloat16 weights drawn once from N(0, 0.02) (seeded; norms 1), tied embeddings as SmolLM2-1.7B.
+    Both engines read it: llama.cpp through its converter, ours directly."""
+    from safetensors.torch import save_file
+
+    folder = peers_dir() / "models" / "big-1.7b"
+    if (folder / "model.safetensors").exists():
+        return folder
+    tokenizer_from = hf_folder(resolve_model("smollm2"))
+    log(f"making {folder}: SmolLM2-1.7B's shape, random bfloat16 weights (seed {BIG_SEED})")
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy2(tokenizer_from / name, tmp / name)
+    (tmp / "config.json").write_text(json.dumps(BIG_CONFIG, indent=2) + "\n")
+    c = BIG_CONFIG
+    h, inter, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(c["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        shapes.update({pre + "self_attn.q_proj.weight": (h, h), pre + "self_attn.k_proj.weight": (kv, h),
+                       pre + "self_attn.v_proj.weight": (kv, h), pre + "self_attn.o_proj.weight": (h, h),
+                       pre + "mlp.gate_proj.weight": (inter, h), pre + "mlp.up_proj.weight": (inter, h),
+                       pre + "mlp.down_proj.weight": (h, inter), pre + "input_layernorm.weight": (h,),
+                       pre + "post_attention_layernorm.weight": (h,)})
+    gen = torch.Generator().manual_seed(BIG_SEED)
+    state = {name: (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * BIG_STD
+                    ).to(torch.bfloat16) for name, shape in shapes.items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tmp.rename(folder)
+    return folder
+
+
 def model_set(name: str) -> ModelSet:
+    if name == "big":
+        folder = big_folder()
+        return ModelSet(name, folder, folder, None, None, True, None,
+                        "none (random weights: speed only, acceptance not measured)", dtype="bfloat16",
+                        reference="BF16")
     if name == "smollm2":
         folder = hf_folder(resolve_model("smollm2"))
         try:
@@ -372,6 +519,32 @@ def workload_prompts(models: ModelSet, tokenizer: Tokenizer, workloads: list[str
     return out
 
 
+PREFILL_TOKENS = 512  # the prompt of a prefill block
+PREFILL_NEW_TOKENS = 1  # what a prefill block generates: the prompt phase is what it times
+
+
+def prefill_prompts(models: ModelSet, tokenizer: Tokenizer, n: int, length: int = PREFILL_TOKENS) -> list[Prompt]:
+    """`n` raw-text prompts of exactly `length` token ids (BOS included where the model adds one):
+    consecutive stretches of held-out source files, cut where the text gives back the ids."""
+    text = "\n\n".join(t for _, t in load_corpus(None).heldout)
+    bos = not models.chat  # the chat models' vocabulary adds no BOS (in either engine)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    out, start = [], 0
+    while len(out) < n:
+        if start + 2 * length > len(ids):
+            raise QuickdraftError(f"the held-out corpus has too few tokens for {n} prefill prompts")
+        for cut in sorted(range(length - 16, length + 16), key=lambda c: abs(c - length)):
+            piece = tokenizer.decode(ids[start:start + cut])
+            got = tokenizer.encode(piece, add_special_tokens=bos)
+            if len(got) == length:
+                out.append(Prompt(piece, got))
+                start += 2 * length
+                break
+        else:
+            start += 1  # (merges at the cut skip `length` here: the next start)
+    return out
+
+
 _VERBOSE_TOKEN = re.compile(r"^(?:\S+ I )?\s*(\d+) -> '", re.M)
 
 
@@ -399,6 +572,7 @@ class Run:
     decode_s: float
     text: str  # the generated text (llama.cpp's as printed; ours decoded, cut at a special token)
     extra: dict
+    prompt_tokens: int = 0  # the prompt's tokens (what the prompt phase processed)
 
     @property
     def tokens_per_s(self) -> float:
@@ -428,7 +602,7 @@ class Ours:
                  "special_token_at": None if cut == len(ids) else cut}
         if s.num_draft_tokens:
             extra["acceptance_rate"] = s.acceptance_rate
-        return Run(first - start, len(ids) - 1, end - first, text, extra)
+        return Run(first - start, len(ids) - 1, end - first, text, extra, len(prompt.ids))
 
 
 _PERF = re.compile(r"(prompt eval time|eval time|sampling time) =\s+([\d.]+) ms(?: /\s+(\d+))?")
@@ -469,9 +643,9 @@ class Peer:
                 raise PeerFailed(f"{self.binary} printed no timings (exit {proc.returncode}): {err[-300:]!r}")
             (p_ms, p_tokens), (e_ms, runs), (s_ms, _) = (perf["prompt eval time"], perf["eval time"],
                                                           perf["sampling time"])
-            extra.update({"prompt_tokens": p_tokens, "eval_ms": e_ms, "sampling_ms": s_ms,
-                          "eval_only_tokens_per_s": runs / e_ms * 1e3})
-            return Run(p_ms / 1e3, runs, (e_ms + s_ms) / 1e3, out, extra)
+            extra.update({"eval_ms": e_ms, "sampling_ms": s_ms,
+                          "eval_only_tokens_per_s": runs / e_ms * 1e3 if e_ms > 0 else None})
+            return Run(p_ms / 1e3, runs, (e_ms + s_ms) / 1e3, out, extra, p_tokens)
         phases = {m.group(1): (int(m.group(2)), float(m.group(3))) for m in _SPEC.finditer(err)}
         counts = {k: int(v) for k, v in _COUNTS.findall(err)}
         extra.update(counts)
@@ -480,8 +654,8 @@ class Peer:
         at = out.find(prompt.text)  # stdout: the prompt as detokenised pieces, then the output
         text = out[at + len(prompt.text):] if at >= 0 else ""
         extra["prompt_echo_found"] = at >= 0
-        (dec_tokens, dec_s), (_, enc_s) = phases["decoded"], phases["encoded"]
-        return Run(enc_s, dec_tokens, dec_s, text, extra)
+        (dec_tokens, dec_s), (enc_tokens, enc_s) = phases["decoded"], phases["encoded"]
+        return Run(enc_s, dec_tokens, dec_s, text, extra, enc_tokens)
 
 
 def same_output(ours: Run, peer: Run) -> tuple[bool, int]:
@@ -507,11 +681,20 @@ class Config:
     head: bool = False  # ours uses the model's EAGLE-3 head (llama.cpp has no EAGLE-3 on CPU builds)
     workloads: tuple[str, ...] | None = None  # None: all of the model's
     needs: str | None = None  # a quantization quickdraft must offer
+    reference: bool = False  # ours in the model's reference dtype, llama.cpp on its reference GGUF
+    prefill: bool = False  # times the prompt phase of PREFILL_TOKENS-token prompts, not decoding
+
+    def resolved(self, models: ModelSet) -> tuple[dict, str]:
+        """(ours' LLM keyword arguments, llama.cpp's GGUF kind) for this model."""
+        if self.reference:
+            return {"dtype": models.dtype, **self.ours}, models.reference
+        return dict(self.ours), self.gguf
 
 
 PLAIN_FLAGS = ("-no-cnv", "--no-display-prompt")
 CONFIGS = {c.name: c for c in [
     Config("f32", {"dtype": "float32"}, "llama-completion", "F32", PLAIN_FLAGS),
+    Config("bf16", {"dtype": "bfloat16"}, "llama-completion", "BF16", PLAIN_FLAGS),
     Config("bf16-q8_0", {"dtype": "bfloat16"}, "llama-completion", "Q8_0", PLAIN_FLAGS),
     Config("int8-q8_0", {"dtype": "float32", "quantization": "int8"}, "llama-completion", "Q8_0", PLAIN_FLAGS,
            needs="int8"),
@@ -519,6 +702,12 @@ CONFIGS = {c.name: c for c in [
            needs="int4"),
     Config("int4-q4_k_m", {"dtype": "float32", "quantization": "int4"}, "llama-completion", "Q4_K_M",
            PLAIN_FLAGS, needs="int4"),
+    # prefill: the model's reference weights (f32 / bf16), int8 vs Q8_0, int4 vs Q4_0
+    Config("prefill", {}, "llama-completion", "", PLAIN_FLAGS, reference=True, prefill=True),
+    Config("prefill-int8-q8_0", {"dtype": "float32", "quantization": "int8"}, "llama-completion", "Q8_0",
+           PLAIN_FLAGS, needs="int8", prefill=True),
+    Config("prefill-int4-q4_0", {"dtype": "float32", "quantization": "int4"}, "llama-completion", "Q4_0",
+           PLAIN_FLAGS, needs="int4", prefill=True),
     Config("ngram", {"dtype": "float32", "method": "ngram", "num_speculative_tokens": 8}, "llama-lookup", "F32",
            ("--spec-draft-n-max", "8")),
     Config("suffix", {"dtype": "float32", "method": "suffix", "num_speculative_tokens": 8,
@@ -543,6 +732,9 @@ CONFIGS = {c.name: c for c in [
 
 
 def skip_reason(config: Config, models: ModelSet) -> str | None:
+    if not config.reference and config.gguf == "F32" and models.reference != "F32":
+        return (f"float32 is not run on this model (its reference weights are {models.dtype}: configuration "
+                f"bf16; prefill)")
     if config.needs and config.needs not in QUANTIZATIONS:
         return f"quickdraft has no quantization={config.needs!r} yet (offers {', '.join(QUANTIZATIONS)})"
     if config.draft and models.draft is None:
@@ -559,11 +751,14 @@ def set_threads(threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-def summarise(runs: list[Run]) -> dict:
-    """One repeat of a block: decode rate over all its prompts, prompt seconds summed."""
+def summarise(runs: list[Run], prefill: bool = False) -> dict:
+    """One repeat of a block: decode rate over all its prompts (prefill: prompt tokens over prompt
+    seconds), prompt seconds summed."""
     tokens, secs = sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs)
-    out = {"decode_tokens": tokens, "decode_s": secs, "tokens_per_s": tokens / secs if secs else 0.0,
-           "prompt_s": sum(r.prompt_s for r in runs)}
+    p_tokens, p_secs = sum(r.prompt_tokens for r in runs), sum(r.prompt_s for r in runs)
+    rate = p_tokens / p_secs if prefill else tokens / secs if secs else 0.0
+    out = {"decode_tokens": tokens, "decode_s": secs, "tokens_per_s": rate, "prompt_tokens": p_tokens,
+           "prompt_s": p_secs}
     rates = [r.extra["acceptance_rate"] for r in runs if "acceptance_rate" in r.extra]
     if rates:
         out["acceptance_rate"] = statistics.mean(rates)
@@ -582,9 +777,13 @@ def roofline(ours: Ours) -> dict:
             "min_ms_per_token": ours.bytes_per_token / bw * 1e3}
 
 
-def run_block(ours: Ours, peer: Peer, prompts: list[Prompt], n: int, threads: int, repeats: int) -> dict:
+def run_block(ours: Ours, peer: Peer, prompts: list[Prompt], n: int, threads: int, repeats: int,
+              prefill: bool = False) -> dict:
+    """Paired repeats of one block. Decode blocks time the tokens after the first; prefill blocks
+    (n = PREFILL_NEW_TOKENS) the prompt phase: ours the first `LLM.stream` step, llama.cpp its
+    prompt eval time."""
     set_threads(threads)
-    roof = roofline(ours)
+    roof = None if prefill else roofline(ours)  # (a prefill is compute-bound: no weight-streaming bound)
     ours.run(prompts[0], min(n, 64))  # warm-up: one-time costs, and AMX units ramp up over ~100 tokens
     load_before, cpu0, t0 = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
     reps: list[dict] = []
@@ -599,7 +798,7 @@ def run_block(ours: Ours, peer: Peer, prompts: list[Prompt], n: int, threads: in
         checks = [same_output(a, b) for a, b in zip(got["ours"], got["peer"])]
         identical.append([c[0] for c in checks])
         common.append([c[1] for c in checks])
-        o, q = summarise(got["ours"]), summarise(got["peer"])
+        o, q = summarise(got["ours"], prefill), summarise(got["peer"], prefill)
         reps.append({"ours": o, "peer": q, "ratio": o["tokens_per_s"] / q["tokens_per_s"],
                      "identical": identical[-1], "common_prefix_chars": common[-1],
                      "ours_runs": [dataclasses.asdict(x) for x in got["ours"]],
@@ -614,11 +813,12 @@ def run_block(ours: Ours, peer: Peer, prompts: list[Prompt], n: int, threads: in
         return statistics.median(values) if values else None
 
     ratios = [x["ratio"] for x in reps]
-    roof["ours_share"], roof["peer_share"] = (  # of the roofline's tokens/s (above 1: cache-resident or speculative)
-        None if med(who, "tokens_per_s") is None else med(who, "tokens_per_s") * roof["min_ms_per_token"] / 1e3
-        for who in ("ours", "peer"))
+    if roof is not None:  # shares of the roofline's tokens/s (above 1: cache-resident or speculative)
+        roof["ours_share"], roof["peer_share"] = (
+            None if med(who, "tokens_per_s") is None else med(who, "tokens_per_s") * roof["min_ms_per_token"] / 1e3
+            for who in ("ours", "peer"))
     return {
-        "roofline": roof,
+        "measures": "prefill" if prefill else "decode", "roofline": roof,
         "ours_tokens_per_s": med("ours", "tokens_per_s"), "peer_tokens_per_s": med("peer", "tokens_per_s"),
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "ours_prompt_s": med("ours", "prompt_s"), "peer_prompt_s": med("peer", "prompt_s"),
@@ -638,7 +838,7 @@ def special_token_ids(folder: Path) -> set[int]:
 
 def check_prompt_ids(models: ModelSet, llama: LlamaCpp, prompts: dict[str, list[Prompt]]) -> dict:
     """Fail unless llama.cpp makes of every prompt's text the very token ids ours is given."""
-    gguf = models.gguf(llama, "F32")
+    gguf = models.gguf(llama, models.reference)
     checked = {}
     for w, ps in prompts.items():
         for i, p in enumerate(ps):
@@ -656,12 +856,17 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
     models = model_set(name)
     tokenizer = Tokenizer(models.hf_target)
     workloads = [w for w in args.workloads or WORKLOADS[name] if w in WORKLOADS[name]]
-    prompts = workload_prompts(models, tokenizer, workloads, args.prompts)
+    asked = [CONFIGS[c] for c in args.configs]
+    prompts = workload_prompts(models, tokenizer, workloads if any(not c.prefill for c in asked) else [],
+                               args.prompts)
+    if any(c.prefill for c in asked):
+        prompts["prefill"] = prefill_prompts(models, tokenizer, args.prompts)
     log(f"{name}: " + ", ".join(f"{w} {len(p)} prompts ({', '.join(str(len(x.ids)) for x in p)} tokens)"
                                 for w, p in prompts.items()))
     checked = check_prompt_ids(models, llama, prompts)
+    system_info = llama.system_info(models.gguf(llama, models.reference))
 
-    blocks, skipped, peer_commands = [], {}, {}
+    blocks, skipped, peer_commands, loads = [], {}, {}, {}
     special = special_token_ids(models.hf_target)
     for cname in args.configs:
         config = CONFIGS[cname]
@@ -670,28 +875,39 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             log(f"{name} {cname}: skipped ({reason})")
             skipped[cname] = reason
             continue
+        block_workloads = ["prefill"] if config.prefill else [w for w in config.workloads or workloads if w in prompts]
+        if not block_workloads:
+            continue
         draft_gguf = models.gguf(llama, "F32", draft=True) if config.draft else None
-        peer = Peer(llama, config.peer, models.gguf(llama, config.gguf), list(config.flags), draft_gguf)
-        kwargs = {"device": "cpu", "method": "none", "compile": COMPILE_MODES[args.compile], **config.ours}
+        ours_kwargs, gguf_kind = config.resolved(models)
+        peer = Peer(llama, config.peer, models.gguf(llama, gguf_kind), list(config.flags), draft_gguf)
+        kwargs = {"device": "cpu", "method": "none", "compile": COMPILE_MODES[args.compile], **ours_kwargs}
         try:
+            load_threads = max(args.threads)  # every configuration loads at the same thread count
+            set_threads(load_threads)
             started = time.perf_counter()
             draft = models.draft if config.draft else models.head if config.head else None
             llm = LLM(models.target, draft=draft, **kwargs)
-            log(f"{name} {cname}: loaded in {time.perf_counter() - started:.1f} s, steps: "
-                f"{type(llm.engine._forward).__name__}")
+            load_s = time.perf_counter() - started
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks
             log(f"{name} {cname}: skipped (quickdraft could not load it: {exc})")
             skipped[cname] = f"quickdraft could not load it: {exc}"
             continue
         ours = Ours(llm, special)
+        first = prompts[block_workloads[0]][0]
+        first_s = ours.run(first, 1).prompt_s  # the first request after loading: one-time costs included
+        loads[cname] = {"load_s": load_s, "first_token_s": first_s, "time_to_first_token_s": load_s + first_s,
+                        "first_prompt_tokens": len(first.ids), "threads": load_threads,
+                        "steps": type(llm.engine._forward).__name__, "ours": kwargs}
+        log(f"{name} {cname}: LLM() {load_s:.1f} s ({load_threads} threads), then the first token of a "
+            f"{len(first.ids)}-token prompt {first_s:.2f} s; steps: {type(llm.engine._forward).__name__}")
         peer_commands[cname] = peer.describe()
         for threads in args.threads:
-            for w in config.workloads or workloads:
-                if w not in prompts:
-                    continue
+            for w in block_workloads:
                 log(f"  {name} {cname}, {w}, {threads} thread(s):")
                 try:
-                    b = run_block(ours, peer, prompts[w], args.new_tokens, threads, args.repeats)
+                    n = PREFILL_NEW_TOKENS if config.prefill else args.new_tokens
+                    b = run_block(ours, peer, prompts[w], n, threads, args.repeats, config.prefill)
                 except (PeerFailed, QuickdraftError) as exc:  # a failed llama.cpp run loses its block, not the run
                     log(f"    failed: {exc}")
                     skipped[f"{cname} {w} {threads} thread(s)"] = str(exc)
@@ -704,7 +920,7 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
         del llm, ours
     return {"model": name, "target": str(models.target), "llama_cpp_models": str(peers_dir() / "models"),
             "draft": models.draft_status, "prompt_check": checked, "peer_commands": peer_commands,
-            "skipped": skipped, "blocks": blocks}
+            "skipped": skipped, "loads": loads, "llama_cpp_system_info": system_info, "blocks": blocks}
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -724,7 +940,10 @@ def markdown(result: dict, model: dict) -> list[str]:
           f"and llama.cpp alternating first. tok/s: decode phase only, medians over repeats; ratio: median of "
           f"per-repeat ours/llama.cpp (min - max); prompt: median per repeat of the prompt-phase seconds summed "
           f"over prompts. Identical: prompts whose llama.cpp output starts with ours (ours cut at its first "
-          f"special token), fewest over repeats. Draft: {model['draft']}.", "",
+          f"special token), fewest over repeats. Draft: {model['draft']}. Prefill rows (workload prefill): "
+          f"{PREFILL_TOKENS}-token prompts, tok/s = prompt tokens / prompt seconds (ours: the first `LLM.stream` "
+          f"step, prefill and first token; llama.cpp: its prompt eval time).", "",
+          *([isa_line(result, model), ""] if "isa" in result else []),
           "| configuration | workload | threads | ours tok/s | llama.cpp tok/s | ours / llama.cpp | identical | "
           "ours prompt ms | llama.cpp prompt ms | acceptance ours / llama.cpp | roofline ms/token "
           "(GB/s) | ours / llama.cpp, share of roofline | other CPU |",
@@ -744,6 +963,14 @@ def markdown(result: dict, model: dict) -> list[str]:
                   f"{b['ratio_max']:.2f}) | {b['identical_prompts_min']}/{b['prompts']} | {_ms(b['ours_prompt_s'])} | "
                   f"{_ms(b['peer_prompt_s'])} | {acc} | {roof_cols} | {'-' if other is None else f'{100 * other:.0f}%'} |")
     md.append("")
+    if model.get("loads"):
+        md += ["Loading (ours, before any block: `LLM(folder, ...)` wall time, then the first request's "
+               "prompt phase, one-time costs included):", "",
+               "| configuration | LLM() s | first token s (prompt tokens) | time to first token s | threads | steps |",
+               "|---|---:|---:|---:|---:|---|"]
+        md += [f"| {c} | {x['load_s']:.1f} | {x['first_token_s']:.2f} ({x['first_prompt_tokens']}) | "
+               f"{x['time_to_first_token_s']:.1f} | {x['threads']} | {x['steps']} |" for c, x in model["loads"].items()]
+        md.append("")
     for cname, reason in model["skipped"].items():
         md.append(f"- {cname}: skipped, {reason}.")
     md += ["", "llama.cpp command per configuration:", ""]
@@ -763,6 +990,14 @@ def markdown(result: dict, model: dict) -> list[str]:
     return md
 
 
+def isa_line(result: dict, model: dict) -> str:
+    isa, ours = result["isa"], result["isa"]["ours"]
+    env = " ".join(f"{k}={v}" for k, v in ours["env"].items() if v is not None) or "no ISA variables"
+    return (f"ISA (--isa {isa['asked']}): ours: quickdraft's kernels {ours['quickdraft_kernels']}, ATen "
+            f"{ours['aten_cpu_capability']} ({env}); llama.cpp: the {isa['llama_cpp']} build, "
+            f"`{model.get('llama_cpp_system_info', '?')}`.")
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 def split_list(values: list[str] | None) -> list[str] | None:
@@ -775,7 +1010,8 @@ def main() -> None:
 
     steady_steps()  # no background AOT build switching the steps mid-measurement
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=None, help=f"of {', '.join(MODELS)} (default: both)")
+    ap.add_argument("--models", nargs="+", default=None,
+                    help=f"of {', '.join(MODELS)} (default: {' '.join(DEFAULT_MODELS)}; big only when named)")
     ap.add_argument("--configs", nargs="+", default=None, help=f"of {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--workloads", nargs="+", default=None, help="of chat, code, editing (default: the model's)")
     ap.add_argument("--threads", nargs="+", default=None, help="thread counts, one block each (default 1 2)")
@@ -786,10 +1022,14 @@ def main() -> None:
     ap.add_argument("--compile", choices=sorted(COMPILE_MODES), default="aot",
                     help="our steps: aot = ahead-of-time compiled CPU steps, built once (not timed) and cached "
                          "(default); auto = the cached ones if built; off = eager")
+    ap.add_argument("--isa", choices=ISAS, default="native",
+                    help="native: all this CPU has (default); avx2: both engines as on an AVX2 + FMA CPU without "
+                         "AVX-512 (llama.cpp: its build-avx2 build; ours: " + " ".join(f"{k}={v}" for k, v in ISA_ENV["avx2"].items())
+                         + "); results go to llamacpp_<model>_cpu_avx2.*")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results",
                     help="where llamacpp_<model>_cpu.json and .md go (default benchmarks/results)")
     args = ap.parse_args()
-    args.models = split_list(args.models) or list(MODELS)
+    args.models = split_list(args.models) or list(DEFAULT_MODELS)
     args.configs = split_list(args.configs) or list(CONFIGS)
     args.workloads = split_list(args.workloads)
     args.threads = [int(t) for t in split_list(args.threads) or ["1", "2"]]
@@ -802,11 +1042,13 @@ def main() -> None:
             ap.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     if min(args.repeats, args.new_tokens, args.prompts, *args.threads) < 1:
         ap.error("--repeats, --new-tokens, --prompts and --threads must be >= 1")
+    force_isa(args.isa)
 
     started, load_before = time.perf_counter(), loadavg()
     try:
-        llama = ensure_llama_cpp()
-        log(f"llama.cpp: {llama.root} ({llama.version()})")
+        ours = ours_isa(args.isa)
+        llama = ensure_llama_cpp(args.isa)
+        log(f"llama.cpp: {llama.build} ({llama.version()}); ours: {ours}")
         results = [benchmark_model(m, llama, args) for m in args.models]
     except QuickdraftError as exc:
         sys.exit(f"error: {exc}")
@@ -815,7 +1057,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/llamacpp.py " + shlex.join(sys.argv[1:]),
         "llama_cpp": {"llama_cpp_python_sdist": LLAMA_CPP_PYTHON, "version": llama.version(), "root": str(llama.root),
-                      "cmake_flags": list(llama.cmake_flags)},
+                      "build": str(llama.build), "cmake_flags": list(llama.cmake_flags)},
+        "isa": {"asked": args.isa, "ours": ours, "llama_cpp": llama.isa},
         "setup": {"threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
                   "prompts": args.prompts, "quick": args.quick, "batch": 1, "temperature": 0, "ignore_eos": True},
         "hardware": {"device": "cpu", "cpu_model": cpu_model(), "logical_cores": os.cpu_count()},
@@ -825,7 +1068,7 @@ def main() -> None:
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for model in results:
-        stem = args.out_dir / f"llamacpp_{model['model']}_cpu"
+        stem = args.out_dir / f"llamacpp_{model['model']}_cpu{'' if args.isa == 'native' else '_' + args.isa}"
         result = {**common, **model}
         stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
         md = markdown(result, model)

@@ -67,19 +67,22 @@ def _no_init():
             setattr(torch.nn.init, n, f)
 
 
+def meta_model(cfg: ModelConfig) -> Transformer:
+    """The model's module tree on the meta device (no memory, no initialisation)."""
+    with torch.device("meta"), _no_init():
+        return Transformer(cfg)
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of the model `cfg` describes (built on the meta device: no memory),
     for a reader to check a checkpoint against before reading any tensor."""
-    with torch.device("meta"), _no_init():
-        model = Transformer(cfg)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied lm_head is deduplicated
+    return {name: tuple(p.shape) for name, p in meta_model(cfg).named_parameters()}  # a tied lm_head is deduplicated
 
 
 def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> Transformer:
     """A Transformer holding exactly `state` (Hugging Face parameter names, already on the
     device and in the dtype wanted): a missing, unexpected or misshapen tensor is an error."""
-    with torch.device("meta"), _no_init():
-        model = Transformer(cfg)
+    model = meta_model(cfg)
     expected = {name for name, _ in model.named_parameters()}  # tied lm_head is deduplicated
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)

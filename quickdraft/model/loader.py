@@ -21,7 +21,7 @@ from safetensors import safe_open
 from ..config import ModelConfig
 from ..errors import QuickdraftError
 from . import compressed
-from .build import assemble, resolve_device, resolve_dtype  # noqa: F401 - re-exported
+from .build import assemble, meta_model, resolve_device, resolve_dtype  # noqa: F401 - re-exported
 from .transformer import Transformer
 
 # Tensors some checkpoints carry that we recompute rather than load.
@@ -83,6 +83,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     torch_dtype = resolve_dtype(dtype, cfg, dev)
 
     quantised = compressed.scheme(json.loads((path / "config.json").read_text()))
+    keep = quantised_weights(cfg) if _quantises_from_checkpoint(quantization, dev, torch_dtype) else set()
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         try:
@@ -93,9 +94,29 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                         continue
                     if cfg.tie_word_embeddings and name == "lm_head.weight":
                         continue  # tied: the embedding is the head
-                    state[name] = f.get_tensor(name).to(device=dev, dtype=torch_dtype)
+                    tensor = f.get_tensor(name)
+                    if not (name in keep and tensor.dtype in _HALF):
+                        tensor = tensor.to(device=dev, dtype=torch_dtype)
+                    state[name] = tensor
         except (OSError, RuntimeError, ValueError) as exc:
             if isinstance(exc, QuickdraftError):
                 raise
             raise QuickdraftError(f"cannot read weights {file}: {exc}") from None
     return assemble(cfg, state, path)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _quantises_from_checkpoint(quantization: str | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the linear weights `quant.prepare` will quantise stay in the checkpoint's 16-bit
+    type until it does (CPU, int8 / int4, a float32 model): a 1.7B model's float32 copy is 6.8 GB,
+    and the quantisers widen a 16-bit weight exactly, so the quantised bits are the same."""
+    return quantization in ("int8", "int4") and device.type == "cpu" and dtype == torch.float32
+
+
+def quantised_weights(cfg: ModelConfig) -> set[str]:
+    """The checkpoint names of the weights `quant.prepare` replaces: every nn.Linear's (a tied
+    lm_head is the embedding's, which stays in the model's dtype)."""
+    return {f"{name}.weight" for name, module in meta_model(cfg).named_modules()
+            if isinstance(module, torch.nn.Linear) and not (cfg.tie_word_embeddings and name == "lm_head")}

@@ -105,3 +105,54 @@ def test_quantised_linear_without_a_kernel_dequantises(fmt, monkeypatch):
     x = torch.randn(3, 64)
     exact = x @ fallback.dequantized(torch.float32).t() + torch.cat([lin.bias for lin in lins])
     assert (fallback(x) - exact).abs().max() <= 0.02 * exact.abs().max()  # bf16 activations on CPU
+
+
+def _int8_whole(w):  # the quantisers' definitions, on the whole tensor at once
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def _int4_whole(w, group=32):
+    wg = w.float().reshape(w.shape[0], -1, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = (hi - lo).clamp(min=1e-8) / 15
+    q = torch.clamp(torch.round((wg - lo[..., None]) / scale[..., None]), 0, 15).to(torch.uint8)
+    return q.reshape(w.shape), scale, lo + 8 * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantisers_give_the_whole_tensor_bits_chunk_by_chunk(dtype, monkeypatch):
+    """int8_quantize / int4_quantize work through a weight a few rows at a time, in place on
+    float32 copies: the same bits as their whole-tensor definitions, the weight left as it was."""
+    from quickdraft.model import formats
+
+    monkeypatch.setattr(formats, "_QUANT_CHUNK", 3 * 96 + 5)  # 3 rows a chunk: 37 rows end mid-chunk
+    torch.manual_seed(0)
+    w = (torch.randn(37, 96) * 0.05).to(dtype)
+    w[4] = 0  # an all-zero row: the scale floor
+    w[7, :32] = 0.25  # a constant group
+    w[9, 5] = -3.0  # an outlier sets its row's int8 scale
+    before = w.clone()
+    for got, want in ((formats.int8_quantize(w), _int8_whole(w)), (formats.int4_quantize(w), _int4_whole(w))):
+        assert all(torch.equal(g, x) for g, x in zip(got, want))
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_bf16_checkpoint_is_quantised_from_its_own_bits(quantization, tmp_path):
+    """A 16-bit checkpoint loaded as float32 for int8 / int4 keeps its linear weights 16-bit until
+    `prepare` quantises them (no float32 copy of the model): the same quantised weights and logits
+    as quantising its float32 copy, the rest of the model in float32."""
+    from conftest import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "bf16", torch_dtype="bfloat16")
+    model = load_model(folder, dtype="float32", quantization=quantization)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16  # (until prepare)
+    assert model.dtype == torch.float32 and model.model.norm.weight.dtype == torch.float32
+    fast = prepare(model, quantization)
+    slow = prepare(load_model(folder, dtype="float32"), quantization)
+    for a, b in zip(fast.buffers(), slow.buffers()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    ids = torch.tensor([[3, 5, 7, 11]])
+    assert torch.equal(fast(ids), slow(ids))
