@@ -159,6 +159,9 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5  # k: draft tokens proposed per step (per request, at most)
 MAX_NUM_SPECULATIVE_TOKENS = 64  # the longest speculation any configuration may ask for
+# the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
+# falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
+DEFAULT_POLICY = "auto"
 DEFAULT_MAX_NUM_SEQS = 32  # rows of the running batch (KV-cache slots; a server preallocates them all: 64 would take ~24 GB for SmolLM2 at its 8,192-token context in float32)
 
 
@@ -187,7 +190,7 @@ class SpecConfig:
     method: str = "draft"  # "none" = plain decoding, or a registered proposer (quickdraft.proposers)
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # k: the most draft tokens any path proposes per step
     options: Mapping[str, Any] = field(default_factory=dict)  # the proposer's own options
-    policy: str = "fixed"  # speculation length per request and step: fixed | acceptance | goodput
+    policy: str = DEFAULT_POLICY  # speculation length per request and step: auto | fixed | acceptance | goodput
     profile: str | None = None  # cost profile JSON from `quickdraft tune` (the goodput policy)
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from . import aot
-from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, EngineConfig, SpecConfig,
+from .config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY, EngineConfig, SpecConfig,
                      check_max_num_seqs, check_num_speculative_tokens)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
@@ -62,7 +62,7 @@ class LLM:
                  method: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
-                 spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
+                 spec_options: Mapping[str, Any] | None = None, policy: str = DEFAULT_POLICY,
                  profile: str | Path | None = None, compile: bool | str | None = None,
                  quantization: str | None = None, draft_quantization: str | None = None,
                  preallocate: bool = False, draft_dtype: str | torch.dtype | None = None,

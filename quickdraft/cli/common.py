@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_NUM_SPECULATIVE_TOKENS,
+from ..config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY, MAX_NUM_SPECULATIVE_TOKENS,
                       check_max_num_seqs, check_num_speculative_tokens)
 from ..errors import QuickdraftError
 from ..sampling import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams, check_field
@@ -183,8 +183,10 @@ THREADS = typer.Option(None, "--threads", help="CPU threads torch uses (default:
 TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates per depth (>1 = token tree).")
 SPEC_OPTION = typer.Option(None, "--spec-option", "-o",
                            help="Proposer option KEY=VALUE (repeatable), e.g. -o max_ngram=4.")
-POLICY = typer.Option("fixed", "--policy", help="Speculation length: fixed | acceptance | goodput.")
-PROFILE = typer.Option(None, "--profile", help="Cost profile from `quickdraft tune` (for --policy goodput).")
+POLICY = typer.Option(DEFAULT_POLICY, "--policy", help="Speculation length: auto (from this machine's measured "
+                      "step costs: a smaller k or plain decoding where speculation does not pay) | fixed | "
+                      "acceptance | goodput.")
+PROFILE = typer.Option(None, "--profile", help="Cost profile from `quickdraft tune` (for --policy goodput or auto).")
 DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, the "
                      "checkpoint's on a GPU).")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available).")

@@ -287,7 +287,7 @@ def test_concurrent_requests_get_their_own_speculation_figures(server):
 def test_speculation_figures_of_other_methods(target_dir, method):
     from quickdraft.server.app import ServerState
 
-    ts = ThreadServer(ServerState(lambda: LLM(target_dir, method=method, num_speculative_tokens=3), MODEL))
+    ts = ThreadServer(ServerState(lambda: LLM(target_dir, method=method, num_speculative_tokens=3, policy="fixed"), MODEL))
     try:
         prompt = [0] + [5, 6, 7, 8] * 6  # repeats: something for the n-gram proposer to match
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
@@ -613,7 +613,7 @@ def faulty_server(target_dir, draft_dir):
     from quickdraft.server.app import ServerState
 
     def load():
-        llm = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+        llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
         engine = llm.engine
         prefill, decode = engine._prefill, engine._decode
 
