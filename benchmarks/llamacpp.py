@@ -676,7 +676,7 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
         try:
             started = time.perf_counter()
             draft = models.draft if config.draft else models.head if config.head else None
-            llm = LLM(models.target, draft=draft, **kwargs)
+            llm = LLM(models.target, draft=draft, **kwargs, policy="fixed")
             log(f"{name} {cname}: loaded in {time.perf_counter() - started:.1f} s, steps: "
                 f"{type(llm.engine._forward).__name__}")
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks

@@ -144,7 +144,7 @@ class AutoPolicy(SpecPolicy):
         calibrated, self._priors = (_CALIBRATED, _PRIOR) if self.persist else ({}, {})
         if digest not in calibrated:
             costs, prior = load_costs(self.key) if self.persist else ({}, None)
-            calibrated[digest] = costs
+            calibrated[digest] = {b: c for b, c in costs.items() if set(self.arms) <= set(c)}  # else measured again
             if prior is not None:
                 self._priors[digest] = prior
         self.costs = calibrated[digest]  # frozen per bucket once calibrated

@@ -194,14 +194,9 @@ def check_policy(name: str, profile: object | None) -> None:
 
 
 def make_policy(name: str, k_max: int, profile: dict | Profile | None = None,
-                method: str | None = None, cost_key: dict | None = None) -> SpecPolicy:
-    """`cost_key`: what the auto policy's cached step costs are keyed by (the engine's
-    `cost_key()`); auto with a profile is goodput on that profile."""
+                method: str | None = None) -> SpecPolicy:
+    """The fixed, acceptance and goodput policies (`quickdraft.policy.make_policy` adds auto)."""
     check_policy(name, profile)
-    if name == "auto" and profile is None:
-        from .auto import AutoPolicy
-
-        return AutoPolicy(k_max, cost_key or {}, method or "draft", persist=cost_key is not None)
     if name == "fixed":
         return SpecPolicy(k_max)
     if name == "acceptance":

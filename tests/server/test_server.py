@@ -29,7 +29,7 @@ PROMPTS = [[0] + [(7 * i + 3 * j) % 360 + 2 for j in range(3 + i % 7)] for i in 
 def server(target_dir, draft_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     s = ServerProcess("--target", str(target_dir), "--draft", str(draft_dir), "-k", "4", "--max-num-seqs", "8",
-                      "--served-model-name", MODEL, log=log)
+                      "--served-model-name", MODEL, "--policy", "fixed", log=log)  # speculation figures: k every step
     yield s
     s.stop()
 
