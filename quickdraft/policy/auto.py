@@ -125,7 +125,7 @@ def save_costs(key: Mapping[str, Any], costs: Mapping[int, Mapping[int, float]],
 class AutoPolicy(SpecPolicy):
     name = "auto"
     warmup = 2  # steps per bucket not timed (first-call costs)
-    samples = 4  # timed steps per calibrated k
+    samples = 6  # timed steps per calibrated k (medians: a loaded machine jitters)
     probe_every = 32  # while off: speculate once every this many steps
     margin = 1.03  # speculation must predict this much over plain decoding
     prior_steps = 2.0  # the calibration's acceptance length counts as this many steps of a new request
