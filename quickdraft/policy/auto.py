@@ -263,16 +263,18 @@ class AutoPolicy(SpecPolicy):
         return bool(self._timing) or any(b not in self.costs for b in self._seen)
 
     def _report(self, b: int, k: int, rates: dict[int, float], best: int, k_bound: int) -> None:
-        """One line when the decision for a bucket turns speculation off (and back on), and the
-        first time it lowers k."""
+        """One line when the decision for a bucket turns speculation off (a warning the first
+        time) or back on, and the first time it lowers k."""
         mode = "off" if k == 0 else "lower" if k < min(self.k_max, k_bound) else "on"
         before = self._mode.get(b, "on")
         self._mode[b] = mode
         top = min(self.k_max, k_bound)
         if mode == "off" and before != "off":
-            log.warning("quickdraft: speculation off for this model on this machine (batch %s): measured %.1f tok/s "
-                        "plain vs %.1f tok/s predicted for %s at k = %d (%.1f at k = %d); probing every %d steps",
-                        _bucket_name(b), rates[0], rates[best], self.method, best, rates[top], top, self.probe_every)
+            level = logging.INFO if (b, "off") in self._mode else logging.WARNING  # a warning once, then info
+            self._mode[(b, "off")] = "logged"
+            log.log(level, "quickdraft: speculation off for this model on this machine (batch %s): measured %.1f tok/s "
+                    "plain vs %.1f tok/s predicted for %s at k = %d (%.1f at k = %d); probing every %d steps",
+                    _bucket_name(b), rates[0], rates[best], self.method, best, rates[top], top, self.probe_every)
         elif mode == "lower" and (b, "lower") not in self._mode:
             self._mode[(b, "lower")] = "logged"
             log.info("quickdraft: speculating k = %d instead of %d (batch %s): %.1f tok/s predicted vs %.1f at k = %d "
