@@ -25,7 +25,7 @@ three k (after two warm-up steps, `samples` steps each, interleaved so that a ch
 hits all three alike), then the medians are frozen, logged and written to the quickdraft
 cache (`costs/<key>.json` under `quickdraft.paths.cache_dir()`), keyed by everything the
 costs depend on: the target's and the draft's shapes and weight formats, the method and its
-options, k_max, the forward (eager, compiled, AOT), the CPU, the kernel ISA, torch's threads
+options, k_max, the forward (eager, compiled, AOT), the CPU, a forced kernel ISA, torch's threads
 and version. A later engine with the same key (in this process or another) starts from the
 cached costs and does not calibrate again; delete the file (or point QUICKDRAFT_CACHE
 elsewhere) to measure again, e.g. after calibrating on a loaded machine. A profile from
