@@ -46,7 +46,7 @@ def heldout_windows(tok: Tokenizer, corpus, n: int = 64, seq_len: int = 256) -> 
 
 def speed(folder: Path, prompts: list[list[int]], method: str, repeats: int, tokens: int) -> list[float]:
     llm = LLM(folder / "target", draft=folder / "draft" if method == "draft" else None, method=method,
-              num_speculative_tokens=5, compile=False)
+              num_speculative_tokens=5, compile=False, policy="fixed")
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts[:1], params)  # warm-up
     out = []

@@ -73,7 +73,7 @@ def main() -> None:
         t0 = time.perf_counter()
         llms[name] = LLM(target_dir, draft_dir if uses_draft else None, method="draft" if uses_draft else "none",
                          num_speculative_tokens=args.k, compile=compiled, draft_quantization=quant, dtype=args.dtype,
-                         draft_dtype=args.draft_dtype if uses_draft else None)
+                         draft_dtype=args.draft_dtype if uses_draft else None, policy="fixed")
         compile_s[name] = time.perf_counter() - t0
         print(f"{name}: loaded{' and compiled' if compiled else ''} in {compile_s[name]:.1f} s", flush=True)
     tok = llms[args.configs[0]].tokenizer

@@ -116,7 +116,7 @@ def main() -> None:
     target_dir, draft_dir = args.target or t_dir, args.draft or d_dir
 
     plain = LLM(target_dir, method="none")
-    spec = LLM(target_dir, draft=draft_dir, num_speculative_tokens=args.k)
+    spec = LLM(target_dir, draft=draft_dir, num_speculative_tokens=args.k, policy="fixed")
     tok = plain.tokenizer
     texts = opening_prompts(load_corpus(None).heldout, args.prompts)
     prompts = [tok.encode(t) for t in texts]

@@ -153,7 +153,7 @@ def main() -> None:
         for name, kw in rows_for(model, args.ks, args.head_quantization, args.head, args.trees, args.draft_ks,
                                  "aot" if args.compile == "aot" else False).items():
             start = time.perf_counter()
-            llms[name] = LLM(**kw)
+            llms[name] = LLM(**dict({"policy": "fixed"}, **kw))  # k as the row names it, every step
             print(f"{model} {name}: loaded in {time.perf_counter() - start:.1f} s "
                   f"({type(llms[name].engine._forward).__name__})", flush=True)
         prompts = prompts_for(model, llms["plain"], args.prompts)

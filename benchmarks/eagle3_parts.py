@@ -48,7 +48,7 @@ def main() -> None:
     head_name = args.head or "target-eagle3"
     llm = LLM(target, method="eagle3", draft=head_name, num_speculative_tokens=1,
               compile=False if args.tiny else "aot", dtype="float32",
-              draft_quantization=args.draft_quantization)  # "none": the head as stored
+              draft_quantization=args.draft_quantization, policy="fixed")  # "none": the head as stored
     tgt, step_h, head = llm.target, llm.engine._forward, llm.draft
     head_step = llm.engine.proposer._head  # the head's AOT packages (quickdraft.aot.HeadAOTStep) where built
     step_p = tgt if args.tiny else aot.load_or_build(tgt)  # the plain package (built once when missing)

@@ -331,7 +331,7 @@ def weight_formats(device: torch.device, s: Settings) -> dict:
             want, plain_tps = _generate(plain, prompts, tokens, device)
             del plain
             spec = LLM(method="draft", num_speculative_tokens=3, device=str(device), dtype="float32",
-                       quantization=quant, compile=compile)
+                       quantization=quant, compile=compile, policy="fixed")
             got, spec_tps = _generate(spec, prompts, tokens, device)
             result["configs"][name] = {"format": repr(linear), "plain_tokens_per_s": plain_tps,
                                        "draft_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,

@@ -887,7 +887,7 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             set_threads(load_threads)
             started = time.perf_counter()
             draft = models.draft if config.draft else models.head if config.head else None
-            llm = LLM(models.target, draft=draft, **kwargs)
+            llm = LLM(models.target, draft=draft, **kwargs, policy="fixed")
             load_s = time.perf_counter() - started
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks
             log(f"{name} {cname}: skipped (quickdraft could not load it: {exc})")

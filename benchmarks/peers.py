@@ -70,8 +70,8 @@ def main() -> None:
     target_dir, draft_dir = default_model_dirs()
     kw = {"dtype": "float32", "device": "cpu", "compile": args.compile}
     ours = {("none", 0): LLM(target_dir, method="none", **kw)}
-    ours.update({("draft", k): LLM(target_dir, draft=draft_dir, num_speculative_tokens=k, **kw) for k in args.draft_k})
-    ours.update({("ngram", k): LLM(target_dir, method="ngram", num_speculative_tokens=k, **kw) for k in args.ngram_k})
+    ours.update({("draft", k): LLM(target_dir, draft=draft_dir, num_speculative_tokens=k, **kw, policy="fixed") for k in args.draft_k})
+    ours.update({("ngram", k): LLM(target_dir, method="ngram", num_speculative_tokens=k, **kw, policy="fixed") for k in args.ngram_k})
     tok = ours[("none", 0)].tokenizer
     prompts = [tok.encode(t) for t in code_completion(load_corpus(None).heldout, args.prompts)]
     print(f"{len(prompts)} prompts, mean {statistics.mean(map(len, prompts)):.0f} tokens; {args.new_tokens} new "

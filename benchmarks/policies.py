@@ -59,7 +59,7 @@ def main() -> None:
     target, draft = default_model_dirs()
     configs = {"plain": LLM(target, method="none")}
     for k in args.fixed_k:
-        configs[f"fixed k={k}"] = LLM(target, draft=draft, num_speculative_tokens=k)
+        configs[f"fixed k={k}"] = LLM(target, draft=draft, num_speculative_tokens=k, policy="fixed")
     configs["acceptance"] = LLM(target, draft=draft, num_speculative_tokens=args.k, policy="acceptance")
     configs["goodput"] = LLM(target, draft=draft, num_speculative_tokens=args.k, policy="goodput",
                              profile=args.profile)

@@ -143,7 +143,7 @@ def main() -> None:
     for name in args.methods:
         method, options = METHODS[name]
         llms[name] = LLM(target_dir, draft=draft_dir if method == "draft" else None, method=method,
-                         num_speculative_tokens=args.k, spec_options=options)
+                         num_speculative_tokens=args.k, spec_options=options, policy="fixed")
     tok = llms["none"].tokenizer
     docs = load_corpus(None).heldout
     workloads = {}

@@ -334,10 +334,10 @@ def main() -> None:
     kw = {"dtype": "float32", "device": "cpu", "num_speculative_tokens": args.k}
     ours: dict[str, LLM] = {"ours-plain": LLM(MODEL, method="none", **kw)}
     if "draft" in methods:
-        ours[f"ours-draft-k{args.k}"] = LLM(MODEL, draft=draft, method="draft", **kw)
+        ours[f"ours-draft-k{args.k}"] = LLM(MODEL, draft=draft, method="draft", **kw, policy="fixed")
     for m in CONTEXT_METHODS:
         if m in methods:
-            ours[f"ours-{m}-k{args.k}"] = LLM(MODEL, method=m, **kw)
+            ours[f"ours-{m}-k{args.k}"] = LLM(MODEL, method=m, **kw, policy="fixed")
     plain = ours["ours-plain"]
     rows: dict[str, Callable] = {name: ours_runner(llm) for name, llm in ours.items()}
     pairs = [(name, "ours-plain") for name in ours if name != "ours-plain"]

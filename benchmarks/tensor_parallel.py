@@ -130,8 +130,8 @@ def main() -> None:
     comm = measure_comm(args.iters * 3)
 
     prompts = ["def fib(n):"]
-    one = {m: LLM(method=m, compile=False) for m in ("none", "draft")}
-    two = {m: LLM(method=m, compile=False, tensor_parallel_size=2) for m in ("none", "draft")}
+    one = {m: LLM(method=m, compile=False, policy="fixed") for m in ("none", "draft")}
+    two = {m: LLM(method=m, compile=False, tensor_parallel_size=2, policy="fixed") for m in ("none", "draft")}
     configs = {"1 rank, 2 threads": (one, 2), "1 rank, 1 thread": (one, 1), "2 ranks, 1 thread each": (two, 1)}
     fwd = {c: {T: [] for T in (1, 6)} for c in configs}
     gen = {c: {m: [] for m in ("none", "draft")} for c in configs}

@@ -179,6 +179,9 @@ _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10*
 SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
 DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompt tokens one prefill step computes at most (chunked prefill): what a running stream may wait between two tokens
+# the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
+# falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
+DEFAULT_POLICY = "auto"
 
 
 def _is_int(value: Any) -> bool:
@@ -265,7 +268,7 @@ class SpecConfig:
     method: str = "draft"  # "none" = plain decoding, or a registered proposer (quickdraft.proposers)
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # k: the most draft tokens any path proposes per step
     options: Mapping[str, Any] = field(default_factory=dict)  # the proposer's own options
-    policy: str = "fixed"  # speculation length per request and step: fixed | acceptance | goodput
+    policy: str = DEFAULT_POLICY  # speculation length per request and step: auto | fixed | acceptance | goodput
     profile: str | None = None  # cost profile JSON from `quickdraft tune` (the goodput policy)
 
     def __post_init__(self) -> None:

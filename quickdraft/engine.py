@@ -195,9 +195,6 @@ class Engine:
         self._wants_target_tokens = proposer is not None and proposer.wants_target_tokens
         self._hidden_layers = None if proposer is None else proposer.hidden_layers
         self.policy = None
-        if self.k > 0:
-            profile = None if config.spec.profile is None else load_profile(config.spec.profile)
-            self.policy = make_policy(config.spec.policy, self.k, profile, config.spec.method)
         self._forward = target  # the decode / verify forward: the model, or its compiled step
         if config.compile is True:
             from .compile import StepFunction
@@ -213,6 +210,10 @@ class Engine:
             from . import aot
 
             self.aot_missing = self._use_packages(aot.load_or_build if config.compile == "aot" else aot.load)
+        if self.k > 0:  # (after the forwards are chosen: the auto policy's costs are keyed by them)
+            profile = None if config.spec.profile is None else load_profile(config.spec.profile)
+            self.policy = make_policy(config.spec.policy, self.k, profile, config.spec.method,
+                                      cost_key=self.cost_key() if config.spec.policy == "auto" else None)
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         self.device = target.device
@@ -317,6 +318,40 @@ class Engine:
         if self.device.type == "cpu":
             return_freed_memory()
 
+    def cost_key(self) -> dict:
+        """What this engine's step costs depend on, for the auto policy's cached calibration: the
+        target's and the proposer's models (shapes, parameter and buffer formats), the method and
+        its options, k, the forward that runs (eager, compiled, AOT), the machine (CPU, kernel
+        ISA, threads) and torch."""
+        import os
+        import platform
+
+        def model(m: torch.nn.Module) -> dict:
+            formats = sorted({f"{type(x).__name__}:{t.dtype}" for x in m.modules()
+                              for t in list(x.parameters(recurse=False)) + list(x.buffers(recurse=False))})
+            return {"class": type(m).__name__, "config": repr(getattr(m, "config", None)), "formats": formats,
+                    "parameters": sum(p.numel() for p in m.parameters())}
+
+        drafts = {} if self.proposer is None else {
+            name: model(m) for name, m in sorted(vars(self.proposer).items()) if isinstance(m, torch.nn.Module)}
+        cpu = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+        except OSError:
+            pass
+        device = self.target.device
+        return {"target": model(self.target), "method": self.config.spec.method,
+                "proposer": type(self.proposer).__name__, "drafts": drafts,
+                "options": {k: repr(v) for k, v in sorted(self.config.spec.options.items())}, "k": self.k,
+                "forward": f"{type(self._forward).__name__}:{self.config.compile}",
+                "device": str(device), "machine": cpu if device.type == "cpu" else torch.cuda.get_device_name(device)
+                if device.type == "cuda" else device.type,
+                # the kernels' path follows the CPU unless forced (asking kernels.isa() could build them)
+                "isa": os.environ.get("QUICKDRAFT_ISA") if device.type == "cpu" else None,
+                "aten": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
+
     def _use_packages(self, make) -> list[str]:
         """Run the target's and the proposer's forwards through the AOT packages `make(model,
         **kw)` returns (aot.load, or aot.load_or_build); the models still without theirs (a
@@ -374,6 +409,8 @@ class Engine:
                         type(loaded).__name__, loaded)
             return
         self.aot_missing = self._use_packages(lambda model, **kw: loaded.get((id(model), tuple(sorted(kw.items())))))
+        if hasattr(self.policy, "set_key"):  # other steps, other costs (cached, or calibrated anew)
+            self.policy.set_key(self.cost_key())
         if self.aot_missing:
             log.warning("quickdraft: the background AOT build ended but no package loaded for %s; running those "
                         "eagerly", " and ".join(self.aot_missing))

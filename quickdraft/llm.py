@@ -12,7 +12,7 @@ import torch
 
 from . import aot
 from .config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
-                     DEFAULT_SELF_DRAFT_QUANTIZATION, SELF_DRAFT, EngineConfig, SpecConfig,
+                     DEFAULT_POLICY, DEFAULT_SELF_DRAFT_QUANTIZATION, SELF_DRAFT, EngineConfig, SpecConfig,
                      check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
                      check_num_speculative_tokens, check_prefix_cache_bytes)
 from .errors import QuickdraftError
@@ -64,7 +64,7 @@ class LLM:
                  method: str | None = None, num_speculative_tokens: int | None = None,
                  dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
-                 spec_options: Mapping[str, Any] | None = None, policy: str = "fixed",
+                 spec_options: Mapping[str, Any] | None = None, policy: str = DEFAULT_POLICY,
                  profile: str | Path | None = None, compile: bool | str | None = None,
                  quantization: str | None = None, draft_quantization: str | None = None,
                  preallocate: bool = False, draft_dtype: str | torch.dtype | None = None,

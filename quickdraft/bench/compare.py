@@ -43,7 +43,8 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
         for k in ks:
             llms[(m, k)] = LLM(target, draft=draft if proposers.get(m).needs_draft_model else None, method=m,
                                num_speculative_tokens=k,
-                               spec_options=spec_options, dtype=dtype, device=device, **more)
+                               spec_options=spec_options, dtype=dtype, device=device,
+                               **dict({"policy": "fixed"}, **more))  # k as asked, every step
     names = [("none", 0)] + list(llms)
     for llm in [plain, *llms.values()]:  # a fresh cache's background AOT build: switch before timing
         llm.wait_for_aot()

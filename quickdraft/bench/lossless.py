@@ -208,7 +208,8 @@ def verify_lossless(target, draft=None, method: str = "draft", k: int = 4, spec_
     started = time.perf_counter()
     factory = llm_factory or LLM
     llm = factory(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
-                  max_num_seqs=batch, spec_options=dict(spec_options or {}))
+                  max_num_seqs=batch, spec_options=dict(spec_options or {}),
+                  policy="fixed")  # speculate every step: what is tested
     plain = Engine(llm.target, None, EngineConfig(spec=SpecConfig(method="none"), max_num_seqs=batch),
                    llm.tokenizer, tuple(llm.engine.eos_token_ids))
     vocab = llm.target.config.vocab_size

@@ -99,7 +99,7 @@ def tune(config: TuneConfig, console=None):
             needs_draft = proposers.get(method).needs_draft_model
             llm = LLM(config.target, draft=draft if needs_draft else None, method=method,
                       num_speculative_tokens=config.k_max, dtype=config.dtype, device=config.device,
-                      spec_options=config.spec_options)
+                      spec_options=config.spec_options, policy="fixed")  # acceptance at k_max
             llm.wait_for_aot()  # a fresh cache's background AOT build: time the steps it switches to
             proposer = llm.engine.proposer
             longest = config.context + 1 + proposer.max_draft_tokens(config.k_max)

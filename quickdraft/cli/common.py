@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                      DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_NUM_SPECULATIVE_TOKENS,
+                      DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY,
+                      MAX_NUM_SPECULATIVE_TOKENS,
                       check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
                       check_num_speculative_tokens)
 from ..errors import QuickdraftError
@@ -210,9 +211,11 @@ THREADS = typer.Option(None, "--threads", help="CPU threads torch uses (default:
 TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates per depth (>1 = token tree).")
 SPEC_OPTION = typer.Option(None, "--spec-option", "-o",
                            help="Proposer option KEY=VALUE (repeatable), e.g. -o max_ngram=4.")
-POLICY = typer.Option("fixed", "--policy", help="Speculation length: fixed | acceptance | goodput.")
+POLICY = typer.Option(DEFAULT_POLICY, "--policy", help="Speculation length: auto (from this machine's measured "
+                      "step costs: a smaller k or plain decoding where speculation does not pay) | fixed | "
+                      "acceptance | goodput.")
 PROFILE = typer.Option(None, "--profile", help="Profile from `quickdraft select` (its method, draft and k, unless "
-                       "--method or --draft is given) or `quickdraft tune` (costs for --policy goodput).")
+                       "--method or --draft is given) or `quickdraft tune` (costs for --policy goodput or auto).")
 DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, the "
                      "checkpoint's on a GPU).")
 DEVICE = typer.Option(None, "--device", help="cpu | cuda | mps (default: best available).")

@@ -5,6 +5,10 @@ tokens per row costs more as the batch grows, and a request whose drafts are rar
 accepted wastes it. A policy picks k per request each step, 0 meaning "no speculation".
 All policies are lossless: they only change how many tokens are proposed.
 
+- `auto` (the default): the k in 0..k that maximises expected tokens per second from this
+  machine's measured step costs (calibrated on the first steps, cached per model, method and
+  machine) and each request's running acceptance; plain decoding where speculation cannot
+  pay. See `quickdraft.policy.auto`.
 - `fixed`: k every step (the configured num_speculative_tokens).
 - `acceptance`: per request, grow k by 2 after a step that accepted every drafted token,
   shrink it by 1 otherwise (the heuristic of transformers' assisted generation), within
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from ..errors import QuickdraftError
 from .costs import Profile, expected_tokens
 
-POLICIES = ("fixed", "acceptance", "goodput")
+POLICIES = ("auto", "fixed", "acceptance", "goodput")
 
 
 @dataclass
@@ -36,6 +40,13 @@ class RowState:
     k: int  # the acceptance policy's current k for this request
     drafted: float = 0.0  # exponentially weighted drafted tokens
     accepted: float = 0.0  # ... and accepted ones
+    # the auto policy's view: the k of the row's last step, exponentially weighted speculating
+    # steps, tokens accepted in them and their k, and the acceptance they imply (None: stale)
+    last_k: int = 0
+    spec_steps: float = 0.0
+    spec_accepted: float = 0.0
+    spec_k: float = 0.0
+    alpha: float | None = None
 
 
 class SpecPolicy:
@@ -184,6 +195,7 @@ def check_policy(name: str, profile: object | None) -> None:
 
 def make_policy(name: str, k_max: int, profile: dict | Profile | None = None,
                 method: str | None = None) -> SpecPolicy:
+    """The fixed, acceptance and goodput policies (`quickdraft.policy.make_policy` adds auto)."""
     check_policy(name, profile)
     if name == "fixed":
         return SpecPolicy(k_max)

@@ -58,7 +58,7 @@ def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[li
                        eos: tuple[int, ...] = (), seed: int = 0) -> dict[str, float]:
     """Acceptance of `draft` against `target` on `prompts` (token ids); with `eos`, answers
     end there (chat prompts), else every prompt gets `max_tokens` new tokens."""
-    engine = Engine(target, DraftModelProposer(draft), EngineConfig(SpecConfig("draft", k), max_num_seqs=batch),
+    engine = Engine(target, DraftModelProposer(draft), EngineConfig(SpecConfig("draft", k, policy="fixed"), max_num_seqs=batch),
                     eos_token_ids=eos)
     stats = SpecStats()
     requests = [(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=not eos, seed=seed + i))

@@ -227,7 +227,7 @@ def measure_head(target, head, prompts: list[list[int]], k: int = 5, max_tokens:
     from ..sampling import SamplingParams
 
     engine = Engine(target, Eagle3Proposer(head, target.config.vocab_size),
-                    EngineConfig(SpecConfig("eagle3", k), max_num_seqs=8), eos_token_ids=eos)
+                    EngineConfig(SpecConfig("eagle3", k, policy="fixed"), max_num_seqs=8), eos_token_ids=eos)
     stats = SpecStats()
     requests = [(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=not eos, seed=seed + i))
                 for i, p in enumerate(prompts)]

@@ -92,13 +92,13 @@ def test_engine_with_packages_is_lossless(target_dir, draft_dir, target_step):
     prompts = [[3, 17, 42, 9], [5, 6, 7, 8, 9, 10, 11]]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = LLM(target_dir, method="none", compile=False, dtype="float32")
-    spec = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, compile="aot", dtype="float32")
+    spec = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, compile="aot", dtype="float32", policy="fixed")
     assert isinstance(spec.engine._forward, aot.AOTStep)
     assert isinstance(spec.engine.proposer._step, aot.AOTStep)
     want = [o.token_ids for o in plain.generate(prompts, greedy)]
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == want
     # by default a CPU engine picks up the cached packages
-    auto = LLM(target_dir, method="ngram", compile=None, dtype="float32")
+    auto = LLM(target_dir, method="ngram", compile=None, dtype="float32", policy="fixed")
     assert isinstance(auto.engine._forward, aot.AOTStep)
     assert [o.token_ids for o in auto.generate(prompts, greedy)] == want
 
@@ -111,7 +111,7 @@ def test_quantised_package(target_dir, quant):
     prompts = [[3, 17, 42, 9, 3, 17, 42]]
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     spec = LLM(target_dir, method="ngram", num_speculative_tokens=3, compile="aot", quantization=quant,
-               dtype="float32")
+               dtype="float32", policy="fixed")
     assert isinstance(spec.engine._forward, aot.AOTStep)
     # quickdraft's kernels run every row count; PyTorch's switch to a dense GEMM past DENSE_ROWS
     assert spec.engine._forward.max_rows == (aot._MAX_ROWS if quant_mod.blocked_supported() else formats.DENSE_ROWS)
@@ -146,7 +146,7 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
     save_eagle3(new_head(model), tmp_path / "h")
     # the bundled-style default head reads (2, L // 2, L - 3) clamped to this 2-layer target: (1, 1, 0)
     spec = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
-               dtype="float32")
+               dtype="float32", policy="fixed")
     assert isinstance(spec.engine._forward, aot.AOTStep) and spec.engine._forward.hidden_at == (1, 1, 0)
     head_step = spec.engine.proposer._head  # the head's two packages: from target states, drafting
     assert isinstance(head_step, aot.HeadAOTStep) and len({p.name for p in head_step.paths}) == 2
@@ -155,7 +155,7 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
     prompts = [[3, 17, 42, 9], [5, 6, 7]]
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
     tree = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
-               dtype="float32", spec_options={"tree_width": 2, "tree_nodes": 5})
+               dtype="float32", spec_options={"tree_width": 2, "tree_nodes": 5}, policy="fixed")
     # trees: the target's tree verify and the head's tree depths run their own packages
     forward, head_step = tree.engine._forward, tree.engine.proposer._head
     assert forward.tree_runner is not None and forward.tree_path.name.endswith("-t.pt2")

@@ -128,7 +128,7 @@ def test_background_build_switches_mid_generation(target_dir, draft_dir, empty_a
     monkeypatch.setenv("QUICKDRAFT_AOT_BUILD", "1")
     plain = LLM(target_dir, method="none", compile=False, dtype="float32")
     want = plain.generate([PROMPT], GREEDY)[0].token_ids
-    llm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32")
+    llm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32", policy="fixed")
     assert llm.aot_build is not None and llm.engine.aot_missing == ["the target", "the draft"]
     engine = llm.engine
     rid = engine.add_request(PROMPT, GREEDY)
@@ -150,6 +150,6 @@ def test_background_build_switches_mid_generation(target_dir, draft_dir, empty_a
     assert isinstance(engine.proposer._step, aot.AOTStep) and engine.aot_missing == []
     assert tokens == want
     assert sorted(p.suffix for p in empty_aot_dir.iterdir()) == [".log", ".pt2", ".pt2"]  # no lock, no temporary file
-    warm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32")
+    warm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32", policy="fixed")
     assert warm.aot_build is None and isinstance(warm.engine._forward, aot.AOTStep)
     assert warm.generate([PROMPT], GREEDY)[0].token_ids == want

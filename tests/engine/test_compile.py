@@ -31,7 +31,7 @@ def plain_out(target_dir):
                          ids=["draft-chain", "draft-tree", "ngram"])
 def test_compiled_greedy_equals_eager(target_dir, draft_dir, plain_out, method, options):
     llm = LLM(target_dir, draft_dir if method == "draft" else None, method=method, num_speculative_tokens=3,
-              spec_options=options, compile=True)
+              spec_options=options, compile=True, policy="fixed")
     assert isinstance(llm.engine._forward, StepFunction) and llm.engine._forward.failed is None
     chain = method == "draft" and not options  # drafted as one compiled graph
     if chain:
@@ -53,7 +53,7 @@ def test_compiled_greedy_equals_eager(target_dir, draft_dir, plain_out, method, 
 def test_static_shapes_pad_the_batch_and_read_the_whole_cache(target_dir, draft_dir, plain_out):
     """The CUDA-graph layout, run on CPU: batch padded to a bucket (3 -> 4 rows), keys over
     the whole static cache, padding rows writing to the trash column."""
-    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, max_model_len=128, max_num_seqs=8)
+    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, max_model_len=128, max_num_seqs=8, policy="fixed")
     engine = llm.engine
     calls = []
     step = StepFunction(llm.target, name="target", static=True)
@@ -105,7 +105,7 @@ def test_compiled_engine_keeps_the_target_distribution(pair):  # noqa: F811
     """Plain temperature runs the draft's whole chain as one compiled graph (warmed up);
     top-k, a mix the warm-up did not compile, runs it one compiled forward at a time."""
     target, draft = pair
-    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N, compile=True)
+    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N, compile=True, policy="fixed")
     proposer = llm.engine.proposer
     fused = _count_calls(proposer._chain)
     for kw, expect_fused in ((dict(temperature=1.0), True), (dict(temperature=1.0, top_k=8), False)):
@@ -133,7 +133,7 @@ def _count_calls(step: StepFunction) -> list[int]:
 def test_memory_footprint(target_dir, draft_dir):
     from quickdraft.bench.memory import footprint
 
-    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
     f = footprint(llm, batch=2, context=100)
     cfg = llm.target.config
     per_pos = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # k and v, float32

@@ -33,14 +33,14 @@ def test_plain_decoding_matches_transformers_generate(target_dir, plain_out):
 
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_speculative_equals_plain_batched(target_dir, draft_dir, plain_out, k):
-    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=k)
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=k, policy="fixed")
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_out
     assert llm.stats.num_draft_tokens > 0
 
 
 def test_greedy_speculative_equals_plain_batch1(target_dir, draft_dir, plain_out):
-    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=4)
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=4, policy="fixed")
     for prompt, expected in zip(PROMPTS, plain_out):
         assert llm.generate([prompt], GREEDY)[0].token_ids == expected
 
@@ -58,7 +58,7 @@ def test_greedy_equal_with_a_partly_agreeing_draft(target_dir, ckpt_factory, pla
     g = torch.Generator().manual_seed(0)
     w = {n: t + 0.003 * torch.randn(t.shape, generator=g) for n, t in w.items()}
     save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    llm = LLM(target_dir, draft=folder, num_speculative_tokens=5)
+    llm = LLM(target_dir, draft=folder, num_speculative_tokens=5, policy="fixed")
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_out
     rate = llm.stats.acceptance_rate
@@ -67,7 +67,7 @@ def test_greedy_equal_with_a_partly_agreeing_draft(target_dir, ckpt_factory, pla
 
 def test_draft_equal_to_target_accepts_everything(target_dir):
     k = 4
-    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=k)
+    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=k, policy="fixed")
     # prefill emits 1 token, then each step k + 1: 1 + 6 * 5 tokens is a whole number of steps
     params = SamplingParams(temperature=0, max_tokens=1 + 6 * (k + 1), ignore_eos=True)
     llm.generate(PROMPTS, params)
@@ -78,18 +78,18 @@ def test_draft_equal_to_target_accepts_everything(target_dir):
 
 def test_sampled_speculative_is_seeded_and_valid(target_dir, draft_dir):
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, max_tokens=30, seed=7, ignore_eos=True)
-    a = LLM(target_dir, draft=draft_dir).generate(PROMPTS, params)
-    b = LLM(target_dir, draft=draft_dir).generate(PROMPTS, params)
+    a = LLM(target_dir, draft=draft_dir, policy="fixed").generate(PROMPTS, params)
+    b = LLM(target_dir, draft=draft_dir, policy="fixed").generate(PROMPTS, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     other = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, max_tokens=30, seed=8, ignore_eos=True)
-    c = LLM(target_dir, draft=draft_dir).generate(PROMPTS, other)
+    c = LLM(target_dir, draft=draft_dir, policy="fixed").generate(PROMPTS, other)
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
     assert all(len(o.token_ids) == 30 for o in a)
 
 
 def test_per_prompt_params_and_mixed_batch(target_dir, draft_dir, plain_out):
     """A greedy row next to sampled rows still equals plain greedy decoding."""
-    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3)
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, policy="fixed")
     params = [GREEDY, SamplingParams(temperature=1.0, max_tokens=10, seed=1, ignore_eos=True),
               SamplingParams(temperature=0.5, max_tokens=25, ignore_eos=True)]
     outs = llm.generate(PROMPTS, params)
@@ -98,7 +98,7 @@ def test_per_prompt_params_and_mixed_batch(target_dir, draft_dir, plain_out):
 
 
 def test_max_tokens_inside_an_accepted_run(target_dir, plain_out):
-    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8)
+    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8, policy="fixed")
     for n in (1, 2, 5, 11):
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         assert [o.token_ids for o in outs] == [p[:n] for p in plain_out]
@@ -106,7 +106,7 @@ def test_max_tokens_inside_an_accepted_run(target_dir, plain_out):
 
 
 def test_eos_inside_an_accepted_run(target_dir, plain_out):
-    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8)
+    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8, policy="fixed")
     expected = plain_out[0]
     eos = expected[6]
     cut = expected.index(eos) + 1
@@ -118,7 +118,7 @@ def test_eos_inside_an_accepted_run(target_dir, plain_out):
 
 
 def test_stop_string_inside_an_accepted_run(target_dir):
-    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8)
+    llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=8, policy="fixed")
     full = llm.generate(["def add(a, b):"], GREEDY)[0]
     text = full.text
     assert len(text) > 12
@@ -132,7 +132,7 @@ def test_stop_string_inside_an_accepted_run(target_dir):
 
 
 def test_streaming_deltas_add_up(target_dir, draft_dir):
-    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3)
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, policy="fixed")
     pieces, ids, last = [], [], None
     for o in llm.stream("def add(a, b):", GREEDY):
         pieces.append(o.new_text)
@@ -142,7 +142,7 @@ def test_streaming_deltas_add_up(target_dir, draft_dir):
 
 
 def test_stats_fields(target_dir, draft_dir):
-    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3)
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, policy="fixed")
     outs = llm.generate(PROMPTS, GREEDY)
     s = llm.stats
     assert s.num_output_tokens == sum(len(o.token_ids) for o in outs) == 120
@@ -185,13 +185,13 @@ def test_bad_inputs(target_dir, draft_dir, ckpt_factory, tmp_path):
         llm.generate(PROMPTS, [GREEDY])
     other = ckpt_factory("vocab400", vocab=400)
     with pytest.raises(QuickdraftError, match="vocabulary mismatch"):
-        LLM(target_dir, draft=other)
+        LLM(target_dir, draft=other, policy="fixed")
     with pytest.raises(QuickdraftError, match="needs a draft"):
-        LLM(target_dir, method="draft")
+        LLM(target_dir, method="draft", policy="fixed")
     with pytest.raises(QuickdraftError, match="method"):
-        LLM(target_dir, method="medusa-x")
+        LLM(target_dir, method="medusa-x", policy="fixed")
     with pytest.raises(QuickdraftError, match="num_speculative_tokens"):
-        LLM(target_dir, draft=draft_dir, num_speculative_tokens=0)
+        LLM(target_dir, draft=draft_dir, num_speculative_tokens=0, policy="fixed")
     # the engine keeps working after rejected requests
     assert len(llm.generate([[0, 1]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
@@ -213,8 +213,8 @@ def test_requests_joining_and_leaving_a_running_batch(target_dir, draft_dir, pla
     from quickdraft import Engine, EngineConfig, SpecConfig
     from quickdraft.proposers.draft_model import DraftModelProposer
 
-    llm = LLM(target_dir, draft=draft_dir)
-    engine = Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", 3), max_num_seqs=2,
+    llm = LLM(target_dir, draft=draft_dir, policy="fixed")
+    engine = Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", 3, policy="fixed"), max_num_seqs=2,
                                                                              max_model_len=128))
     lengths = [40, 7, 23]
     done = {}
@@ -238,8 +238,8 @@ def test_abort_a_running_request_keeps_the_others(target_dir, draft_dir, plain_o
     from quickdraft import Engine, EngineConfig, SpecConfig
     from quickdraft.proposers.draft_model import DraftModelProposer
 
-    llm = LLM(target_dir, draft=draft_dir)
-    engine = Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", 4), max_num_seqs=4,
+    llm = LLM(target_dir, draft=draft_dir, policy="fixed")
+    engine = Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", 4, policy="fixed"), max_num_seqs=4,
                                                                              max_model_len=128))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS]
@@ -259,8 +259,8 @@ def _engine(target_dir, draft_dir, k=3, max_num_seqs=4):
     from quickdraft import Engine, EngineConfig, SpecConfig
     from quickdraft.proposers.draft_model import DraftModelProposer
 
-    llm = LLM(target_dir, draft=draft_dir)
-    return Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", k),
+    llm = LLM(target_dir, draft=draft_dir, policy="fixed")
+    return Engine(llm.target, DraftModelProposer(llm.draft), EngineConfig(SpecConfig("draft", k, policy="fixed"),
                                                                           max_num_seqs=max_num_seqs,
                                                                           max_model_len=128))
 
@@ -333,9 +333,9 @@ def test_requests_join_a_running_batch(target_dir, draft_dir, plain_out):
     from quickdraft import Engine, EngineConfig, SpecConfig
     from quickdraft.proposers.draft_model import DraftModelProposer
 
-    llm = LLM(target_dir, draft=draft_dir)
+    llm = LLM(target_dir, draft=draft_dir, policy="fixed")
     engine = Engine(llm.target, DraftModelProposer(llm.draft),
-                    EngineConfig(SpecConfig("draft", 3), max_num_seqs=3))
+                    EngineConfig(SpecConfig("draft", 3, policy="fixed"), max_num_seqs=3))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(PROMPTS[0], params)]
     engine.step()

@@ -138,7 +138,7 @@ def test_plain_greedy_with_penalties_equals_the_reference_loop(plain, penalties)
 @pytest.mark.parametrize("method,options", CASES, ids=IDS)
 def test_speculative_greedy_with_penalties_equals_plain(target_dir, noisy_draft, plain, method, options):
     llm = LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method, num_speculative_tokens=4,
-              spec_options=options)
+              spec_options=options, policy="fixed")
     mixed = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **PENALTIES[i % 3]) for i in range(4)]
     expected = [o.token_ids for o in plain.generate(PROMPTS, mixed)]
     assert [o.token_ids for o in llm.generate(PROMPTS, mixed)] == expected  # one batch, different penalties per row
@@ -162,7 +162,7 @@ def _check_logprobs(out, n):
 @pytest.mark.parametrize("method,options", [CASES[0], CASES[1], CASES[3]], ids=["draft-chain", "draft-tree", "ngram-tree"])
 def test_logprobs_equal_between_plain_and_speculative(target_dir, noisy_draft, plain, method, options):
     llm = LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method, num_speculative_tokens=4,
-              spec_options=options)
+              spec_options=options, policy="fixed")
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3, prompt_logprobs=2),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),  # a row without: none computed for it
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0, repetition_penalty=1.3),
@@ -208,7 +208,7 @@ def test_logprobs_equal_transformers_scores(target_dir, plain):
 def test_logprobs_follow_stops_and_streaming(target_dir, noisy_draft):
     """Logprobs are cut with the tokens (eos, stop strings, max_tokens), and a stream's deltas
     add up to the final list."""
-    llm = LLM(target_dir, draft=noisy_draft, num_speculative_tokens=4)
+    llm = LLM(target_dir, draft=noisy_draft, num_speculative_tokens=4, policy="fixed")
     full = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1))[0]
     stop = full.text[len(full.text) // 2:][:3]
     assert stop.strip()
@@ -231,7 +231,7 @@ def test_eagle3_head_with_prompt_logprobs_and_penalties():
     from quickdraft.llm import default_model_dirs
 
     target = default_model_dirs()[0]
-    llm = LLM(target, draft="target-eagle3", num_speculative_tokens=3, compile=False)
+    llm = LLM(target, draft="target-eagle3", num_speculative_tokens=3, compile=False, policy="fixed")
     plain = LLM(target, method="none", compile=False)
     prompts = [llm.tokenizer.encode("def read_config(path):\n    with open(path) as f:\n"),
                llm.tokenizer.encode("class Stack:\n    def __init__(self):\n")]
@@ -243,7 +243,7 @@ def test_eagle3_head_with_prompt_logprobs_and_penalties():
     assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(spec[0].logprobs, ref[0].logprobs))
     assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(spec[0].prompt_logprobs[1:], ref[0].prompt_logprobs[1:]))
     # the head saw the same states as without prompt logprobs: the same drafts, the same acceptance
-    again = LLM(target, draft="target-eagle3", num_speculative_tokens=3, compile=False)
+    again = LLM(target, draft="target-eagle3", num_speculative_tokens=3, compile=False, policy="fixed")
     again.generate(prompts, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2,
                                             frequency_penalty=0.5), params[1]])
     assert again.stats.num_accepted_tokens == llm.stats.num_accepted_tokens > 0
@@ -259,7 +259,7 @@ def test_a_draft_model_drafts_from_penalised_distributions(target_dir, plain, te
     want = plain.generate(PROMPTS, params)
     rates = {}
     for penalize in (True, False):
-        llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=4, spec_options={"penalize": penalize})
+        llm = LLM(target_dir, draft=target_dir, num_speculative_tokens=4, spec_options={"penalize": penalize}, policy="fixed")
         got = llm.generate(PROMPTS, params)
         if temperature == 0:
             assert [o.token_ids for o in got] == [o.token_ids for o in want]

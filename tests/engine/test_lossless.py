@@ -75,7 +75,7 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 ], ids=["t1", "topk", "topp", "minp"])
 def test_speculative_sampling_matches_target_distribution(pair, kw):
     target, draft = pair
-    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N)
+    llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N, policy="fixed")
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **kw))
     probs = exact_joint(target, SamplingParams(**kw))
     assert 0.05 < llm.stats.acceptance_rate < 0.95  # both accept and reject paths were taken
@@ -113,7 +113,7 @@ def test_other_proposers_match_target_distribution(pair, method, options, kw):
     the n-gram lookups find candidates, accepted sometimes and rejected sometimes."""
     target, draft = pair
     llm = LLM(target, draft=draft if method == "draft" else None, method=method, num_speculative_tokens=2,
-              max_num_seqs=N // 4, spec_options=options)
+              max_num_seqs=N // 4, spec_options=options, policy="fixed")
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **kw))
     probs = exact_joint(target, SamplingParams(**kw))
     assert llm.stats.num_accepted_tokens > 100 and llm.stats.acceptance_rate < 0.95
@@ -178,7 +178,7 @@ def test_penalized_sampling_matches_the_penalized_target(pair, head, method, opt
     target, draft = pair
     k = 0 if method == "none" else 2
     llm = LLM(target, draft={"draft": draft, "eagle3": head}.get(method), method=method,
-              num_speculative_tokens=k or 2, max_num_seqs=N // 4, spec_options=options)  # (k: ignored by "none")
+              num_speculative_tokens=k or 2, max_num_seqs=N // 4, spec_options=options, policy="fixed")  # (k: ignored by "none")
     params = {**PENALIZED, **kw}
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **params))
     probs = exact_joint_penalized(target, SamplingParams(**params))

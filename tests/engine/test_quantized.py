@@ -31,7 +31,7 @@ def plain_out(target_dir):
 
 
 def test_default_formats_are_fused_and_packed(target_dir, draft_dir):
-    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+    llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
     assert formats(llm.target) == formats(llm.draft) == {F32}  # float32 on CPU
     layer = llm.target.model.layers[0]
     assert layer.self_attn.q_proj is None and layer.self_attn.qkv_proj.splits[0] == layer.self_attn.qkv_proj.in_features
@@ -45,7 +45,7 @@ def test_quantised_target_speculative_output_equals_its_plain_output(target_dir,
     # the float32 model drafts for its own quantised self: most drafts are accepted, some are not
     plain = LLM(target_dir, method="none", dtype=dtype, quantization=quant)
     spec = LLM(target_dir, target_dir, num_speculative_tokens=3, dtype=dtype, quantization=quant,
-               draft_dtype="float32")
+               draft_dtype="float32", policy="fixed")
     assert formats(spec.target) == {quant or weight_format(torch.device("cpu"), torch.bfloat16, None)}
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
@@ -56,7 +56,7 @@ def test_mkl_float32_format_is_lossless_and_agrees_with_the_default(target_dir, 
     """Machines without AVX-512 (or a compiler) keep MKL's `transposed` format: still lossless,
     and its logits are the default format's to float rounding."""
     monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
-    spec = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+    spec = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
     assert formats(spec.target) == formats(spec.draft) == {"transposed"}
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == plain_out
     plain = LLM(target_dir, method="none")
@@ -69,8 +69,8 @@ def test_mkl_float32_format_is_lossless_and_agrees_with_the_default(target_dir, 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantised_draft_is_lossless_and_smaller(target_dir, draft_dir, plain_out, quant):
-    full = LLM(target_dir, draft_dir, num_speculative_tokens=3)
-    small = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization=quant)
+    full = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
+    small = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization=quant, policy="fixed")
     assert formats(small.draft) == {quant} and formats(small.target) == {F32}
     assert weight_bytes(small.draft) < weight_bytes(full.draft)
     assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == plain_out
@@ -80,7 +80,7 @@ def test_quantised_draft_is_lossless_and_smaller(target_dir, draft_dir, plain_ou
 def test_draft_precision_differs_from_the_target_and_output_does_not_change(target_dir, plain_out):
     # the target as its own draft: a float32 draft would agree on every token; in bfloat16 it
     # agrees on most, and the output is still exactly the float32 target's
-    llm = LLM(target_dir, target_dir, num_speculative_tokens=3, draft_dtype="bfloat16")
+    llm = LLM(target_dir, target_dir, num_speculative_tokens=3, draft_dtype="bfloat16", policy="fixed")
     assert llm.target.dtype == torch.float32 and llm.draft.dtype == torch.bfloat16
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
     assert llm.stats.num_accepted_tokens > 0
@@ -91,7 +91,7 @@ def test_quantised_models_keep_the_distribution(pair, target_quant, draft_quant)
     """Sampled output of speculative decoding follows the (quantised) target's own distribution."""
     target, draft = pair
     llm = LLM(target, draft=draft, num_speculative_tokens=2, max_num_seqs=N,
-              quantization=target_quant, draft_quantization=draft_quant)
+              quantization=target_quant, draft_quantization=draft_quant, policy="fixed")
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
     assert 0.05 < llm.stats.acceptance_rate < 0.95
     assert chi2_pvalue(counts, exact_joint(target, SamplingParams(), quantization=target_quant)) > 1e-3
@@ -122,7 +122,7 @@ def test_speculative_output_equals_plain_past_every_row_threshold(target_dir, dt
     plain = LLM(target_dir, method="none", dtype=dtype, quantization=quant)
     # the float32 target drafts for its quantised self: most drafts are accepted, some are not
     spec = LLM(target_dir, target_dir, num_speculative_tokens=5, dtype=dtype, quantization=quant,
-               draft_dtype="float32", draft_quantization="none")
+               draft_dtype="float32", draft_quantization="none", policy="fixed")
     assert row_invariant(plain.target) and row_invariant(spec.target) and row_invariant(spec.draft)
     want = [(o.token_ids, o.logprobs) for o in plain.generate(BATCH, greedy)]
     assert [(o.token_ids, o.logprobs) for o in spec.generate(BATCH, greedy)] == want
@@ -143,7 +143,7 @@ def test_seeded_request_does_not_depend_on_its_batch(target_dir, draft_dir, dtyp
     prompts = BATCH[:7] + [prompt] + BATCH[8:]  # the seeded one in the middle
     for llm in (LLM(target_dir, method="none", dtype=dtype, quantization=quant),
                 LLM(target_dir, draft_dir, num_speculative_tokens=5, dtype=dtype, quantization=quant,
-                    draft_quantization=quant)):
+                    draft_quantization=quant, policy="fixed")):
         alone = llm.generate([prompt], seeded)[0]
         beside = llm.generate(prompts, others[:7] + [seeded] + others[7:])[7]
         assert (beside.token_ids, beside.logprobs) == (alone.token_ids, alone.logprobs)

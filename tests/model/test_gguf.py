@@ -333,7 +333,7 @@ def test_4bit_blocks_load_into_int4_as_they_are(tmp_path, qtype):
             w = ((q.float() - 8).unflatten(1, (-1, 32)) * scale[..., None] + zero[..., None]).flatten(1)
             assert torch.allclose(w, _dequantize(t), rtol=0, atol=1e-6 * float(_dequantize(t).abs().max()))
     llm = LLM(target=path, draft=path, dtype="float32", quantization="int4", draft_quantization="int4",
-              num_speculative_tokens=3)
+              num_speculative_tokens=3, policy="fixed")
     for m in llm.target.model.layers.modules():  # every layer matrix was written in qtype
         if isinstance(m, FastLinear):
             assert m.fmt == "int4" and "from GGUF blocks" in repr(m), repr(m)
@@ -343,7 +343,7 @@ def test_4bit_blocks_load_into_int4_as_they_are(tmp_path, qtype):
     got = up.dequantized(torch.float32)[up.splits[0]:]
     assert (got - ref).abs().max() <= 2 ** -7 * ref.abs().max()  # bf16 scales: 8 significant bits
     prompt, params = [5, 9, 14, 3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    plain = LLM(target=path, dtype="float32", quantization="int4")
+    plain = LLM(target=path, dtype="float32", quantization="int4", policy="fixed")
     assert llm.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
 
 
@@ -486,7 +486,7 @@ def test_llm_generates_from_gguf_target_and_draft(tmp_path):
     for _ in range(12):  # plain greedy decoding with transformers' GGUF model, eos ignored as above
         seq.append(int(logits(ref, torch.tensor([seq]))[0, -1].argmax()))
     assert out.token_ids == seq[len(prompt):]
-    spec = LLM(target=target, draft=draft, dtype="float32", num_speculative_tokens=3)
+    spec = LLM(target=target, draft=draft, dtype="float32", num_speculative_tokens=3, policy="fixed")
     assert spec.generate([prompt], params)[0].token_ids == out.token_ids
 
 

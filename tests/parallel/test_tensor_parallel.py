@@ -24,7 +24,7 @@ def tp_llms():
         key = (method, tuple(sorted(kwargs.items())))
         if key not in made:
             opts = kwargs.pop("spec_options", None)
-            made[key] = LLM(method=method, tensor_parallel_size=2, spec_options=opts and dict(opts), **kwargs)
+            made[key] = LLM(method=method, tensor_parallel_size=2, spec_options=opts and dict(opts), **kwargs, policy="fixed")
         return made[key]
 
     yield make
@@ -69,7 +69,7 @@ def test_greedy_output_equals_plain_single_process_decoding(tp_llms, reference, 
 
 def test_seeded_sampling_matches_the_single_process(tp_llms):
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
-    single = LLM(method="draft", compile=False)
+    single = LLM(method="draft", compile=False, policy="fixed")
     assert [o.token_ids for o in tp_llms("draft").generate(PROMPTS[:2], params)] == \
         [o.token_ids for o in single.generate(PROMPTS[:2], params)]
 

@@ -125,8 +125,10 @@ def test_acceptance_policy_is_lossless(target_dir, draft_dir, plain_out):
 
 
 def test_confidence_stop_is_lossless_and_drafts_less(target_dir, draft_dir, plain_out):
-    full = LLM(target_dir, draft=draft_dir, num_speculative_tokens=5)
-    stop = LLM(target_dir, draft=draft_dir, num_speculative_tokens=5, spec_options={"confidence_threshold": 0.3})
+    # drafts per step compared at k = 5 every step: the fixed policy
+    full = LLM(target_dir, draft=draft_dir, num_speculative_tokens=5, policy="fixed")
+    stop = LLM(target_dir, draft=draft_dir, num_speculative_tokens=5, spec_options={"confidence_threshold": 0.3},
+               policy="fixed")
     assert [o.token_ids for o in stop.generate(PROMPTS, GREEDY)] == plain_out
     full.generate(PROMPTS, GREEDY)
     assert stop.stats.num_draft_tokens / stop.stats.num_steps < full.stats.num_draft_tokens / full.stats.num_steps

@@ -153,7 +153,7 @@ def test_head_for_another_target_is_refused(tmp_path, target, tmp_path_factory):
     with pytest.raises(QuickdraftError, match="hidden states of size 64; the target's are 32"):
         load_eagle3(folder, other)
     with pytest.raises(QuickdraftError, match="method 'eagle3' needs a draft"):
-        LLM(make_checkpoint(tmp_path / "t", vocab=V, tokenizer=False), method="eagle3")
+        LLM(make_checkpoint(tmp_path / "t", vocab=V, tokenizer=False), method="eagle3", policy="fixed")
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_greedy_output_equals_plain_decoding(target_dir, trained_head, options):
     want = [o.token_ids for o in plain.generate(prompts, params)]
     for k in (1, 4):
         spec = LLM(target_dir, method="eagle3", draft=trained_head, dtype="float32", num_speculative_tokens=k,
-                   compile=False, max_num_seqs=3, spec_options=options)  # 4 prompts in 3 rows: one joins mid-batch
+                   compile=False, max_num_seqs=3, spec_options=options, policy="fixed")  # 4 prompts in 3 rows: one joins mid-batch
         got = [o.token_ids for o in spec.generate(prompts, params)]
         assert got == want, k
         assert spec.stats.num_accepted_tokens > 0
@@ -215,7 +215,7 @@ def test_sampled_output_keeps_the_target_distribution(tmp_path, params, options)
         head.lm_head.weight.mul_(20)
     save_eagle3(head, tmp_path / "h")
     spec = LLM(target_dir, method="eagle3", draft=tmp_path / "h", dtype="float32", num_speculative_tokens=2,
-               compile=False, spec_options=options)
+               compile=False, spec_options=options, policy="fixed")
     n = 6000
     outs = spec.generate([PROMPT] * n, [dataclasses.replace(params, seed=i) for i in range(n)])
     counts = np.zeros((V12, V12))
@@ -252,9 +252,9 @@ def test_shipped_head_for_the_bundled_target():
     assert is_eagle3_head(folder) and json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert (folder / "model.safetensors").stat().st_size <= 16e6 and "Reproduce" in (folder / "README.md").read_text()
     target, _ = default_model_dirs()
-    spec = LLM(target, draft="target-eagle3", num_speculative_tokens=4, compile=False)  # a head: method eagle3
+    spec = LLM(target, draft="target-eagle3", num_speculative_tokens=4, compile=False, policy="fixed")  # a head: method eagle3
     assert spec.engine.config.spec.method == "eagle3"
-    default = LLM(method="eagle3", compile=False)  # no target, no draft: the bundled target and its head
+    default = LLM(method="eagle3", compile=False, policy="fixed")  # no target, no draft: the bundled target and its head
     assert default.draft.checkpoint_path == folder
     prompts = [spec.tokenizer.encode("def read_config(path):\n    with open(path) as f:\n"),
                spec.tokenizer.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")]
@@ -271,7 +271,7 @@ def test_tune_measures_the_heads_propose_time(target_dir, trained_head, temperat
     from quickdraft.bench.measure import measure_propose
 
     llm = LLM(target_dir, method="eagle3", draft=trained_head, dtype="float32", num_speculative_tokens=3,
-              compile=False)
+              compile=False, policy="fixed")
     times = measure_propose(llm, [1, 2], [1, 3], context=16, iters=2, temperature=temperature)
     assert len(times) == 2 and all(len(row) == 2 and all(t > 0 for t in row) for row in times)
 

@@ -225,7 +225,7 @@ def test_random_trees_are_well_formed():
 
 def test_registered_and_built_from_options():
     assert PROPOSERS["ngram"] is NgramProposer
-    SpecConfig(method="ngram", num_speculative_tokens=4, options={"max_ngram": 3})
+    SpecConfig(method="ngram", num_speculative_tokens=4, options={"max_ngram": 3}, policy="fixed")
     target = SimpleNamespace(device=torch.device("cpu"))
     p = NgramProposer.build(target=target, min_ngram=1, max_ngram=3, num_candidates=2)
     assert (p.min_ngram, p.max_ngram, p.num_candidates, p.device) == (1, 3, 2, torch.device("cpu"))

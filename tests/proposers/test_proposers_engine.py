@@ -41,7 +41,7 @@ def plain_out(target_dir):
 
 def make(target_dir, noisy_draft, method, options, k=4):
     return LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method,
-               num_speculative_tokens=k, spec_options=options)
+               num_speculative_tokens=k, spec_options=options, policy="fixed")
 
 
 @pytest.mark.parametrize("method,options", CASES, ids=IDS)
@@ -75,7 +75,7 @@ def test_requests_joining_and_leaving_with_trees(target_dir, noisy_draft, plain_
     """max_num_seqs 2 with 4 requests: rows are compacted while trees are in flight."""
     for method, options in (CASES[1], CASES[6], CASES[7]):
         llm = LLM(target_dir, draft=noisy_draft if method == "draft" else None, method=method,
-                  num_speculative_tokens=3, spec_options=options, max_num_seqs=2)
+                  num_speculative_tokens=3, spec_options=options, max_num_seqs=2, policy="fixed")
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (48, 9, 30, 17)]
         outs = llm.generate(PROMPTS, params)
         assert [o.token_ids for o in outs] == [p[: m.max_tokens] for p, m in zip(plain_out, params)]
@@ -107,9 +107,9 @@ def test_bad_options_are_clear_errors(target_dir, noisy_draft, method, options, 
 
 def test_method_needing_a_draft_and_unknown_method(target_dir):
     with pytest.raises(QuickdraftError, match="draft"):
-        LLM(target_dir, method="draft", spec_options={"tree_width": 2})
+        LLM(target_dir, method="draft", spec_options={"tree_width": 2}, policy="fixed")
     with pytest.raises(QuickdraftError, match="method must be one of"):
-        LLM(target_dir, method="medusa-x")
+        LLM(target_dir, method="medusa-x", policy="fixed")
 
 
 def test_pruned_draft_tree_keeps_the_best_nodes_as_a_tree(target_dir, noisy_draft):

@@ -275,7 +275,7 @@ def test_count_trie_counts_windows():
 
 def test_registered_and_built_from_options():
     assert PROPOSERS["suffix"] is SuffixProposer
-    SpecConfig(method="suffix", num_speculative_tokens=4, options={"tree": False})
+    SpecConfig(method="suffix", num_speculative_tokens=4, options={"tree": False}, policy="fixed")
     target = SimpleNamespace(device=torch.device("cpu"))
     p = SuffixProposer.build(target=target, max_spec_tokens=8, tree=False)
     assert (p.max_spec_tokens, p.tree) == (8, False)

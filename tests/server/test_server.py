@@ -29,7 +29,7 @@ PROMPTS = [[0] + [(7 * i + 3 * j) % 360 + 2 for j in range(3 + i % 7)] for i in 
 def server(target_dir, draft_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     s = ServerProcess("--target", str(target_dir), "--draft", str(draft_dir), "-k", "4", "--max-num-seqs", "8",
-                      "--served-model-name", MODEL, log=log)
+                      "--served-model-name", MODEL, "--policy", "fixed", log=log)  # speculation figures: k every step
     yield s
     s.stop()
 
@@ -310,7 +310,7 @@ def test_concurrent_requests_get_their_own_speculation_figures(server):
 def test_speculation_figures_of_other_methods(target_dir, method):
     from quickdraft.server.app import ServerState
 
-    ts = ThreadServer(ServerState(lambda: LLM(target_dir, method=method, num_speculative_tokens=3), MODEL))
+    ts = ThreadServer(ServerState(lambda: LLM(target_dir, method=method, num_speculative_tokens=3, policy="fixed"), MODEL))
     try:
         prompt = [0] + [5, 6, 7, 8] * 6  # repeats: something for the n-gram proposer to match
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
@@ -636,7 +636,7 @@ def faulty_server(target_dir, draft_dir):
     from quickdraft.server.app import ServerState
 
     def load():
-        llm = LLM(target_dir, draft_dir, num_speculative_tokens=3)
+        llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
         engine = llm.engine
         prefill, decode = engine._prefill, engine._decode
 

@@ -27,7 +27,7 @@ PROMPT = [0] + [(7 * j) % 300 + 2 for j in range(9)]
 def server(target_dir, noisy_draft):
     # a draft that agrees with the target often, not always: drafts accepted and rejected both
     ts = ThreadServer(ServerState(lambda: LLM(target_dir, draft=noisy_draft, num_speculative_tokens=4,
-                                              preallocate=True, compile=False), MODEL))
+                                              preallocate=True, compile=False, policy="fixed"), MODEL))
     yield ts
     ts.stop()
 
@@ -57,7 +57,7 @@ def check_counts(origins: list[str], usage: dict, choices: int = 1, cut: bool = 
 
 
 def test_engine_records_each_tokens_origin(target_dir, noisy_draft):
-    llm = LLM(target_dir, draft=noisy_draft, num_speculative_tokens=4, compile=False)
+    llm = LLM(target_dir, draft=noisy_draft, num_speculative_tokens=4, compile=False, policy="fixed")
     out, = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert len(out.token_origins) == len(out.token_ids) == 40
     counts = Counter(out.token_origins)

@@ -53,7 +53,7 @@ def test_distilled_draft_is_a_valid_pair(pair):
     # and speculative decoding with the pair is lossless (greedy)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     plain = LLM(target, method="none").generate(["def add(a, b):"], params)[0].token_ids
-    spec = LLM(target, draft=draft, num_speculative_tokens=3).generate(["def add(a, b):"], params)[0].token_ids
+    spec = LLM(target, draft=draft, num_speculative_tokens=3, policy="fixed").generate(["def add(a, b):"], params)[0].token_ids
     assert spec == plain
 
 
@@ -137,7 +137,7 @@ def test_distill_from_a_gguf_chat_target_on_its_answers(pair, tmp_path, monkeypa
     assert log["kl_curve"][-1] < log["kl_curve"][0]
     assert "chat instructions" in (out / "README.md").read_text()
     assert 0.0 <= summary["acceptance_after"]["acceptance_rate"] <= 1.0
-    llm = LLM(str(gguf_file), draft=out, num_speculative_tokens=3)  # the vocabulary check passes
+    llm = LLM(str(gguf_file), draft=out, num_speculative_tokens=3, policy="fixed")  # the vocabulary check passes
     plain = LLM(str(gguf_file), method="none")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     messages = [{"role": "user", "content": "def add(a, b):"}]

@@ -238,7 +238,7 @@ def test_reuse_tokenizer(trained, corpus_dir, tmp_path):
     # draft-xs defaults to 8192 tokens: the target's config.json (512) wins, as a draft must match
     summary = train(out, corpus=corpus_dir, tokenizer=trained[0], **{**ARGS, "steps": 2, "size": "draft-xs"})
     assert summary["finished"] and json.loads((out / "config.json").read_text())["vocab_size"] == 512
-    llm = LLM(target=trained[0], draft=out, num_speculative_tokens=3, device="cpu")  # same vocabulary
+    llm = LLM(target=trained[0], draft=out, num_speculative_tokens=3, device="cpu", policy="fixed")  # same vocabulary
     [result] = llm.generate("def add(a, b):", SamplingParams(max_tokens=6, ignore_eos=True))
     assert len(result.token_ids) == 6
     assert (out / "tokenizer.json").read_bytes() == (trained[0] / "tokenizer.json").read_bytes()
