@@ -33,11 +33,11 @@ def test_generate_with_a_constraint_equals_the_library(target_dir, draft_dir, tm
     (tmp_path / "g.gbnf").write_text('root ::= "x = " [0-9]+')
     files = {"{schema}": tmp_path / "s.json", "{gbnf}": tmp_path / "g.gbnf"}
     flags = [str(files.get(f, f)) for f in flags]
-    r = run("generate", "--target", target_dir, "--draft", draft_dir, "-k", 3, "--max-tokens", 40, "--temperature", 0,
+    r = run("generate", "--target", target_dir, "--draft", draft_dir, "-k", 3, "--policy", "fixed", "--max-tokens", 40, "--temperature", 0,
             "--json", *flags, "def add(a, b):")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
-    want = LLM(target_dir, method="none").generate(
+    want = LLM(target_dir, method="none", policy="fixed").generate(
         ["def add(a, b):"], SamplingParams(temperature=0, max_tokens=40, constraint=constraint))[0]
     assert got["token_ids"] == want.token_ids
     if "json_schema" in constraint:

@@ -54,7 +54,7 @@ def test_constraints_are_values():
 
 
 def test_a_constraint_needs_a_tokenizer(tmp_path):
-    llm = LLM(make_checkpoint(tmp_path / "m", tokenizer=False), method="none")
+    llm = LLM(make_checkpoint(tmp_path / "m", tokenizer=False), method="none", policy="fixed")
     with pytest.raises(QuickdraftError, match="tokenizer"):
         llm.generate([[0, 1, 2]], SamplingParams(constraint={"regex": "a+"}))
 
@@ -119,7 +119,7 @@ def _check(c: dict, out) -> None:
 
 @pytest.fixture(scope="module")
 def plain(target_dir):
-    return LLM(target_dir, method="none")
+    return LLM(target_dir, method="none", policy="fixed")
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_plain_constrained_output_matches_its_constraint(plain):
 ], ids=["draft-chain", "draft-tree", "eagle3-chain", "eagle3-tree", "ngram-tree", "suffix", "lookahead"])
 def test_speculative_greedy_constrained_equals_plain(target_dir, noisy_draft, head, plain, method, options):
     llm = LLM(target_dir, draft={"draft": noisy_draft, "eagle3": head}.get(method), method=method,
-              num_speculative_tokens=4, spec_options=options)
+              num_speculative_tokens=4, spec_options=options, policy="fixed")
     cs = CONSTRAINTS + [None]
     params = [SamplingParams(temperature=0, max_tokens=60, constraint=c) for c in cs]
     prompts = [PROMPTS[i % 4] for i in range(len(params))]
@@ -208,7 +208,7 @@ def worded(tmp_path_factory):
 def exact_joint_masked(model_dir, params: SamplingParams) -> np.ndarray:
     """P(x2, x3 | prompt) with each next-token distribution masked by the grammar after its own
     context (a fresh matcher per context), then processed as plain decoding processes it."""
-    llm = LLM(model_dir, method="none")
+    llm = LLM(model_dir, method="none", policy="fixed")
     vocab = GrammarVocabulary(llm.tokenizer, V, [1])
     s = BatchSampling.build([params], torch.device("cpu"))
 
@@ -246,7 +246,7 @@ def test_constrained_sampling_matches_the_masked_target(worded, method, options,
     q), the rest the proposer's own draft."""
     target, draft = worded
     llm = LLM(target, draft=draft if method == "draft" else None, method=method, num_speculative_tokens=2,
-              max_num_seqs=N // 4, spec_options=options)
+              max_num_seqs=N // 4, spec_options=options, policy="fixed")
     c = {"regex": regex}
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, constraint=c, **kw))
     probs = exact_joint_masked(target, SamplingParams(constraint=c, **kw))

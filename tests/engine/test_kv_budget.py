@@ -69,12 +69,12 @@ def test_growth_mid_run_changes_no_token_or_logprob(target_dir, draft_dir, eagle
     kw = dict(none=dict(method="none"), draft=dict(draft=draft_dir, num_speculative_tokens=3),
               eagle3=dict(draft=eagle3_head, method="eagle3", num_speculative_tokens=3),
               **{"draft-tree": dict(draft=draft_dir, num_speculative_tokens=3, spec_options={"tree_width": 2})})[method]
-    grown = LLM(target_dir, max_num_seqs=8, **kw).engine
+    grown = LLM(target_dir, max_num_seqs=8, policy="fixed", **kw).engine
     outs, shapes = _run(grown)
     assert len(set(shapes)) >= 3, shapes  # grew more than once while requests ran
     assert shapes[0][0] == 1 and shapes[-1][0] == 8
 
-    fixed = LLM(target_dir, max_num_seqs=8, **kw).engine
+    fixed = LLM(target_dir, max_num_seqs=8, policy="fixed", **kw).engine
     fixed._size_cache(8, fixed._full_capacity())  # the largest caches, before any request
     ref, ref_shapes = _run(fixed)
     assert set(ref_shapes) == {(8, fixed._full_capacity())}
@@ -86,10 +86,10 @@ def test_caches_stay_within_the_budget_and_requests_wait(target_dir, draft_dir):
     refused), memory never exceeds the budget, and the output is what an unbounded run gives."""
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     prompts = [[0, 3 + i, 5, 7 + i] for i in range(5)]
-    probe = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3).engine
+    probe = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, policy="fixed").engine
     need = probe._capacity_needed(type("R", (), {"prompt": prompts[0], "params": params})())
     budget = 2 * row_bytes(probe.budget.token_bytes, need) + probe.budget.token_bytes * 50
-    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, kv_cache_memory=budget)
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, kv_cache_memory=budget, policy="fixed")
     engine = llm.engine
     assert engine.budget.total == budget
     ids = [engine.add_request(p, params) for p in prompts]
@@ -100,12 +100,12 @@ def test_caches_stay_within_the_budget_and_requests_wait(target_dir, draft_dir):
         held = engine.cache.nbytes() + engine.proposer.cache.nbytes()
         assert held == engine.kv_cache_bytes() <= budget
     assert most == 2
-    ref = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3).generate(prompts, params)
+    ref = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, policy="fixed").generate(prompts, params)
     assert [done[i] for i in ids] == [o.token_ids for o in ref]
 
 
 def test_idle_engine_holds_no_cache_until_asked(target_dir, draft_dir):
-    llm = LLM(target_dir, draft=draft_dir)
+    llm = LLM(target_dir, draft=draft_dir, policy="fixed")
     engine = llm.engine
     assert engine.cache is None and engine.kv_cache_bytes() == 0  # nothing before the first request
     llm.generate([[0, 5, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -117,34 +117,34 @@ def test_idle_engine_holds_no_cache_until_asked(target_dir, draft_dir):
 
 
 def test_bytes_per_token_counts_the_proposers_cache(target_dir, draft_dir, eagle3_head):
-    plain = LLM(target_dir, method="none").engine
+    plain = LLM(target_dir, method="none", policy="fixed").engine
     cfg = plain.target.config
     assert plain.budget.token_bytes == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
-    spec = LLM(target_dir, draft=draft_dir).engine
+    spec = LLM(target_dir, draft=draft_dir, policy="fixed").engine
     assert spec.budget.token_bytes == plain.budget.token_bytes + KVCache.token_bytes(spec.proposer.model)
-    head = LLM(target_dir, draft=eagle3_head, method="eagle3").engine
+    head = LLM(target_dir, draft=eagle3_head, method="eagle3", policy="fixed").engine
     hc = head.proposer.head.config
     assert head.budget.token_bytes == plain.budget.token_bytes + 2 * hc.num_key_value_heads * hc.head_dim * 4
-    ngram = LLM(target_dir, method="ngram").engine
+    ngram = LLM(target_dir, method="ngram", policy="fixed").engine
     assert ngram.budget.token_bytes == plain.budget.token_bytes
 
 
 def test_max_model_len_follows_the_budget_and_errors_name_both_numbers(target_dir):
-    full = LLM(target_dir, method="none").engine
+    full = LLM(target_dir, method="none", policy="fixed").engine
     assert full.max_model_len == full.target.config.max_position_embeddings == 512  # the default budget holds it
     tb = full.budget.token_bytes
-    small = LLM(target_dir, method="none", kv_cache_memory=tb * 201).engine
+    small = LLM(target_dir, method="none", kv_cache_memory=tb * 201, policy="fixed").engine
     assert small.max_model_len == 199  # 201 positions: 1 trash column, 1 past the last token
     with pytest.raises(ContextLengthError) as e:
         small.add_request([0, 1, 2, 3, 4], SamplingParams(max_tokens=195))
     assert "200" in str(e.value) and "199" in str(e.value) and e.value.field == "max_tokens"
     with pytest.raises(QuickdraftError) as e:
-        LLM(target_dir, method="none", kv_cache_memory=tb * 201, max_model_len=300)
+        LLM(target_dir, method="none", kv_cache_memory=tb * 201, max_model_len=300, policy="fixed")
     assert e.value.field == "max_model_len" and "300" in str(e.value) and "199" in str(e.value)
     with pytest.raises(QuickdraftError) as e:
-        LLM(target_dir, method="none", kv_cache_memory=1000)
+        LLM(target_dir, method="none", kv_cache_memory=1000, policy="fixed")
     assert e.value.field == "kv_cache_memory"
-    half = LLM(target_dir, method="none", kv_cache_memory="0.5").engine
+    half = LLM(target_dir, method="none", kv_cache_memory="0.5", policy="fixed").engine
     assert half.budget.total > 0
 
 
@@ -165,9 +165,9 @@ def test_caches_allocated_once_hold_what_the_budget_affords(target_dir):
     """The GPU server's layout (preallocate, static shapes for CUDA graphs), run here on the CPU by
     setting the engine's flag: as many rows of max_model_len as the budget holds, allocated at the
     first request and never resized; more requests wait for a row."""
-    probe = LLM(target_dir, method="none").engine
+    probe = LLM(target_dir, method="none", policy="fixed").engine
     budget = 2 * row_bytes(probe.budget.token_bytes, 513) + 1000  # two rows of the whole 512-token context
-    llm = LLM(target_dir, method="none", kv_cache_memory=budget, max_num_seqs=4)
+    llm = LLM(target_dir, method="none", kv_cache_memory=budget, max_num_seqs=4, policy="fixed")
     engine = llm.engine
     engine.fixed_size = True
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -181,5 +181,5 @@ def test_caches_allocated_once_hold_what_the_budget_affords(target_dir):
     assert shapes == {(2, 513)} and most == 2
     engine.release_caches()
     assert engine.cache is not None  # kept: its shape and addresses are what the compiled steps captured
-    ref = LLM(target_dir, method="none").generate(prompts, params)
+    ref = LLM(target_dir, method="none", policy="fixed").generate(prompts, params)
     assert [done[i] for i in ids] == [o.token_ids for o in ref]

@@ -65,7 +65,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_a_hit_gives_the_bits_of_a_miss(target_dir, noisy_draft, case, params):
-    kw = dict(CASES[case], compile=False, max_num_seqs=4)
+    kw = dict(CASES[case], compile=False, max_num_seqs=4, policy="fixed")
     if kw["method"] == "draft":
         kw["draft"] = noisy_draft
     system = prompt(40, 0)
@@ -86,7 +86,7 @@ def test_eagle3_head_state_is_cached_with_the_target(tree_width):
     """The bundled target and its EAGLE-3 head: the head's KV comes with the target's blocks, so
     acceptance on a hit is acceptance without (vLLM #47930: it collapsed when it was not)."""
     kw = dict(draft="target-eagle3", num_speculative_tokens=3, compile=False,
-              spec_options={"tree_width": tree_width})
+              spec_options={"tree_width": tree_width}, policy="fixed")
     plain = LLM(**kw)
     exact_or_skip(plain)
     cached = LLM(enable_prefix_caching=True, **kw)
@@ -101,7 +101,8 @@ def test_eagle3_head_state_is_cached_with_the_target(tree_width):
 
 @pytest.mark.parametrize("method", ["none", "draft"])
 def test_chunked_prefill_gives_the_bits_of_a_whole_prefill(target_dir, noisy_draft, method):
-    kw = dict(method=method, compile=False, num_speculative_tokens=3, draft=noisy_draft if method == "draft" else None)
+    kw = dict(method=method, compile=False, num_speculative_tokens=3, draft=noisy_draft if method == "draft" else None,
+              policy="fixed")
     whole = LLM(target_dir, max_num_batched_tokens=None, **kw)
     exact_or_skip(whole)
     chunked = LLM(target_dir, max_num_batched_tokens=7, **kw)
@@ -117,7 +118,7 @@ def test_chunked_prefill_gives_the_bits_of_a_whole_prefill(target_dir, noisy_dra
 def test_streams_keep_flowing_while_a_long_prompt_prefills(target_dir):
     """A long prompt arriving is prefilled max_num_batched_tokens at a time, a decode step of the
     running request between chunks; then it joins the batch (and its output is what it is alone)."""
-    llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=16, max_model_len=256)
+    llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=16, max_model_len=256, policy="fixed")
     eng = llm.engine
     exact_or_skip(llm)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -135,14 +136,14 @@ def test_streams_keep_flowing_while_a_long_prompt_prefills(target_dir):
     assert sum("running" not in s for s in steps) == 7  # ceil(100 / 16) chunks, the last giving its first token
     assert all(("running" in a) != ("running" in b) for a, b in zip(steps, steps[1:]))  # decode, chunk, decode...
     assert steps[-1] == {"long": 1}
-    alone = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=None)
+    alone = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=None, policy="fixed")
     assert outs["long"].token_ids == alone.engine.generate([(long, SamplingParams(
         max_tokens=3, temperature=0, ignore_eos=True))])[0].token_ids
 
 
 def test_abort_while_prefilling_leaves_the_rest_exact(target_dir):
     llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=8, max_model_len=256,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, policy="fixed")
     eng = llm.engine
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ids = [eng.add_request(prompt(n, n), params) for n in (40, 33, 21)]
@@ -155,13 +156,13 @@ def test_abort_while_prefilling_leaves_the_rest_exact(target_dir):
     while eng.has_unfinished():
         for o in eng.step():
             outs[o.request_id] = o
-    fresh = LLM(target_dir, method="none", compile=False).engine
+    fresh = LLM(target_dir, method="none", compile=False, policy="fixed").engine
     for rid, n in ((ids[0], 40), (ids[2], 21)):
         assert outs[rid].token_ids == fresh.generate([(prompt(n, n), params)])[0].token_ids
 
 
 def test_prompt_logprobs_requests_compute_every_position(target_dir):
-    llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True)
+    llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True, policy="fixed")
     p = prompt(40, 5)
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
     llm.engine.generate([(p, SamplingParams(max_tokens=2, temperature=0))])
@@ -204,22 +205,22 @@ def test_prefix_cache_blocks_lru_and_byte_limit():
 
 def test_bad_settings_are_clear_errors(target_dir):
     with pytest.raises(QuickdraftError, match="max_num_batched_tokens"):
-        LLM(target_dir, method="none", max_num_batched_tokens=0)
+        LLM(target_dir, method="none", max_num_batched_tokens=0, policy="fixed")
     from quickdraft.config import EngineConfig
     with pytest.raises(QuickdraftError, match="prefix_cache_bytes"):
         EngineConfig(prefix_cache_bytes=-1)
     with pytest.raises(QuickdraftError, match="prefix_cache_bytes"):
-        LLM(target_dir, method="none", enable_prefix_caching=True, prefix_cache_bytes="1GiB")
+        LLM(target_dir, method="none", enable_prefix_caching=True, prefix_cache_bytes="1GiB", policy="fixed")
 
 
 def test_prefix_cache_gives_way_to_requests_within_the_kv_budget(target_dir):
     """One budget: the prefix cache's blocks take what the rows leave free, and a request that
     needs more than is free evicts them (all of them if it must) instead of waiting forever;
     the budget is never exceeded and every output is plain decoding's."""
-    probe = LLM(target_dir, method="none", compile=False).engine
+    probe = LLM(target_dir, method="none", compile=False, policy="fixed").engine
     tb = probe.budget.token_bytes
     total = row_bytes(tb, 64) + 48 * tb  # one row of 64 positions, and three 16-token blocks beside it
-    llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True, kv_cache_memory=total)
+    llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True, kv_cache_memory=total, policy="fixed")
     exact_or_skip(llm)
     eng, pc = llm.engine, llm.engine.prefix_cache
     assert pc.max_bytes is None and eng.budget.total == total  # the default: the budget alone bounds it
@@ -240,7 +241,7 @@ def test_prefix_cache_gives_way_to_requests_within_the_kv_budget(target_dir):
             assert pc.nbytes == 48 * tb and pc.stats.evictions == 0
     assert [o.num_cached_tokens for o in outs] == [0, 32, 0]  # the second a hit; b is another prompt
     assert pc.stats.evictions == 3  # b's row (81 positions) needed the blocks' memory: all of a's chain went
-    plain = LLM(target_dir, method="none", compile=False).engine
+    plain = LLM(target_dir, method="none", compile=False, policy="fixed").engine
     assert_same(outs, [plain.generate([(p, params)])[0] for p, params in ((a, short), (a, short), (b, long_))])
 
 
@@ -248,7 +249,7 @@ def test_growth_while_a_prompt_prefills_keeps_its_computed_chunks(target_dir):
     """A request admitted while another's long prompt is half prefilled (chunked) makes the caches
     grow; the prefilling row's computed positions are kept (rows after the running ones), so both
     outputs are what each gives alone."""
-    llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=8, max_num_seqs=4)
+    llm = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=8, max_num_seqs=4, policy="fixed")
     exact_or_skip(llm)
     eng = llm.engine
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
@@ -262,7 +263,7 @@ def test_growth_while_a_prompt_prefills_keeps_its_computed_chunks(target_dir):
     while eng.has_unfinished():
         outs.update((o.request_id, o) for o in eng.step() if o.finished)
     assert eng.cache.max_slots >= 2  # it grew while the first prompt was prefilling
-    alone = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=None).engine
+    alone = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=None, policy="fixed").engine
     assert_same([outs[first], outs[second]],
                 [alone.generate([(long_, params)])[0],
                  alone.generate([(late, SamplingParams(max_tokens=200, temperature=0, logprobs=1,

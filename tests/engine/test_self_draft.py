@@ -25,8 +25,8 @@ def formats(model) -> set[str]:
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("float32", "int8"), ("bfloat16", None)])
 def test_self_draft_greedy_output_equals_plain(target_dir, dtype, quant):
-    plain = LLM(target_dir, method="none", dtype=dtype)
-    spec = LLM(target_dir, draft="self", num_speculative_tokens=4, dtype=dtype, draft_quantization=quant)
+    plain = LLM(target_dir, method="none", dtype=dtype, policy="fixed")
+    spec = LLM(target_dir, draft="self", num_speculative_tokens=4, dtype=dtype, draft_quantization=quant, policy="fixed")
     assert spec.engine.config.spec.method == "draft"
     assert formats(spec.draft) == {quant or "int4"}
     assert formats(spec.target) == formats(plain.target)  # the target itself is untouched
@@ -44,14 +44,14 @@ def test_self_draft_does_not_read_the_checkpoint_again(target_dir, monkeypatch):
     calls = []
     real = llm_module.load_model
     monkeypatch.setattr(llm_module, "load_model", lambda *a, **kw: calls.append(a) or real(*a, **kw))
-    LLM(target_dir, draft="self", num_speculative_tokens=2)
+    LLM(target_dir, draft="self", num_speculative_tokens=2, policy="fixed")
     assert len(calls) == 1
 
 
 def test_self_draft_sampling_matches_target_distribution(pair):
     target, other = pair
     kw = dict(temperature=1.0)
-    llm = LLM(target, draft="self", num_speculative_tokens=2, max_num_seqs=N)
+    llm = LLM(target, draft="self", num_speculative_tokens=2, max_num_seqs=N, policy="fixed")
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **kw))
     probs = exact_joint(target, SamplingParams(**kw))
     # an int4 copy agrees most of the time, not always: both the accept and the reject paths ran
@@ -86,7 +86,7 @@ def test_self_draft_of_a_4_bit_gguf_is_refused(tmp_path):
     f32 = write_gguf(tmp_path / "f32.gguf", model, "llama", qtype="F32")
     assert four_bit_type(q4) == "Q4_1" and four_bit_type(f32) is None
     with pytest.raises(QuickdraftError, match=r"stored in 4 bits \(Q4_1"):
-        LLM(str(q4), draft="self")
-    assert LLM(str(f32), draft="self", num_speculative_tokens=2).generate([[3, 4, 5]], GREEDY)[0].token_ids
+        LLM(str(q4), draft="self", policy="fixed")
+    assert LLM(str(f32), draft="self", num_speculative_tokens=2, policy="fixed").generate([[3, 4, 5]], GREEDY)[0].token_ids
     # run in 4 bits, the same file is its own fast path: the error says so
-    assert LLM(str(q4), quantization="int4", method="none").generate([[3, 4, 5]], GREEDY)[0].token_ids
+    assert LLM(str(q4), quantization="int4", method="none", policy="fixed").generate([[3, 4, 5]], GREEDY)[0].token_ids

@@ -42,6 +42,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.log = open(log, "w") if log is not None else subprocess.DEVNULL
+        if "--policy" not in args and "--profile" not in args:
+            # k as asked every step: the tests compare figures and outputs across requests, which the
+            # default (auto: k from this machine's timed steps) would make depend on timing
+            args = (*args, "--policy", "fixed")
         self.proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(self.port),
                                       "--log-level", "warning", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)

@@ -76,7 +76,7 @@ def test_requests_that_do_not_fit_now_wait_then_run(server, target_dir):
 
     answers = asyncio.run(run())
     assert [a.status_code for a in answers] == [200] * 3
-    ref = LLM(target_dir, method="none").generate(prompts, SamplingParams(temperature=0, max_tokens=150,
+    ref = LLM(target_dir, method="none", policy="fixed").generate(prompts, SamplingParams(temperature=0, max_tokens=150,
                                                                            ignore_eos=True))
     assert [a.json()["choices"][0]["text"] for a in answers] == [o.text for o in ref]
     wait_at_rest(server)

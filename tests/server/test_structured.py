@@ -54,7 +54,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def plain(target_dir):
-    return LLM(target_dir, method="none")
+    return LLM(target_dir, method="none", policy="fixed")
 
 
 def test_response_format_json_schema_on_chat(client):

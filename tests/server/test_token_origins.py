@@ -141,7 +141,7 @@ def test_origins_flag_is_a_strict_boolean(server):
 def test_page_is_served_open_with_a_strict_policy_and_off_with_no_web(target_dir):
     from starlette.testclient import TestClient
 
-    state = ServerState(lambda: LLM(target_dir, method="none", compile=False), MODEL)
+    state = ServerState(lambda: LLM(target_dir, method="none", compile=False, policy="fixed"), MODEL)
     with TestClient(build_app(state, api_key="sekret")) as client:
         page = client.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
