@@ -20,10 +20,14 @@ def make_policy(name: str, k_max: int, profile: dict | Profile | None = None, me
                 cost_key: dict | None = None) -> SpecPolicy:
     """The policy `name` for speculation up to k_max. auto: `cost_key` is what its cached step
     costs are keyed by (the engine's `cost_key()`; None: nothing cached, its own calibration);
-    with a profile, auto is the goodput policy on that profile."""
+    with a profile that measured this method (`quickdraft tune`), auto is the goodput policy on
+    that profile; one without it (a `quickdraft select` choice of another method, or of none) leaves
+    auto to its own calibration."""
     check_policy(name, profile)
     if name == "auto":
-        if profile is None:
+        measured = profile is not None and (method or "draft") in (
+            profile.methods if isinstance(profile, Profile) else Profile.from_dict(profile).methods)
+        if not measured:
             return AutoPolicy(k_max, cost_key or {}, method or "draft", persist=cost_key is not None)
         name = "goodput"
     return policies.make_policy(name, k_max, profile, method)
