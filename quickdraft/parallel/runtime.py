@@ -189,8 +189,11 @@ class TensorParallelTarget(nn.Module):
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-        if self.broken is None and dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_initialized():  # after a failure too: else no later group can open in this process
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group's teardown: leaving is what matters
+                pass
 
 
 def _local_cache(plan: ShardPlan, dtype: torch.dtype, device: torch.device, slots: int, capacity: int):

@@ -267,7 +267,7 @@ def test_usage_carries_the_requests_own_speculation_figures(server, client):
     off = client.completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=10, temperature=0,
                                     extra_body={"ignore_eos": True, "num_speculative_tokens": 0}).usage.speculation
     assert off == {"method": "draft", "num_drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                   "acceptance_rate": 0.0, "mean_acceptance_length": 0.0, "accepted_per_position": [],
+                   "acceptance_rate": 0.0, "mean_acceptance_length": 0.0, "accepted_per_position": [], "forced_tokens": 0,
                    "num_steps": 9}
 
 
