@@ -144,6 +144,8 @@ def _set_isa(name: str, where: str) -> None:
 @functools.lru_cache(maxsize=1)
 def _apply_isa_variable() -> None:
     """QUICKDRAFT_ISA, read once (an error is raised again at each call until it is fixed)."""
+    if os.environ.get("QUICKDRAFT_VNNI", "1").strip() == "0":  # int4 without VNNI (the same bits)
+        _lib().quickdraft_set_vnni(0)
     name = os.environ.get("QUICKDRAFT_ISA", "").strip().lower()
     if name:
         _set_isa(name, f"QUICKDRAFT_ISA={name}")  # (an error is not cached: every call raises it)
@@ -339,8 +341,10 @@ def blocked_mm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """Group-wise 4-bit weights in the int4 kernel's layout. q (out, in) in 0..15, scale and offset
     (out, in / 32): w = q * scale + offset over each group of 32 inputs. Returns uint8
-    (ceil(out / 64), in / 32, 1280): per 64-output block and group, 32 rows of 32 bytes (byte j of
-    row k: q[j][k] | q[j + 32][k] << 4), then the 64 scales and the 64 offsets as float16.
+    (ceil(out / 64), in / 32, 1280): per 64-output block and group, 8 quads of 4 inputs, each two
+    64-byte chunks h = 0, 1 whose byte 4i + j is q[32h + i][4c + j] | q[32h + 16 + i][4c + j] << 4
+    (quad c, i < 16, j < 4: each 32-bit lane four inputs of one output, as integer dot-product
+    instructions take them), then the 64 scales and the 64 offsets as float16.
     Raises ValueError where a scale or offset does not fit float16."""
     n, k = q.shape
     if k % GROUP or scale.shape != (n, k // GROUP) or offset.shape != scale.shape:
@@ -352,9 +356,9 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tor
     blocks, groups = -(-n // BLOCK), k // GROUP
     pad = blocks * BLOCK - n
     qp = torch.cat([q.to(torch.uint8), q.new_zeros(pad, k, dtype=torch.uint8)]) if pad else q.to(torch.uint8)
-    # (blocks, 64 out, groups, 32 in) -> (blocks, groups, 32 in, 64 out)
-    qb = qp.view(blocks, BLOCK, groups, GROUP).permute(0, 2, 3, 1)
-    nibbles = (qb[..., :BLOCK // 2] | (qb[..., BLOCK // 2:] << 4)).reshape(blocks, groups, GROUP * BLOCK // 2)
+    # (blocks, 64 out = (h, hi, i), groups, 32 in = (c, j)) -> (blocks, groups, c, h, i, j, hi)
+    qb = qp.view(blocks, 2, 2, 16, groups, 8, 4).permute(0, 4, 5, 1, 3, 6, 2)
+    nibbles = (qb[..., 0] | (qb[..., 1] << 4)).reshape(blocks, groups, GROUP * BLOCK // 2)
 
     def per_output(h: torch.Tensor) -> torch.Tensor:  # (out, groups) float16 -> (blocks, groups, 128) bytes
         h = torch.cat([h, h.new_zeros(pad, groups)]) if pad else h
@@ -366,9 +370,9 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tor
 def unpack_int4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `pack_int4`: (q (n, in) uint8, scale, offset (n, in / 32) float16)."""
     blocks, groups, _ = packed.shape
-    nib = packed[..., :GROUP * BLOCK // 2].reshape(blocks, groups, GROUP, BLOCK // 2)
-    qb = torch.cat([nib & 15, nib >> 4], dim=3)  # (blocks, groups, 32 in, 64 out)
-    q = qb.permute(0, 3, 1, 2).reshape(blocks * BLOCK, groups * GROUP)[:n]
+    nib = packed[..., :GROUP * BLOCK // 2].reshape(blocks, groups, 8, 2, 16, 4)  # (blocks, groups, c, h, i, j)
+    qb = torch.stack([nib & 15, nib >> 4], dim=-1)  # (..., c, h, i, j, hi)
+    q = qb.permute(0, 3, 6, 4, 1, 2, 5).reshape(blocks * BLOCK, groups * GROUP)[:n]
 
     def per_output(lo: int) -> torch.Tensor:
         h = packed[..., lo:lo + 2 * BLOCK].contiguous().view(torch.float16)  # (blocks, groups, 64)
@@ -379,9 +383,33 @@ def unpack_int4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def blocked_mm_int4(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x (M, in) float32 @ W^T + bias -> (M, n), W the `pack_int4`ed weight: per group, exact
-    products x * q summed in float32, then scaled, plus the offset times the inputs' sum."""
+    """x (M, in) float32 @ W^T + bias -> (M, n), W the `pack_int4`ed weight. x is quantised per row
+    and group of 32 inputs to int8 with one float32 scale d (d = amax / 127, round to nearest
+    even); per group, the exact integer sum of the int8 activations times the nibbles, scaled
+    (times d, then the group's scale), plus the offset times d * (the sum of the int8
+    activations): the dequantised weights times the dequantised activations. blocked_core.h's
+    int4 section has the formula and the order of operations (the same bits on every path)."""
     return torch.ops.quickdraft.blocked_mm_int4.default(x, packed, bias, n)
+
+
+def int4_uses_vnni() -> bool:
+    """Whether the int4 kernel runs vpdpbusd here (AVX-512 VNNI or AVX-VNNI, on the chosen path)."""
+    return available() and bool(_lib().quickdraft_int4_vnni())
+
+
+@contextlib.contextmanager
+def use_vnni(on: bool) -> Iterator[None]:
+    """int4 with (True: where the CPU has them) or without (False: maddubs + madd) the integer
+    dot-product instructions (AVX-512 VNNI, AVX-VNNI) inside the block, process-wide; the bits are
+    the same either way (exact integer sums). For tests and benchmarks; a user's switch is
+    QUICKDRAFT_VNNI=0."""
+    if not available():
+        raise QuickdraftError("quickdraft's CPU kernels are not available here")
+    before = _lib().quickdraft_set_vnni(int(on))
+    try:
+        yield
+    finally:
+        _lib().quickdraft_set_vnni(before)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -418,93 +418,96 @@ void blocks_portable(const MatArgs<W>& a, int64_t b0, int64_t b1) {
                           a.bias ? a.bias + b * NB : nullptr, a.y + b * NB, a.n, std::min(NB, a.n - b * NB));
 }
 
-// ---- int4: 4-bit weights in groups of 32 inputs, a scale and an offset per group and output ----
+// ---- int4: 4-bit weights in groups of 32 inputs, a scale and an offset per group and output,
+// times int8 activations (integer dot products) ----
 //
-// Layout (uint8): packed (N/64, G, GB), G = K / 32 groups; block b's group g holds
-//   32 rows of 32 bytes, row k: byte j = q[k][j] | q[k][j + 32] << 4 (q in 0..15, outputs j, j + 32),
-//   then 64 float16 scales s, then 64 float16 offsets o: w = q * s + o.
-// Each (block, group) is one contiguous 1280-byte piece: the block is still a single read stream.
+// Layout (uint8): packed (N/64, G, QGB), G = K / 32 groups. Block b's group g is one contiguous
+// 1280-byte piece (so a block is a single read stream): 8 quads of inputs (k = 4c .. 4c + 3,
+// c = 0..7) of 128 bytes each, two 64-byte chunks h = 0, 1 per quad, byte 4i + j of chunk h
+// (i = 0..15, j = 0..3) holding q[32h + i][4c + j] | q[32h + 16 + i][4c + j] << 4 (q in 0..15,
+// [output][input]); then 64 float16 scales s, then 64 float16 offsets o: w = q s + o. A chunk's
+// low nibbles are outputs 32h .. 32h + 15 and its high nibbles 32h + 16 .. 32h + 31, each 32-bit
+// lane four consecutive inputs of one output: the operand of vpdpbusd (and of maddubs + madd,
+// NEON's vmull + vpadal) against four activation bytes broadcast to every lane.
 //
-// Per row and output: y = bias + sum_g (s_g * A_g + o_g * X_g), A_g = sum_{k in g} x_k q_k (exact
-// products, FMAs in k order), X_g = sum_{k in g} x_k (computed once per call, k order). Again a
-// row's result does not depend on the other rows, the row grouping or the thread count.
-constexpr int64_t QG = 32;                      // inputs per group
+// Activations (q4_quantize, once per call, one scalar function shared by every path, so the
+// int8 values and scales are the same bits everywhere): per row and group of 32 inputs,
+//   amax = max_k |x_k|,  d = amax / 127,  a_k = rne(x_k * (1 / d)) in [-127, 127]
+//   (all a_k = 0 where d < FLT_MIN),  X = d * float(sum_k a_k)
+// (rne: round to nearest even, by adding and subtracting 1.5 * 2^23; the clamp never binds but
+// is kept). A group holding a NaN or an infinity gets d = X = NaN: its row's outputs are NaN,
+// as the float kernels' would be.
+//
+// Per row and output, on every path, in this order (float32, one rounding per operation):
+//   y = bias (or 0);  for g = 0 .. G-1:  t = float(I_g) * d_g;  y = fma(t, s_g, y);  y = fma(X_g, o_g, y)
+// with I_g = sum_{k in g} a_k q_k, exact in int32 (|I_g| <= 32 * 127 * 15). So y = bias +
+// sum_g sum_k (q_k s_g + o_g)(a_k d_g): the dequantised weights times the dequantised
+// activations (what llama.cpp's Q4_1 x Q8_1 computes, rounded in its own order). The integer
+// sums are exact in any order and the epilogue is fixed, so a row's result has the same bits on
+// every path, at any row count, beside any other rows and on any thread count.
+constexpr int64_t QG = 32;                         // inputs per group
 constexpr int64_t QGB = QG * NB / 2 + 2 * NB * 2;  // bytes per (block, group): 1024 + 256
 
-#if QD_X86
-// Sixteen bytes of 4-bit pairs as 2 x 16 floats, by table lookup: vpermps reads only the low four
-// bits of each 32-bit index, so the bytes widened to 32 bits index the low nibbles as they are and,
-// shifted right by 4, the high ones (3 instructions for 32 weights, where masking and converting
-// took 6: the one-row int4 step is bound by these, not by memory).
-__attribute__((target("avx512f"))) inline void nibbles32(__m128i bytes, __m512 table, __m512& lo, __m512& hi) {
-  const __m512i idx = _mm512_cvtepu8_epi32(bytes);
-  lo = _mm512_permutexvar_ps(idx, table);
-  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+// The integer dot-product instructions where the CPU has them (AVX-512 VNNI, AVX-VNNI), else
+// maddubs + madd: exact integer sums either way, so the bits are the same; off forces the latter
+// (tests and benchmarks: quickdraft_set_vnni, QUICKDRAFT_VNNI=0).
+std::atomic<bool> vnni_allowed{true};
+
+// A row's activations, quantised: q (rows, ldq) int8, d and X (rows, G) float32.
+struct Q4Act {
+  const int8_t* q;
+  int64_t ldq;
+  const float* d;
+  const float* xs;
+  int64_t G;
+};
+
+// q4_quantize's formula for rows [0, M) of x (M, G * 32): q (M, G * 32), d and xs (M, G).
+inline void q4_quantize(const float* x, int64_t ldx, int64_t M, int64_t G, int8_t* q, float* d, float* xs) {
+  const float round_magic = 12582912.f;  // 1.5 * 2^23: v + m - m rounds v (|v| < 2^22) to the nearest even integer
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + r * ldx + g * QG;
+      int8_t* qg = q + r * G * QG + g * QG;
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t k = 0; k < QG; ++k) {
+        const float a = std::fabs(xg[k]);
+        finite = finite && a <= std::numeric_limits<float>::max();  // (false for NaN too)
+        amax = a > amax ? a : amax;
+      }
+      const float dg = amax / 127.f;
+      const float id = dg >= std::numeric_limits<float>::min() ? 1.f / dg : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < QG; ++k) {
+        float v = finite ? (xg[k] * id + round_magic) - round_magic : 0.f;
+        v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+        qg[k] = int8_t(int32_t(v));
+        sum += qg[k];
+      }
+      d[r * G + g] = finite ? dg : std::numeric_limits<float>::quiet_NaN();
+      xs[r * G + g] = finite ? dg * float(sum) : std::numeric_limits<float>::quiet_NaN();
+    }
 }
 
-// MR rows over NBLK adjacent blocks. The group's partial sums stay in registers (MR * 4 * NBLK
-// of them); the running sums live in y itself (in L1), updated once per group, which leaves the
-// registers to the partial sums of more rows: each nibble widened once serves up to six rows.
-template <int MR, int NBLK>
-__attribute__((target("avx512f"))) void block_rows_q4(const float* x, int64_t ldx, const float* xs, int64_t G,
-                                                      const uint8_t* wb, const float* bias, float* y, int64_t ldy,
-                                                      int64_t ncols) {
-  constexpr int V = 4 * NBLK;
-  const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
-#pragma GCC unroll 16
-  for (int j = 0; j < V; ++j) {
-    const __mmask16 mask = tail_mask(ncols - 16 * j);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, b);
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 part[MR][V];
-#pragma GCC unroll 16
-    for (int j = 0; j < V; ++j)
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) part[r][j] = _mm512_setzero_ps();
-    const float* xg = x + g * QG;
-#pragma GCC unroll 32
-    for (int k = 0; k < QG; ++k) {
-      __m512 xv[MR];
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) xv[r] = _mm512_set1_ps(xg[r * ldx + k]);
-#pragma GCC unroll 4
-      for (int c = 0; c < NBLK; ++c) {
-        const uint8_t* piece = wb + (c * G + g) * QGB;
-        // one cache line of the piece PF bytes ahead per k, its 20 lines over the first 20 k
-        if (k < int(QGB / 64)) _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * k, _MM_HINT_T0);
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 32 * k));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 32 * k + 16));
-        __m512 w[4];
-        nibbles32(a, table, w[0], w[2]);
-        nibbles32(b, table, w[1], w[3]);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; ++q)
-#pragma GCC unroll 6
-          for (int r = 0; r < MR; ++r) part[r][4 * c + q] = _mm512_fmadd_ps(xv[r], w[q], part[r][4 * c + q]);
-      }
-    }
-#pragma GCC unroll 16
-    for (int j = 0; j < V; ++j) {
-      const uint8_t* piece = wb + ((j / 4) * G + g) * QGB;
-      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 32 * (j % 4))));
-      const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
-      const __mmask16 mask = tail_mask(ncols - 16 * j);
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) {
-        float* yr = y + r * ldy + 16 * j;
-        const __m512 acc = _mm512_fmadd_ps(part[r][j], sc, _mm512_maskz_loadu_ps(mask, yr));
-        _mm512_mask_storeu_ps(yr, mask, _mm512_fmadd_ps(_mm512_set1_ps(xs[r * G + g]), of, acc));
-      }
-    }
-  }
+// Four activation bytes (inputs 4c .. 4c + 3 of a row) as one 32-bit lane.
+inline int32_t quad_at(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-#endif  // QD_X86
+// The arguments of an int4 blocked matmul, for the paths' block loops.
+struct Q4Args {
+  Q4Act x;  // the rows' quantised activations
+  int64_t M, G;
+  const uint8_t* w;  // packed (nblk, G, QGB)
+  const float* bias;
+  float* y;
+  int64_t n;
+};
 
-// The portable int4 path: the same operations in the same order, one row at a time.
+// The portable int4 path: the same integer sums and the same epilogue, one row at a time.
 inline float half_to_float(const uint8_t* p) {  // IEEE binary16 (little-endian) -> float32, exact
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -519,145 +522,227 @@ inline float half_to_float(const uint8_t* p) {  // IEEE binary16 (little-endian)
   return f;
 }
 
-void block_rows_q4_generic(const float* x, int64_t ldx, int64_t rows, const float* xs, int64_t G,
-                           const uint8_t* wb, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+// Nibble q[n][k] of a piece (the layout above).
+inline int32_t q4_at(const uint8_t* piece, int64_t n, int64_t k) {
+  const int64_t h = n / 32, i = n % 16, hi = (n % 32) / 16;
+  const uint8_t byte = piece[128 * (k / 4) + 64 * h + 4 * i + k % 4];
+  return hi ? byte >> 4 : byte & 15;
+}
+
+void block_rows_q4_generic(const Q4Act& x, int64_t rows, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
+                           int64_t ncols) {
+  const int64_t G = x.G;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[NB];
     for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && n < ncols) ? bias[n] : 0.f;
+    const int8_t* a = x.q + r * x.ldq;
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* piece = wb + g * QGB;
-      float part[NB] = {0.f};
-      for (int64_t k = 0; k < QG; ++k) {
-        const float xv = x[r * ldx + g * QG + k];
-        for (int64_t n = 0; n < NB; ++n) {
-          const uint8_t byte = piece[32 * k + (n % 32)];
-          part[n] = std::fma(xv, float(n < 32 ? byte & 15 : byte >> 4), part[n]);
-        }
+      const float dg = x.d[r * G + g], xs = x.xs[r * G + g];
+      for (int64_t n = 0; n < NB; ++n) {
+        int32_t isum = 0;
+        for (int64_t k = 0; k < QG; ++k) isum += int32_t(a[g * QG + k]) * q4_at(piece, n, k);
+        const float t = float(isum) * dg;
+        acc[n] = std::fma(xs, half_to_float(piece + 1152 + 2 * n), std::fma(t, half_to_float(piece + 1024 + 2 * n), acc[n]));
       }
-      for (int64_t n = 0; n < NB; ++n)
-        acc[n] = std::fma(xs[r * G + g], half_to_float(piece + 1152 + 2 * n),
-                          std::fma(part[n], half_to_float(piece + 1024 + 2 * n), acc[n]));
     }
     for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] = acc[n];
   }
 }
 
+void q4_portable(const Q4Args& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    block_rows_q4_generic(a.x, a.M, a.w + b * a.G * QGB, a.bias ? a.bias + b * NB : nullptr, a.y + b * NB, a.n,
+                          std::min(NB, a.n - b * NB));
+}
+
 #if QD_X86
-// Rows [0, M) of NBLK adjacent int4 blocks: four blocks for one row, two for two or three rows,
-// one block six rows at a time for more (at most 24 partial sums in registers).
-template <int NBLK>
-void run_rows_q4(const float* x, int64_t ldx, int64_t M, const float* xs, int64_t G, const uint8_t* wb,
-                 const float* bias, float* y, int64_t ldy, int64_t ncols) {
+bool cpu_avx512_vnni() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"));
+  return yes;
+}
+bool cpu_avx512_bw() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bw"));
+  return yes;
+}
+bool cpu_avx_vnni() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avxvnni"));
+  return yes;
+}
+
+// acc + the four-product sums of each 32-bit lane: w unsigned bytes (nibbles), a signed bytes.
+// vpdpbusd; or maddubs (pairs into int16: at most 2 * 15 * 127, never saturating) + madd (pairs
+// of those into int32): the same exact sums.
+template <bool VNNI>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4x16(__m512i acc, __m512i w, __m512i a) {
+  if constexpr (VNNI) return _mm512_dpbusd_epi32(acc, w, a);
+  else return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
+}
+
+// MR rows over NBLK adjacent blocks, all groups. A group's integer sums stay in registers (MR * 4 *
+// NBLK); the running float sums live in y itself (in L1), updated once per group; each unpacked
+// weight vector serves all MR rows.
+template <int MR, int NBLK, bool VNNI>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(const Q4Act& x, const uint8_t* wb,
+                                                                               const float* bias, float* y,
+                                                                               int64_t ldy, int64_t ncols) {
+  constexpr int V = 4 * NBLK;
+  const int64_t G = x.G;
+  const __m512i low = _mm512_set1_epi8(15);
+#pragma GCC unroll 16
+  for (int j = 0; j < V; ++j) {
+    const __mmask16 mask = tail_mask(ncols - 16 * j);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, b);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[MR][V];
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j)
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m512i av[MR];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) av[r] = _mm512_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
+#pragma GCC unroll 4
+      for (int blk = 0; blk < NBLK; ++blk) {
+        const uint8_t* piece = wb + (blk * G + g) * QGB;
+        // the piece's 20 lines PF bytes ahead, over the 8 quads
+        const char* ahead = reinterpret_cast<const char*>(piece) + PF;
+        _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64 * (c + 8), _MM_HINT_T0);
+        if (c < 4) _mm_prefetch(ahead + 64 * (c + 16), _MM_HINT_T0);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = _mm512_loadu_si512(piece + 128 * c + 64 * h);
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 6
+          for (int r = 0; r < MR; ++r) {
+            acc[r][4 * blk + 2 * h] = dot4x16<VNNI>(acc[r][4 * blk + 2 * h], lo, av[r]);
+            acc[r][4 * blk + 2 * h + 1] = dot4x16<VNNI>(acc[r][4 * blk + 2 * h + 1], hi, av[r]);
+          }
+        }
+      }
+    }
+    // vector j: block j / 4, outputs 16 (j % 4) ..
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) {
+      const uint8_t* piece = wb + ((j / 4) * G + g) * QGB;
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 32 * (j % 4))));
+      const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
+      const __mmask16 mask = tail_mask(ncols - 16 * j);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) {
+        float* yr = y + r * ldy + 16 * j;
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][j]), _mm512_set1_ps(x.d[r * G + g]));
+        const __m512 yv = _mm512_fmadd_ps(t, sc, _mm512_maskz_loadu_ps(mask, yr));
+        _mm512_mask_storeu_ps(yr, mask, _mm512_fmadd_ps(_mm512_set1_ps(x.xs[r * G + g]), of, yv));
+      }
+    }
+  }
+}
+
+// Rows [0, M) of NBLK adjacent blocks: four blocks for one row, two for two or three rows, one
+// block six rows at a time for more (at most 24 integer sums in registers).
+template <int NBLK, bool VNNI>
+void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
+                 int64_t ncols) {
   constexpr int N2 = NBLK == 4 ? 2 : NBLK;  // (keeps the instances that cannot occur small)
   if (NBLK == 4) {
-    block_rows_q4<1, NBLK>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    block_rows_q4<1, NBLK, VNNI>(x, wb, bias, y, ldy, ncols);
     return;
   }
   if (NBLK == 2) {
-    if (M == 3) block_rows_q4<3, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
-    if (M == 2) block_rows_q4<2, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
-    if (M == 1) block_rows_q4<1, N2>(x, ldx, xs, G, wb, bias, y, ldy, ncols);
+    if (M == 3) block_rows_q4<3, N2, VNNI>(x, wb, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q4<2, N2, VNNI>(x, wb, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q4<1, N2, VNNI>(x, wb, bias, y, ldy, ncols);
     return;
   }
+  auto rows_from = [&](int64_t m) {
+    return Q4Act{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
+  };
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) block_rows_q4<6, 1>(x + m * ldx, ldx, xs + m * G, G, wb, bias, y + m * ldy, ldy, ncols);
-  const float* xm = x + m * ldx;
-  const float* xsm = xs + m * G;
+  for (; m + 6 <= M; m += 6) block_rows_q4<6, 1, VNNI>(rows_from(m), wb, bias, y + m * ldy, ldy, ncols);
+  const Q4Act xm = rows_from(m);
   float* ym = y + m * ldy;
   switch (M - m) {
-    case 5: block_rows_q4<5, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
-    case 4: block_rows_q4<4, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
-    case 3: block_rows_q4<3, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
-    case 2: block_rows_q4<2, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
-    case 1: block_rows_q4<1, 1>(xm, ldx, xsm, G, wb, bias, ym, ldy, ncols); break;
+    case 5: block_rows_q4<5, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
+    case 4: block_rows_q4<4, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
+    case 3: block_rows_q4<3, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
+    case 2: block_rows_q4<2, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
+    case 1: block_rows_q4<1, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
     default: break;
   }
 }
 
-#endif  // QD_X86
-
-// The arguments of an int4 blocked matmul, for the paths' block loops.
-struct Q4Args {
-  const float* x;
-  int64_t ldx, M;
-  const float* xs;  // (M, G): each row's sum over each group of inputs
-  int64_t G;
-  const uint8_t* w;  // packed (nblk, G, QGB)
-  const float* bias;
-  float* y;
-  int64_t n;
-};
-
-#if QD_X86
-void q4_avx512(const Q4Args& a, int64_t b0, int64_t b1) {
-  const int64_t M = a.M, G = a.G, n = a.n, stride = G * QGB;  // bytes per block
+template <bool VNNI>
+void q4_avx512_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, n = a.n, stride = a.G * QGB;  // bytes per block
   auto bias_at = [&](int64_t b) { return a.bias ? a.bias + b * NB : nullptr; };
   int64_t b = b0;
   if (M == 1 && four_streams())
     for (; b + 3 < b1; b += 4)
-      run_rows_q4<4>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
+      run_rows_q4<4, VNNI>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
   if (M <= 3)
     for (; b + 1 < b1; b += 2)
-      run_rows_q4<2>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
+      run_rows_q4<2, VNNI>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
   for (; b < b1; ++b)
-    run_rows_q4<1>(a.x, a.ldx, M, a.xs, G, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
+    run_rows_q4<1, VNNI>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
 }
 
-#endif  // QD_X86
+void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1);
 
-void q4_portable(const Q4Args& a, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b)
-    block_rows_q4_generic(a.x, a.ldx, a.M, a.xs, a.G, a.w + b * a.G * QGB, a.bias ? a.bias + b * NB : nullptr,
-                          a.y + b * NB, a.n, std::min(NB, a.n - b * NB));
+// AVX-512 VNNI (Intel since Cascade Lake, AMD Zen 4); AVX-512 BW's maddubs + madd without it (or
+// with vnni_allowed off); a CPU with AVX-512F alone (Knights Landing) takes the AVX2 kernel.
+void q4_avx512(const Q4Args& a, int64_t b0, int64_t b1) {
+  if (cpu_avx512_vnni() && vnni_allowed.load(std::memory_order_relaxed)) return q4_avx512_blocks<true>(a, b0, b1);
+  if (cpu_avx512_bw()) return q4_avx512_blocks<false>(a, b0, b1);
+  q4_avx2(a, b0, b1);
 }
 
-#if QD_X86
-// AVX2 int4, one group of one block: MR rows x H pieces of 8 bytes, bytes [b0, b0 + 8H) of each
-// 32-byte row (outputs b0 + i from the low nibbles, 32 + b0 + i from the high ones). The group's
-// partial sums stay in registers (MR * 2H), the running sums in y, as in block_rows_q4; the
-// nibbles are widened by masking / shifting and converting (vpermps' table has 8 entries here).
-template <int MR, int H>
-__attribute__((target("avx2,fma,f16c"))) void group_q4_avx2(const float* xg, int64_t ldx, const float* xs, int64_t G,
-                                                            const uint8_t* piece, int64_t b0, float* y, int64_t ldy,
-                                                            int64_t ncols) {
-  __m256 part[MR][2 * H];
+// AVX2: dot4x16 on 8 lanes (vpdpbusd of AVX-VNNI, or maddubs + madd).
+template <bool VNNI>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) inline __m256i dot4x8(__m256i acc, __m256i w, __m256i a) {
+  if constexpr (VNNI) return _mm256_dpbusd_avx_epi32(acc, w, a);
+  else return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+}
+
+// AVX2 int4, one group of one block: MR rows x NH half-chunks from t0 (half-chunk t: 32 bytes at
+// 64 (t / 2) + 32 (t % 2) of each quad; its low nibbles are outputs 32 (t / 2) + 8 (t % 2) .. + 7,
+// its high ones 16 further). The group's integer sums in registers (MR * 2NH), the running sums in
+// y, as block_rows_q4.
+template <int MR, int NH, bool VNNI>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act& x, int64_t g, const uint8_t* piece,
+                                                                    int t0, float* y, int64_t ldy, int64_t ncols) {
+  __m256i acc[MR][2 * NH];
 #pragma GCC unroll 8
-  for (int v = 0; v < 2 * H; ++v)
+  for (int v = 0; v < 2 * NH; ++v)
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) part[r][v] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi32(15);
+    for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_setzero_si256();
+  const __m256i low = _mm256_set1_epi8(15);
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    __m256i av[MR];
 #pragma GCC unroll 4
-  for (int k = 0; k < QG; ++k) {
-    if constexpr (MR * 2 * H + MR + 3 <= 16) {  // the rows' broadcasts kept, 8 bytes widened at a time
-      __m256 xv[MR];
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(xg[r * ldx + k]);
+    for (int r = 0; r < MR; ++r) av[r] = _mm256_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
 #pragma GCC unroll 4
-      for (int h = 0; h < H; ++h) {
-        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 32 * k + b0 + 8 * h)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(idx, low));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(idx, 4));
-#pragma GCC unroll 6
-        for (int r = 0; r < MR; ++r) {
-          part[r][2 * h] = _mm256_fmadd_ps(xv[r], lo, part[r][2 * h]);
-          part[r][2 * h + 1] = _mm256_fmadd_ps(xv[r], hi, part[r][2 * h + 1]);
-        }
-      }
-    } else {  // H = 1: the 16 widened weights kept for all MR rows, one broadcast at a time
-      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 32 * k + b0)));
-      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(idx, low));
-      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(idx, 4));
-#pragma GCC unroll 6
+    for (int t = 0; t < NH; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 128 * c + 32 * (t0 + t)));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
-        const __m256 xv = _mm256_set1_ps(xg[r * ldx + k]);
-        part[r][0] = _mm256_fmadd_ps(xv, lo, part[r][0]);
-        part[r][1] = _mm256_fmadd_ps(xv, hi, part[r][1]);
+        acc[r][2 * t] = dot4x8<VNNI>(acc[r][2 * t], lo, av[r]);
+        acc[r][2 * t + 1] = dot4x8<VNNI>(acc[r][2 * t + 1], hi, av[r]);
       }
     }
   }
 #pragma GCC unroll 8
-  for (int v = 0; v < 2 * H; ++v) {
-    const int64_t o = b0 + 8 * (v / 2) + 32 * (v % 2);
+  for (int v = 0; v < 2 * NH; ++v) {
+    const int t = t0 + v / 2;
+    const int64_t o = 32 * (t / 2) + 8 * (t % 2) + 16 * (v % 2);
     if (o >= ncols) continue;
     const int64_t left = ncols - o;
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + 2 * o)));
@@ -665,26 +750,27 @@ __attribute__((target("avx2,fma,f16c"))) void group_q4_avx2(const float* xg, int
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + o;
-      const __m256 acc = _mm256_fmadd_ps(part[r][v], sc, load_left(yr, left));
-      store_left(yr, _mm256_fmadd_ps(_mm256_set1_ps(xs[r * G]), of, acc), left);
+      const __m256 tv = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_set1_ps(x.d[r * x.G + g]));
+      const __m256 yv = _mm256_fmadd_ps(tv, sc, load_left(yr, left));
+      store_left(yr, _mm256_fmadd_ps(_mm256_set1_ps(x.xs[r * x.G + g]), of, yv), left);
     }
   }
 }
 
-// Rows [m, m + MR) of one group of one block, 8H bytes (16H outputs) at a time.
-template <int MR, int H>
-__attribute__((target("avx2,fma,f16c"))) void group_q4_rows_avx2(const Q4Args& a, int64_t m, const float* xg,
-                                                                 const float* xs, const uint8_t* piece, float* y,
-                                                                 int64_t ncols) {
-  for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8 * H)
-    group_q4_avx2<MR, H>(xg + m * a.ldx, a.ldx, xs + m * a.G, a.G, piece, c0, y + m * a.n, a.n, ncols);
+// Rows [m, m + MR) of one group of one block, NH half-chunks (16 NH outputs) at a time.
+template <int MR, int NH, bool VNNI>
+void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* piece, float* y, int64_t ncols) {
+  const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
+  for (int t0 = 0; t0 < 4; t0 += NH)
+    if (32 * (t0 / 2) + 8 * (t0 % 2) < ncols)  // (a half-chunk's first output)
+      group_q4_avx2<MR, NH, VNNI>(xm, g, piece, t0, y + m * a.n, a.n, ncols);
 }
 
-// Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and piece from L1), the
-// rows in as few groups as the registers allow, each nibble widened once per group: 3-6 rows take
-// 8 bytes (16 outputs) at a time (6-12 sums), 2 rows 16 bytes, 1 row 32; 7 rows go as 4 + 3, more
-// as 6s first.
-__attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
+// Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and half-chunk from L1),
+// the rows in as few passes as the 16 registers allow: 4 rows take one half-chunk at a time (8
+// sums), 3 rows one, 2 rows two, 1 row all four; more rows go as 4s first.
+template <bool VNNI>
+__attribute__((target("avx2,fma,f16c"))) void q4_avx2_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = a.w + b * G * QGB;
@@ -697,25 +783,23 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2(const Q4Args& a, int64_t b
 #pragma GCC unroll 4
       for (int line = 0; line < int(QGB / 64); ++line)
         _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
-      const float* xg = a.x + g * QG;
-      const float* xs = a.xs + g;
       int64_t m = 0;
-      for (; M - m > 7; m += 6) group_q4_rows_avx2<6, 1>(a, m, xg, xs, piece, y, ncols);
-      if (M - m == 7) {
-        group_q4_rows_avx2<4, 1>(a, m, xg, xs, piece, y, ncols);
-        m += 4;
-      }
+      for (; m + 4 <= M; m += 4) group_q4_rows_avx2<4, 1, VNNI>(a, m, g, piece, y, ncols);
       switch (M - m) {
-        case 6: group_q4_rows_avx2<6, 1>(a, m, xg, xs, piece, y, ncols); break;
-        case 5: group_q4_rows_avx2<5, 1>(a, m, xg, xs, piece, y, ncols); break;
-        case 4: group_q4_rows_avx2<4, 1>(a, m, xg, xs, piece, y, ncols); break;
-        case 3: group_q4_rows_avx2<3, 1>(a, m, xg, xs, piece, y, ncols); break;
-        case 2: group_q4_rows_avx2<2, 2>(a, m, xg, xs, piece, y, ncols); break;
-        case 1: group_q4_rows_avx2<1, 4>(a, m, xg, xs, piece, y, ncols); break;
+        case 3: group_q4_rows_avx2<3, 1, VNNI>(a, m, g, piece, y, ncols); break;
+        case 2: group_q4_rows_avx2<2, 2, VNNI>(a, m, g, piece, y, ncols); break;
+        case 1: group_q4_rows_avx2<1, 4, VNNI>(a, m, g, piece, y, ncols); break;
         default: break;
       }
     }
   }
+}
+
+// AVX-VNNI's vpdpbusd on 8 lanes where the CPU has it (Intel since Alder Lake / Sapphire Rapids,
+// AMD Zen 5) and vnni_allowed; maddubs + madd elsewhere.
+void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
+  if (cpu_avx_vnni() && vnni_allowed.load(std::memory_order_relaxed)) return q4_avx2_blocks<true>(a, b0, b1);
+  q4_avx2_blocks<false>(a, b0, b1);
 }
 
 #endif  // QD_X86
@@ -1254,49 +1338,65 @@ void blocks_neon(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   }
 }
 
-// int4, one group of one block: MR rows x H pieces of 8 bytes, bytes [b0, b0 + 8H) of each 32-byte
-// row; vector 4h + u holds outputs b0 + 8h + 4 (u % 2) (+ 32 for u >= 2: the high nibbles). The
-// group's partial sums in registers, the running sums in y, as q4_avx2.
-template <int MR, int H>
-void group_q4_neon(const float* xg, int64_t ldx, const float* xs, int64_t G, const uint8_t* piece, int64_t b0,
-                   float* y, int64_t ldy, int64_t ncols) {
-  float32x4_t part[MR][4 * H];
-  for (int v = 0; v < 4 * H; ++v)
-    for (int r = 0; r < MR; ++r) part[r][v] = vdupq_n_f32(0.f);
-  const uint8x8_t low = vdup_n_u8(15);
-#pragma GCC unroll 4
-  for (int k = 0; k < QG; ++k) {
-    float32x4_t xv[MR];
-    for (int r = 0; r < MR; ++r) xv[r] = vdupq_n_f32(xg[r * ldx + k]);
-#pragma GCC unroll 4
-    for (int h = 0; h < H; ++h) {
-      const uint8x8_t bytes = vld1_u8(piece + 32 * k + b0 + 8 * h);
-      const uint16x8_t lo = vmovl_u8(vand_u8(bytes, low)), hi = vmovl_u8(vshr_n_u8(bytes, 4));
-      const float32x4_t w[4] = {vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(lo))),
-                                vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(hi)))};
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u)
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) part[r][4 * h + u] = vfmaq_f32(part[r][4 * h + u], xv[r], w[u]);
+// int4 on NEON: each 16-byte quarter-chunk of a quad holds 4 lanes (4 outputs x 4 inputs) of low
+// nibbles and 4 of high ones. The four-product sums: vmull_s8 on each half (int16 products), a
+// pairwise add (pairs of products: at most 2 * 15 * 127, no overflow), then vpadalq_s16 adds the
+// pairs of pairs into the int32 sums: exact, as vpdpbusd's.
+inline int32x4_t dot4x4(int32x4_t acc, int8x16_t w, int8x16_t a) {
+  const int16x8_t p0 = vmull_s8(vget_low_s8(w), vget_low_s8(a)), p1 = vmull_high_s8(w, a);
+  return vpadalq_s16(acc, vpaddq_s16(p0, p1));
+}
+
+// One group of one block: MR rows x NS quarter-chunks from s0 (quarter-chunk s: 16 bytes at
+// 64 (s / 4) + 16 (s % 4) of each quad; low nibbles outputs 32 (s / 4) + 4 (s % 4) .. + 3, high
+// ones 16 further). The group's integer sums in registers (MR * 2NS), the running sums in y.
+template <int MR, int NS>
+void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, int s0, float* y, int64_t ldy, int64_t ncols) {
+  int32x4_t acc[MR][2 * NS];
+  for (int v = 0; v < 2 * NS; ++v)
+    for (int r = 0; r < MR; ++r) acc[r][v] = vdupq_n_s32(0);
+  const uint8x16_t low = vdupq_n_u8(15);
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    int8x16_t av[MR];
+    for (int r = 0; r < MR; ++r) av[r] = vreinterpretq_s8_s32(vdupq_n_s32(quad_at(x.q + r * x.ldq + g * QG + 4 * c)));
+#pragma GCC unroll 8
+    for (int s = 0; s < NS; ++s) {
+      const uint8x16_t v = vld1q_u8(piece + 128 * c + 16 * (s0 + s));
+      const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(v, low)), hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+      for (int r = 0; r < MR; ++r) {
+        acc[r][2 * s] = dot4x4(acc[r][2 * s], lo, av[r]);
+        acc[r][2 * s + 1] = dot4x4(acc[r][2 * s + 1], hi, av[r]);
+      }
     }
   }
-  for (int v = 0; v < 4 * H; ++v) {
-    const int h = v / 4, u = v % 4;
-    const int64_t o = b0 + 8 * h + 4 * (u % 2) + 32 * (u / 2);
+  for (int v = 0; v < 2 * NS; ++v) {
+    const int s = s0 + v / 2;
+    const int64_t o = 32 * (s / 4) + 4 * (s % 4) + 16 * (v % 2);
     if (o >= ncols) continue;
     const int64_t left = ncols - o;
     const float32x4_t sc = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1024 + 2 * o))));
     const float32x4_t of = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1152 + 2 * o))));
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + o;
-      const float32x4_t acc = vfmaq_f32(load4_left(yr, left), part[r][v], sc);
-      store4_left(yr, vfmaq_f32(acc, vdupq_n_f32(xs[r * G]), of), left);
+      const float32x4_t t = vmulq_f32(vcvtq_f32_s32(acc[r][v]), vdupq_n_f32(x.d[r * x.G + g]));
+      const float32x4_t yv = vfmaq_f32(load4_left(yr, left), t, sc);
+      store4_left(yr, vfmaq_f32(yv, vdupq_n_f32(x.xs[r * x.G + g]), of), left);
     }
   }
 }
 
-// Blocks [b0, b1), group after group, as q4_avx2: four rows at once over 8 bytes (16 outputs),
-// the one, two or three rows left over 32, 16 or 8 bytes.
+// Rows [m, m + MR) of one group of one block, NS quarter-chunks (8 NS outputs) at a time.
+template <int MR, int NS>
+void group_q4_rows_neon(const Q4Args& a, int64_t m, int64_t g, const uint8_t* piece, float* y, int64_t ncols) {
+  const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
+  for (int s0 = 0; s0 < 8; s0 += NS)
+    if (32 * (s0 / 4) + 4 * (s0 % 4) < ncols)
+      group_q4_neon<MR, NS>(xm, g, piece, s0, y + m * a.n, a.n, ncols);
+}
+
+// Blocks [b0, b1), group after group, as q4_avx2: four rows at once over two quarter-chunks (16
+// sums), the three, two or one rows left over 2, 4 or 8.
 void q4_neon(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
@@ -1308,24 +1408,12 @@ void q4_neon(const Q4Args& a, int64_t b0, int64_t b1) {
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* piece = wb + g * QGB;
       for (int line = 0; line < int(QGB / 64); ++line) __builtin_prefetch(piece + PF + 64 * line);
-      const float* xg = a.x + g * QG;
-      const float* xs = a.xs + g;
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
-          group_q4_neon<4, 1>(xg + m * a.ldx, a.ldx, xs + m * G, G, piece, c0, y + m * ld, ld, ncols);
-      const float* xm = xg + m * a.ldx;
-      float* ym = y + m * ld;
+      for (; m + 4 <= M; m += 4) group_q4_rows_neon<4, 2>(a, m, g, piece, y, ncols);
       switch (M - m) {
-        case 3:
-          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 8)
-            group_q4_neon<3, 1>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
-          break;
-        case 2:
-          for (int64_t c0 = 0; c0 < 32 && c0 < ncols; c0 += 16)
-            group_q4_neon<2, 2>(xm, a.ldx, xs + m * G, G, piece, c0, ym, ld, ncols);
-          break;
-        case 1: group_q4_neon<1, 4>(xm, a.ldx, xs + m * G, G, piece, 0, ym, ld, ncols); break;
+        case 3: group_q4_rows_neon<3, 2>(a, m, g, piece, y, ncols); break;
+        case 2: group_q4_rows_neon<2, 4>(a, m, g, piece, y, ncols); break;
+        case 1: group_q4_rows_neon<1, 8>(a, m, g, piece, y, ncols); break;
         default: break;
       }
     }
@@ -1477,16 +1565,6 @@ template <typename W, typename For>
 void matmul(const Paths& paths, const MatArgs<W>& a, int64_t nblk, For&& parallel_for) {
   const auto path = path_of<W>(paths);
   parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { path(a, b0, b1); });
-}
-
-// int4's X_g: each row's sum over each group of inputs, in input order (shared by every block).
-inline void q4_row_sums(const float* x, int64_t ldx, int64_t M, int64_t G, float* xs) {
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      float t = 0.f;
-      for (int64_t k = 0; k < QG; ++k) t += x[r * ldx + g * QG + k];
-      xs[r * G + g] = t;
-    }
 }
 
 template <typename For>

@@ -85,12 +85,13 @@ at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const 
   const float* bptr = data_or_null(bias);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  const float* xp = c.x.data_ptr<float>();
-  const int64_t ldx = c.x.stride(0);
-  at::Tensor xsum = at::empty({M, G}, x.options());
-  float* xs = xsum.data_ptr<float>();
-  q4_row_sums(xp, ldx, M, G, xs);
-  const Q4Args a{xp, ldx, M, xs, G, packed.data_ptr<uint8_t>(), bptr, y.data_ptr<float>(), n};
+  // the activations quantised once (q4_quantize: blocked_core.h's int4 section), shared by every block
+  at::Tensor xq = at::empty({M, G * QG}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({2, M, G}, x.options());
+  float* d = dx.data_ptr<float>();
+  q4_quantize(c.x.data_ptr<float>(), c.x.stride(0), M, G, xq.data_ptr<int8_t>(), d, d + M * G);
+  const Q4Args a{{xq.data_ptr<int8_t>(), G * QG, d, d + M * G, G}, M, G, packed.data_ptr<uint8_t>(), bptr,
+                 y.data_ptr<float>(), n};
   matmul_q4(active_paths(), a, nblk, torch_threads);
   return y;
 }
@@ -195,6 +196,20 @@ extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_attend(
 // FMA, 2 AVX-512, 3 NEON. quickdraft_set_isa returns 0, or -1 where the CPU lacks that ISA (unchanged).
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_isa() { return chosen_isa.load(); }
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_cpu_has(int32_t isa) { return cpu_has(isa); }
+// int4's integer dot-product instructions (AVX-512 VNNI, AVX-VNNI) on (1, where the CPU has them)
+// or off (0: maddubs + madd, the same bits); returns the previous setting.
+extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_vnni(int32_t on) {
+  return vnni_allowed.exchange(on != 0);
+}
+// Whether the chosen path's int4 kernel runs vpdpbusd (1) or not (0).
+extern "C" __attribute__((visibility("default"))) int32_t quickdraft_int4_vnni() {
+  if (!vnni_allowed.load()) return 0;
+#if QD_X86
+  if (chosen_isa.load() == ISA_AVX512) return cpu_avx512_vnni();
+  if (chosen_isa.load() == ISA_AVX2) return cpu_avx_vnni();
+#endif
+  return 0;
+}
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_isa(int32_t isa) {
   if (!cpu_has(isa)) return -1;
   chosen_isa.store(isa);

@@ -5,7 +5,8 @@
 //
 //   neon_harness PATH KERNEL IN OUT
 //
-// PATH: portable | avx2 | avx512 | neon (an error where this build or CPU lacks it). KERNEL: f32,
+// PATH: portable | avx2 | avx512 | neon (an error where this build or CPU lacks it), with
+// "-novnni" after it: int4 without the integer dot-product instructions. KERNEL: f32,
 // bf16, int8, int4 or attend. IN: 8 little-endian int64 dims, one float64, then the operands
 // (float32 unless said, C order):
 //   f32 / bf16 / int8: dims M, K, N, has_bias, pieces; x (M, K), packed (ceil(N/64), K, 64) of
@@ -72,9 +73,10 @@ std::vector<float> run_int4(Reader& in, const int64_t* d, const Paths& paths) {
   const float* x = in.take<float>(M * K);
   const uint8_t* w = in.take<uint8_t>(nblk * G * QGB);
   const float* bias = d[3] ? in.take<float>(N) : nullptr;
-  std::vector<float> xs(M * G), y(M * N);
-  q4_row_sums(x, K, M, G, xs.data());
-  const Q4Args a{x, K, M, xs.data(), G, w, bias, y.data(), N};
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(2 * M * G), y(M * N);
+  q4_quantize(x, K, M, G, xq.data(), dx.data(), dx.data() + M * G);
+  const Q4Args a{{xq.data(), K, dx.data(), dx.data() + M * G, G}, M, G, w, bias, y.data(), N};
   matmul_q4(paths, a, nblk, Pieces{d[4]});
   return y;
 }
@@ -94,7 +96,13 @@ std::vector<float> run_attend(Reader& in, const int64_t* d, double scale, const 
   return out;
 }
 
-int path_index(const std::string& name) {
+// PATH may end in "-novnni": int4 without the integer dot-product instructions (maddubs + madd).
+int path_index(std::string name) {
+  const std::string suffix = "-novnni";
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    vnni_allowed.store(false);
+    name.resize(name.size() - suffix.size());
+  }
   const char* names[ISA_COUNT] = {"portable", "avx2", "avx512", "neon"};  // enum Isa's order
   for (int i = 0; i < ISA_COUNT; ++i)
     if (name == names[i]) return i;

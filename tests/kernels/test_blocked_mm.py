@@ -139,6 +139,16 @@ def int4_case(n, k, seed=0):
     return q, scale, offset
 
 
+def int4_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int4 kernel quantises it (blocked_core.h's int4 section): per row and group of 32,
+    d = amax / 127, a = rne(x * (1 / d)) in float32; returned dequantised (a * d) in float64."""
+    xg = x.view(x.shape[0], -1, 32)
+    d = xg.abs().amax(dim=2, keepdim=True) / 127
+    inv = torch.where(d >= torch.finfo(torch.float32).tiny, 1 / d, torch.zeros_like(d))
+    a = torch.round(xg * inv).clamp(-127, 127)
+    return (a.double() * d.double()).view_as(x)
+
+
 @pytest.mark.parametrize("k,n", [(32, 64), (96, 70), (576, 960), (1536, 200), (64, 1)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
 def test_int4_blocks_are_the_group_wise_matmul_and_rows_stay_independent(m, k, n, isa):
@@ -149,11 +159,15 @@ def test_int4_blocks_are_the_group_wise_matmul_and_rows_stay_independent(m, k, n
     assert torch.equal(q2, q) and torch.equal(s2, scale.half()) and torch.equal(o2, offset.half())
     w = (q.double().view(n, -1, 32) * s2.double()[..., None] + o2.double()[..., None]).view(n, k)
     x, _, b = case(m, k, n, seed=m)
-    want = x.double() @ w.t() + b.double()
+    # the dequantised weights times the dequantised (int8 per group of 32) activations
+    want = int4_activations(x) @ w.t() + b.double()
     got = kernels.blocked_mm_int4(x, packed, b, n)
     assert got.shape == (m, n) and (got.double() - want).abs().max() <= 1e-5 * (want.abs().max() + 1)
     no_bias = kernels.blocked_mm_int4(x, packed, None, n)
     assert (no_bias.double() - (want - b.double())).abs().max() <= 1e-5 * (want.abs().max() + 1)
+    # against float activations: the int8 rounding (half a step of amax / 127 per input) alone
+    exact = x.double() @ w.t() + b.double()
+    assert (got.double() - exact).abs().max() <= 2e-2 * (exact.abs().max() + 1)
     alone = torch.cat([kernels.blocked_mm_int4(x[i:i + 1], packed, b, n) for i in range(m)])
     assert torch.equal(alone, got)
     threads = torch.get_num_threads()
@@ -162,6 +176,29 @@ def test_int4_blocks_are_the_group_wise_matmul_and_rows_stay_independent(m, k, n
         assert torch.equal(kernels.blocked_mm_int4(x, packed, b, n), got)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_int4_pack_puts_four_inputs_of_one_output_in_each_32_bit_lane():
+    n, k = 64, 32
+    q = (torch.arange(n)[:, None] * 3 + torch.arange(k)[None]) % 16
+    packed = kernels.pack_int4(q.to(torch.uint8), torch.ones(n, 1), torch.zeros(n, 1))
+    byte = packed[0, 0]
+    for c, h, i, j in [(0, 0, 0, 0), (1, 0, 5, 2), (7, 1, 15, 3), (3, 1, 0, 1)]:
+        lo, hi = int(byte[128 * c + 64 * h + 4 * i + j]) & 15, int(byte[128 * c + 64 * h + 4 * i + j]) >> 4
+        assert (lo, hi) == (int(q[32 * h + i, 4 * c + j]), int(q[32 * h + 16 + i, 4 * c + j]))
+
+
+def test_int4_activations_that_are_not_finite_give_nan_rows_and_tiny_ones_zeros(isa):
+    q, scale, offset = int4_case(70, 96)
+    packed = kernels.pack_int4(q, scale, offset)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(1))
+    x[1, 40] = float("nan")
+    x[2, 3] = float("inf")
+    x[3] = 1e-39  # below amax / 127 >= FLT_MIN: quantised to zeros
+    got = kernels.blocked_mm_int4(x, packed, None, 70)
+    assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all() and torch.isnan(got[2]).all()
+    assert torch.equal(got[3], torch.zeros(70))
+    assert torch.equal(got[0], kernels.blocked_mm_int4(x[:1], packed, None, 70)[0])
 
 
 def test_int4_bad_operands_are_one_clear_error():
@@ -189,8 +226,13 @@ def test_int4_format_uses_the_kernel_and_keeps_only_its_blocks():
     assert fast.bytes_read() == 2 * 2 * 1280 + 96 * 4  # two blocks of two groups, and the bias
     assert fast.weight_bytes() == fast.bytes_read()  # no unpacked copy resident
     x = torch.randn(5, 2, 64)
-    exact = x @ fast.dequantized(torch.float32).t() + lin.bias
-    assert (fast(x) - exact).abs().max() <= 1e-5 * exact.abs().max()  # float32 activations: no bf16 rounding
+    w = fast.dequantized(torch.float32).double()
+    with torch.no_grad():
+        want = (int4_activations(x.view(10, 64)) @ w.t() + lin.bias.double()).view(5, 2, 96)
+        exact = x.double() @ w.t() + lin.bias.double()
+        got = fast(x).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # int8 activations, float32 sums
+    assert (got - exact).abs().max() <= 2e-2 * exact.abs().max()  # (measured 0.7% here: the activations' rounding)
     huge = torch.nn.Linear(64, 64)
     with torch.no_grad():
         huge.weight.mul_(1e6)

@@ -32,14 +32,17 @@ def threads():
     torch.set_num_threads(before)
 
 
-def on_every_path(f, threads) -> dict:
-    """f() on each path this CPU has, on one and on two threads: {(path, threads): result}."""
+def on_every_path(f, threads, vnni=(True,)) -> dict:
+    """f() on each path this CPU has, on one and on two threads (and with int4's VNNI on and off
+    where `vnni` says): {(path, threads, vnni): result}."""
     out = {}
     for isa in PATHS:
         with kernels.use_isa(isa):
-            for t in (1, 2):
-                threads(t)
-                out[isa, t] = f()
+            for on in vnni:
+                with kernels.use_vnni(on):
+                    for t in (1, 2):
+                        threads(t)
+                        out[isa, t, on] = f()
     return out
 
 
@@ -91,8 +94,22 @@ def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, threads):
     bias = torch.randn(n, generator=g)
     for m in ROWS:
         x = _x(m, k, m)
-        assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, bias, n), threads), f"int4 m={m}")
-        assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, None, n), threads), f"int4 m={m}")
+        for b in (bias, None):
+            assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, b, n), threads, (True, False)),
+                             f"int4 m={m}")
+
+
+def test_int4_uses_vnni_where_the_cpu_has_it():
+    """vpdpbusd runs where the CPU has it (so the comparisons above cover both instructions)."""
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    for isa, flag in (("avx512", "avx512_vnni"), ("avx2", "avx_vnni")):
+        if isa in PATHS:
+            with kernels.use_isa(isa):
+                assert kernels.int4_uses_vnni() == (flag in flags), isa
+                with kernels.use_vnni(False):
+                    assert not kernels.int4_uses_vnni()
+    with kernels.use_isa("portable"):
+        assert not kernels.int4_uses_vnni()
 
 
 @pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 8, 4, 1, 300, 64), (3, 9, 3, 5, 77, 64), (2, 4, 4, 11, 40, 128),

@@ -113,7 +113,7 @@ def _matmul_cases(kernel: str, k: int, n: int):
 
 MATMULS = [("f32", 33, 200), ("f32", 577, 323), ("f32", 1, 5), ("bf16", 33, 200), ("bf16", 577, 323), ("bf16", 2, 64),
            ("int8", 33, 200), ("int8", 577, 323), ("int8", 64, 1), ("int4", 32, 70), ("int4", 96, 323),
-           ("int4", 576, 200)]
+           ("int4", 576, 200), ("int4", 64, 1), ("int4", 2048, 130)]
 
 
 @pytest.mark.parametrize("kernel,k,n", MATMULS)
@@ -158,7 +158,8 @@ def test_neon_attend_is_the_x86_librarys_bits(B, H, Hkv, T, L, D, neon, tmp_path
 @pytest.mark.parametrize("kernel,k,n", MATMULS[::2])
 def test_the_native_harness_gives_the_librarys_bits_on_every_x86_path(kernel, k, n, native, tmp_path):
     """The harness's reading, splitting and writing, checked where no emulator is involved."""
-    for path in kernels.cpu_isas():
+    paths = kernels.cpu_isas() + tuple(f"{p}-novnni" for p in kernels.cpu_isas() if kernel == "int4")
+    for path in paths:  # (int4 with and without the integer dot-product instructions)
         for what, want, dims, arrays in _matmul_cases(kernel, k, n):
             _same_bits(_harness(native, tmp_path, kernel, dims, 0.0, arrays, tuple(want.shape), path), want,
                        f"{path} {what}")
