@@ -570,13 +570,20 @@ bool cpu_avx_vnni() {
   return yes;
 }
 
-// acc + the four-product sums of each 32-bit lane: w unsigned bytes (nibbles), a signed bytes.
-// vpdpbusd; or maddubs (pairs into int16: at most 2 * 15 * 127, never saturating) + madd (pairs
-// of those into int32): the same exact sums.
+// A group's sums, one quad at a time: acc + the four-product sums of each 32-bit lane (w unsigned
+// bytes: nibbles; a signed bytes). VNNI: vpdpbusd into int32 lanes. Without: maddubs (adjacent
+// pairs of products into int16: at most 2 * 15 * 127 = 3810, never saturating) added into int16
+// lanes over the group's 8 quads (at most 8 * 3810 = 30480 < 2^15: exact), and finish4x16 adds
+// each lane's two int16 sums into int32 (madd with ones): the same exact integer sums.
 template <bool VNNI>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4x16(__m512i acc, __m512i w, __m512i a) {
   if constexpr (VNNI) return _mm512_dpbusd_epi32(acc, w, a);
-  else return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
+  else return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, a));
+}
+template <bool VNNI>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i finish4x16(__m512i acc) {
+  if constexpr (VNNI) return acc;
+  else return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
 }
 
 // MR rows over NBLK adjacent blocks, all groups. A group's integer sums stay in registers (MR * 4 *
@@ -637,7 +644,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 #pragma GCC unroll 6
       for (int r = 0; r < MR; ++r) {
         float* yr = y + r * ldy + 16 * j;
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][j]), _mm512_set1_ps(x.d[r * G + g]));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(finish4x16<VNNI>(acc[r][j])), _mm512_set1_ps(x.d[r * G + g]));
         const __m512 yv = _mm512_fmadd_ps(t, sc, _mm512_maskz_loadu_ps(mask, yr));
         _mm512_mask_storeu_ps(yr, mask, _mm512_fmadd_ps(_mm512_set1_ps(x.xs[r * G + g]), of, yv));
       }
@@ -703,11 +710,16 @@ void q4_avx512(const Q4Args& a, int64_t b0, int64_t b1) {
   q4_avx2(a, b0, b1);
 }
 
-// AVX2: dot4x16 on 8 lanes (vpdpbusd of AVX-VNNI, or maddubs + madd).
+// AVX2: dot4x16 / finish4x16 on 8 lanes (vpdpbusd of AVX-VNNI, or maddubs into int16 sums).
 template <bool VNNI>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) inline __m256i dot4x8(__m256i acc, __m256i w, __m256i a) {
   if constexpr (VNNI) return _mm256_dpbusd_avx_epi32(acc, w, a);
-  else return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+  else return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, a));
+}
+template <bool VNNI>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) inline __m256i finish4x8(__m256i acc) {
+  if constexpr (VNNI) return acc;
+  else return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
 }
 
 // AVX2 int4, one group of one block: MR rows x NH half-chunks from t0 (half-chunk t: 32 bytes at
@@ -750,7 +762,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + o;
-      const __m256 tv = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]), _mm256_set1_ps(x.d[r * x.G + g]));
+      const __m256 tv = _mm256_mul_ps(_mm256_cvtepi32_ps(finish4x8<VNNI>(acc[r][v])), _mm256_set1_ps(x.d[r * x.G + g]));
       const __m256 yv = _mm256_fmadd_ps(tv, sc, load_left(yr, left));
       store_left(yr, _mm256_fmadd_ps(_mm256_set1_ps(x.xs[r * x.G + g]), of, yv), left);
     }
