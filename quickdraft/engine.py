@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels
 from .cache import KVBudget, KVCache, available_memory, return_freed_memory, row_bytes, to_device
 from .config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
                      format_bytes)
@@ -349,6 +350,8 @@ class Engine:
                 if device.type == "cuda" else device.type,
                 # the kernels' path follows the CPU unless forced (asking kernels.isa() could build them)
                 "isa": os.environ.get("QUICKDRAFT_ISA") if device.type == "cpu" else None,
+                "vnni": os.environ.get("QUICKDRAFT_VNNI") if device.type == "cpu" else None,
+                "kernels": kernels.source_digest() if device.type == "cpu" else None,  # (their speed changes with them)
                 "aten": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 

@@ -376,8 +376,8 @@ class Int8TorchLinear(_Quantised):
 
 class Int4BlockedLinear(FastLinear):
     """`int4` on quickdraft's blocked kernel (CPU with AVX-512 or AVX2) at every row count:
-    nibbles widened in registers, float16 scales and offsets, float32 activations; 0.625 byte per
-    weight, resident and read."""
+    activations quantised to int8 per group of 32 (a float32 scale each), integer dot products
+    with the nibbles, float16 scales and offsets; 0.625 byte per weight, resident and read."""
 
     fmt = "int4"
     calls_kernels = True
