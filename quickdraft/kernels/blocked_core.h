@@ -36,6 +36,9 @@
 #if defined(__aarch64__)
 #define QD_ARM 1
 #include <arm_neon.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
 #else
 #define QD_ARM 0
 #endif
@@ -1354,15 +1357,36 @@ void blocks_neon(const MatArgs<W>& a, int64_t b0, int64_t b1) {
 // nibbles and 4 of high ones. The four-product sums: vmull_s8 on each half (int16 products), a
 // pairwise add (pairs of products: at most 2 * 15 * 127, no overflow), then vpadalq_s16 adds the
 // pairs of pairs into the int32 sums: exact, as vpdpbusd's.
+// With the dot-product extension (Armv8.2 DotProd: Apple M1 on, Graviton 2 on, Cortex-A55 / A76 on),
+// sdot does it in one instruction (where vnni_allowed: the switch of the x86 paths' dot products);
+// written as assembly so the compiled code keeps the base instruction set (a target attribute
+// would let the compiler use Armv8.2 instructions anywhere in the function; the .arch directive
+// only lets the assembler accept sdot).
+template <bool DOT>
 inline int32x4_t dot4x4(int32x4_t acc, int8x16_t w, int8x16_t a) {
+  if constexpr (DOT) {
+    asm(".arch armv8.2-a+dotprod\n\tsdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(w), "w"(a));
+    return acc;
+  }
   const int16x8_t p0 = vmull_s8(vget_low_s8(w), vget_low_s8(a)), p1 = vmull_high_s8(w, a);
   return vpadalq_s16(acc, vpaddq_s16(p0, p1));
+}
+
+bool cpu_arm_dotprod() {
+#if defined(__APPLE__)
+  return true;  // every Apple M-series CPU
+#elif defined(__linux__)
+  static const bool yes = (getauxval(AT_HWCAP) & (1ul << 20)) != 0;  // HWCAP_ASIMDDP
+  return yes;
+#else
+  return false;
+#endif
 }
 
 // One group of one block: MR rows x NS quarter-chunks from s0 (quarter-chunk s: 16 bytes at
 // 64 (s / 4) + 16 (s % 4) of each quad; low nibbles outputs 32 (s / 4) + 4 (s % 4) .. + 3, high
 // ones 16 further). The group's integer sums in registers (MR * 2NS), the running sums in y.
-template <int MR, int NS>
+template <int MR, int NS, bool DOT>
 void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, int s0, float* y, int64_t ldy, int64_t ncols) {
   int32x4_t acc[MR][2 * NS];
   for (int v = 0; v < 2 * NS; ++v)
@@ -1377,8 +1401,8 @@ void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, int s0, floa
       const uint8x16_t v = vld1q_u8(piece + 128 * c + 16 * (s0 + s));
       const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(v, low)), hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
       for (int r = 0; r < MR; ++r) {
-        acc[r][2 * s] = dot4x4(acc[r][2 * s], lo, av[r]);
-        acc[r][2 * s + 1] = dot4x4(acc[r][2 * s + 1], hi, av[r]);
+        acc[r][2 * s] = dot4x4<DOT>(acc[r][2 * s], lo, av[r]);
+        acc[r][2 * s + 1] = dot4x4<DOT>(acc[r][2 * s + 1], hi, av[r]);
       }
     }
   }
@@ -1399,17 +1423,18 @@ void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, int s0, floa
 }
 
 // Rows [m, m + MR) of one group of one block, NS quarter-chunks (8 NS outputs) at a time.
-template <int MR, int NS>
+template <int MR, int NS, bool DOT>
 void group_q4_rows_neon(const Q4Args& a, int64_t m, int64_t g, const uint8_t* piece, float* y, int64_t ncols) {
   const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
   for (int s0 = 0; s0 < 8; s0 += NS)
     if (32 * (s0 / 4) + 4 * (s0 % 4) < ncols)
-      group_q4_neon<MR, NS>(xm, g, piece, s0, y + m * a.n, a.n, ncols);
+      group_q4_neon<MR, NS, DOT>(xm, g, piece, s0, y + m * a.n, a.n, ncols);
 }
 
 // Blocks [b0, b1), group after group, as q4_avx2: four rows at once over two quarter-chunks (16
 // sums), the three, two or one rows left over 2, 4 or 8.
-void q4_neon(const Q4Args& a, int64_t b0, int64_t b1) {
+template <bool DOT>
+void q4_neon_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = a.w + b * G * QGB;
@@ -1421,15 +1446,20 @@ void q4_neon(const Q4Args& a, int64_t b0, int64_t b1) {
       const uint8_t* piece = wb + g * QGB;
       for (int line = 0; line < int(QGB / 64); ++line) __builtin_prefetch(piece + PF + 64 * line);
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) group_q4_rows_neon<4, 2>(a, m, g, piece, y, ncols);
+      for (; m + 4 <= M; m += 4) group_q4_rows_neon<4, 2, DOT>(a, m, g, piece, y, ncols);
       switch (M - m) {
-        case 3: group_q4_rows_neon<3, 2>(a, m, g, piece, y, ncols); break;
-        case 2: group_q4_rows_neon<2, 4>(a, m, g, piece, y, ncols); break;
-        case 1: group_q4_rows_neon<1, 8>(a, m, g, piece, y, ncols); break;
+        case 3: group_q4_rows_neon<3, 2, DOT>(a, m, g, piece, y, ncols); break;
+        case 2: group_q4_rows_neon<2, 4, DOT>(a, m, g, piece, y, ncols); break;
+        case 1: group_q4_rows_neon<1, 8, DOT>(a, m, g, piece, y, ncols); break;
         default: break;
       }
     }
   }
+}
+
+void q4_neon(const Q4Args& a, int64_t b0, int64_t b1) {
+  if (cpu_arm_dotprod() && vnni_allowed.load(std::memory_order_relaxed)) return q4_neon_blocks<true>(a, b0, b1);
+  q4_neon_blocks<false>(a, b0, b1);
 }
 
 // exp_nonpos on 4 lanes: exp_nonpos1's operations (vfmsq_f32(x, n, c) = fma(-n, c, x); 2^n from its bits).

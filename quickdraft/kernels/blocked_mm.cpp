@@ -208,6 +208,9 @@ extern "C" __attribute__((visibility("default"))) int32_t quickdraft_int4_vnni()
   if (chosen_isa.load() == ISA_AVX512) return cpu_avx512_vnni();
   if (chosen_isa.load() == ISA_AVX2) return cpu_avx_vnni();
 #endif
+#if QD_ARM
+  if (chosen_isa.load() == ISA_NEON) return cpu_arm_dotprod();
+#endif
   return 0;
 }
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_isa(int32_t isa) {

@@ -41,7 +41,7 @@ def neon(tmp_path_factory):
         pytest.skip(f"{' and '.join(missing)} not installed: the NEON path cannot run here "
                     "(apt-get install g++-aarch64-linux-gnu qemu-user)")
     exe = _build(CROSS, tmp_path_factory.mktemp("neon") / "neon_harness")
-    return lambda *args: _run([QEMU, "-L", SYSROOT, str(exe), "neon", *args])
+    return lambda *args, path="neon": _run([QEMU, "-L", SYSROOT, str(exe), path, *args])
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,11 @@ MATMULS = [("f32", 33, 200), ("f32", 577, 323), ("f32", 1, 5), ("bf16", 33, 200)
 
 @pytest.mark.parametrize("kernel,k,n", MATMULS)
 def test_neon_matmuls_are_the_x86_librarys_bits(kernel, k, n, neon, tmp_path):
-    for what, want, dims, arrays in _matmul_cases(kernel, k, n):
-        _same_bits(_harness(neon, tmp_path, kernel, dims, 0.0, arrays, tuple(want.shape)), want, f"NEON {what}")
+    # int4: with sdot (qemu's CPU has the dot-product extension) and without (vmull + vpadal)
+    for path in ("neon", "neon-novnni") if kernel == "int4" else ("neon",):
+        for what, want, dims, arrays in _matmul_cases(kernel, k, n):
+            got = _harness(lambda *a: neon(*a, path=path), tmp_path, kernel, dims, 0.0, arrays, tuple(want.shape))
+            _same_bits(got, want, f"{path} {what}")
 
 
 def _attention_case(B, H, Hkv, T, L, D, seed):
