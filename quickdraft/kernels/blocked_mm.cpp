@@ -89,7 +89,12 @@ at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const 
   at::Tensor xq = at::empty({M, G * QG}, x.options().dtype(at::kChar));
   at::Tensor dx = at::empty({2, M, G}, x.options());
   float* d = dx.data_ptr<float>();
-  q4_quantize(c.x.data_ptr<float>(), c.x.stride(0), M, G, xq.data_ptr<int8_t>(), d, d + M * G);
+  const float* xp = c.x.data_ptr<float>();
+  const int64_t ldx = c.x.stride(0);
+  int8_t* qp = xq.data_ptr<int8_t>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {  // (rows are independent: any split)
+    q4_quantize(xp + r0 * ldx, ldx, r1 - r0, G, qp + r0 * G * QG, d + r0 * G, d + M * G + r0 * G);
+  });
   const Q4Args a{{xq.data_ptr<int8_t>(), G * QG, d, d + M * G, G}, M, G, packed.data_ptr<uint8_t>(), bptr,
                  y.data_ptr<float>(), n};
   matmul_q4(active_paths(), a, nblk, torch_threads);
