@@ -16,7 +16,9 @@
 // Every output element is the bias plus x[m, k] * W[k, n] accumulated with FMAs in k order
 // 0..K-1, whatever M, however the rows are grouped and on any thread count (the portable path
 // too: std::fma rounds as the instruction does), so a row's result does not depend on the other
-// rows: a verify step's matmuls give a token the bits a decode step gives it.
+// rows: a verify step's matmuls give a token the bits a decode step gives it. (int4 has its own
+// layout and numerics: its activations are quantised to int8 per group of 32 and its sums are
+// exact integer dot products, then one fixed float epilogue per group; see its section.)
 //
 // Four paths, one result: AVX-512 (16-float vectors), AVX2 + FMA (8-float vectors), NEON (4-float
 // vectors, vfmaq_f32) and portable C++ (scalar std::fma). Each output is the same chain of FMAs in
