@@ -61,8 +61,8 @@ Configurations (ours vs llama.cpp):
 
 ISA (`--isa`): native (default) lets both engines use all this CPU has; `--isa avx2` runs both as
 on an AVX2 + FMA machine without AVX-512: llama.cpp from its build-avx2 build, ours started again
-with QUICKDRAFT_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
-ONEDNN_MAX_CPU_ISA=AVX2 set before torch is imported (it stops unless quickdraft's kernels and
+with QUICKDRAFT_ISA=avx2 QUICKDRAFT_VNNI=0 (no AVX-VNNI: as the llama.cpp build) ATEN_CPU_CAPABILITY=avx2
+MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 set before torch is imported (it stops unless quickdraft's kernels and
 ATen both report AVX2). Both sides' ISA (llama.cpp's system_info line) are in the JSON and the
 markdown; the files are llamacpp_<model>_cpu_avx2.* then.
 
@@ -167,8 +167,9 @@ def ours_isa(isa: str) -> dict:
     from quickdraft import kernels
 
     got = {"quickdraft_kernels": kernels.isa(), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "env": {k: os.environ.get(k) for k in ISA_ENV["avx2"]}}
-    if isa == "avx2" and (got["quickdraft_kernels"] != "avx2" or got["aten_cpu_capability"] != "AVX2"):
+           "int4_vnni": kernels.int4_uses_vnni(), "env": {k: os.environ.get(k) for k in ISA_ENV["avx2"]}}
+    if isa == "avx2" and (got["quickdraft_kernels"] != "avx2" or got["aten_cpu_capability"] != "AVX2"
+                          or got["int4_vnni"]):
         raise QuickdraftError(f"--isa avx2 did not take on our side: {got}")
     return got
 
@@ -236,8 +237,8 @@ ISA_CMAKE_FLAGS = {
 }
 ISA_ENV = {  # set in our worker before torch is imported
     "native": {},
-    "avx2": {"QUICKDRAFT_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx2": {"QUICKDRAFT_ISA": "avx2", "QUICKDRAFT_VNNI": "0", "ATEN_CPU_CAPABILITY": "avx2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 
 
