@@ -7,8 +7,7 @@
 // quantisation included; 6 rows go as two passes of 3 (the weights read twice).
 //
 //   g++ -O3 -std=c++17 -ffp-contract=off benchmarks/int8_vnni_probe.cpp -o /tmp/probe && /tmp/probe
-// against the library on the same shapes: benchmarks/blocked_rows.py --format int8 (or the
-// numbers in the int8 section of docs/cpu.md's issue-36 notes).
+// against the library on the same shapes: benchmarks/blocked_rows.py --format int8 --clock thread.
 #include <immintrin.h>
 #include <time.h>
 #include <algorithm>
