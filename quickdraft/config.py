@@ -263,6 +263,26 @@ def check_prefix_cache_bytes(value: Any) -> int | None:
     return value
 
 
+# The prefix cache's debug check (prefix_cache_check, --prefix-cache-check, this environment variable): on
+# every hit, the cached prefix is also prefilled from scratch and the two KV compared (quickdraft.prefix_cache)
+PREFIX_CACHE_CHECK_ENV = "QUICKDRAFT_PREFIX_CACHE_CHECK"
+_CHECK_WORDS = {"": False, "0": False, "false": False, "off": False, "no": False,
+                "1": True, "true": True, "on": True, "yes": True, "raise": "raise"}
+
+
+def check_prefix_cache_check(value: Any) -> bool | str:
+    """The prefix cache's debug check: False (the default), True (on a hit, prefill the cached
+    prefix from scratch too and compare the KV; a mismatch is logged, counted and repaired), or
+    "raise" (a mismatch raises: tests). Text as in the environment variable (PREFIX_CACHE_CHECK_ENV):
+    0/1, true/false, on/off, raise. Returns False, True or "raise"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _CHECK_WORDS:
+        return _CHECK_WORDS[value.strip().lower()]
+    raise QuickdraftError(f"prefix_cache_check must be true, false or 'raise' ({PREFIX_CACHE_CHECK_ENV}: 1, 0 or "
+                          f"raise), got {value!r}", field="prefix_cache_check")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "draft"  # "none" = plain decoding, or a registered proposer (quickdraft.proposers)
@@ -302,6 +322,9 @@ class EngineConfig:
     # used first) when requests need the memory; prefix_cache_bytes caps them further (None: only the budget).
     enable_prefix_caching: bool = False
     prefix_cache_bytes: int | None = None
+    # Debug: on every prefix cache hit, prefill the cached prefix from scratch too and compare the KV, bit for bit
+    # where the kernels are row-invariant (check_prefix_cache_check: False, True, "raise"); costs a prefill per hit
+    prefix_cache_check: bool | str = False
     # Chunked prefill: prompt tokens one step prefills at most, between decode steps of the running requests
     # (None: a whole batch of prompts in one step)
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -311,6 +334,11 @@ class EngineConfig:
         object.__setattr__(self, "kv_cache_memory", check_kv_cache_memory(self.kv_cache_memory))
         check_max_num_batched_tokens(self.max_num_batched_tokens)
         check_prefix_cache_bytes(self.prefix_cache_bytes)
+        object.__setattr__(self, "prefix_cache_check", check_prefix_cache_check(self.prefix_cache_check))
+        if self.prefix_cache_check and not self.enable_prefix_caching:
+            raise QuickdraftError("prefix_cache_check checks the prefix cache's hits: turn prefix caching on "
+                                  "(enable_prefix_caching=True, --enable-prefix-caching) or the check off",
+                                  field="prefix_cache_check")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise QuickdraftError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.compile not in (False, True, "aot", "auto"):
