@@ -155,7 +155,12 @@ def _bench_chat(url, concurrency, turns, conversations, system_words, client, co
         asyncio.run(check_server(compare, model))
     cfg = ChatConfig(**{**asdict(cfg), "model": model})
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    result = asyncio.run(run_chat(cfg))
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True)) as bar:
+        task = bar.add_task("bench-serve chat", total=conversations * turns * (2 if compare else 1))
+        result = asyncio.run(run_chat(cfg, on_turn=lambda: bar.advance(task)))
     if not any(s["completed"] for s in result["servers"].values()):
         raise QuickdraftError(f"every turn failed, e.g. {result['servers']['url']['error_samples'][0]}")
     result = {"setup": setup(cfg, label, compare_label, command_line(), load), **result}
