@@ -237,18 +237,34 @@ async def run_chat(cfg: ChatConfig, on_turn=None) -> dict:
                     if on_turn is not None:
                         on_turn()
 
+    peaks = [{} for _ in servers]
+
+    async def sample() -> None:  # the servers' KV memory and queue while the run goes (their peaks)
+        while True:
+            for s, peak in zip(servers, peaks):
+                m = await s.metrics() or {}
+                for name in ("kv_cache_bytes", "num_requests_running", "num_requests_waiting"):
+                    if name in m:
+                        peak[name] = max(peak.get(name, 0), m[name])
+            await asyncio.sleep(0.5)
+
     try:
         before = [await s.metrics() for s in servers]
+        sampler = asyncio.ensure_future(sample())
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, cfg.conversations))))
         duration = time.perf_counter() - started
+        sampler.cancel()
         after = [await s.metrics() for s in servers]
     finally:
         for s in servers:
             await s.close()
     results.sort(key=lambda r: (r.server, r.conversation, r.turn))
-    return {"servers": {s.name: summary([r for r in results if r.server == s.name], cfg.turns, b, a, duration)
-                        for s, b, a in zip(servers, before, after)},
+    out = {s.name: summary([r for r in results if r.server == s.name], cfg.turns, b, a, duration)
+           for s, b, a in zip(servers, before, after)}
+    for s, peak in zip(servers, peaks):
+        out[s.name]["peak"] = peak  # sampled every 0.5 s: kv_cache_bytes, running and waiting requests
+    return {"servers": out,
             "paired": paired(results, cfg.turns) if len(servers) == 2 else None,
             "turn_results": [asdict(r) for r in results]}
 
@@ -323,6 +339,15 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _peak_text(sv: dict) -> str:
+    peak, budget = sv.get("peak") or {}, sv["prefix_cache"].get("kv_cache_budget_bytes")
+    if "kv_cache_bytes" not in peak:
+        return "."
+    return (f"; at most {peak['kv_cache_bytes'] / 2**20:.0f} MiB of KV memory held (sampled every 0.5 s; budget "
+            f"{'-' if budget is None else f'{budget / 2**20:.0f} MiB'}), {peak.get('num_requests_running', 0):.0f} "
+            f"requests running and {peak.get('num_requests_waiting', 0):.0f} waiting at most.")
+
+
 def markdown(result: dict) -> str:
     s = result["setup"]
     lines = [f"# quickdraft bench-serve --workload chat ({s['client_cpu']})", "",
@@ -343,7 +368,8 @@ def markdown(result: dict) -> str:
                   + f"; prefix hit rate {_f(sv['hit_rate_usage'])} (usage.cached_tokens / prompt_tokens), "
                   f"{_f(sv['hit_rate_metrics'])} (/metrics prefix_cache_hits / queries); "
                   f"acceptance {_f(sv['speculation']['acceptance_rate'])}, mean acceptance length "
-                  f"{_f(sv['speculation']['mean_acceptance_length'], '.2f')} (usage.speculation).", "",
+                  f"{_f(sv['speculation']['mean_acceptance_length'], '.2f')} (usage.speculation)"
+                  + _peak_text(sv), "",
                   "| | mean ms | median ms | p99 ms |", "|---|---|---|---|"]
         for m in ("ttft", "tpot", "itl", "e2e"):
             lines.append(f"| {m.upper()} | {_ms(sv[m]['mean'])} | {_ms(sv[m]['median'])} | {_ms(sv[m]['p99'])} |")
