@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import random
 import statistics
 import subprocess
@@ -42,6 +43,12 @@ def start(args, port: int, size: int, log: Path) -> subprocess.Popen:
         cmd += ["--target", args.target]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[int, list[dict]] = {s: [] for s in sizes}
     for rep in range(args.repeats):
         for size in (sizes if rep % 2 == 0 else sizes[::-1]):
-            port = 18500 + size % 97
+            port = free_port()
             log = args.out_dir / f"{args.name}.server.log"
             proc = start(args, port, size, log)
             try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +46,12 @@ def start(args: argparse.Namespace, port: int, caching: bool, log: Path) -> subp
         cmd.append("--no-compile")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--name", default="multi_turn_cpu")
     args = ap.parse_args(argv)
-    ports = (18431, 18432)
+    ports = (free_port(), free_port())
     logs = [args.out_dir / f"{args.name}.{which}.log" for which in ("cached", "uncached")]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     procs = [start(args, ports[0], True, logs[0])]
