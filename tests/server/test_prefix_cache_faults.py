@@ -77,3 +77,12 @@ def test_disconnect_mid_prefill_frees_the_row_and_keeps_the_cache_consistent(ser
     assert final["prefix_cache_checks_total"] > before["prefix_cache_checks_total"]  # that hit was checked
     assert final["prefix_cache_check_mismatches_total"] == 0
     assert final["kv_cache_bytes"] <= final["kv_cache_budget_bytes"]
+
+
+def test_the_check_without_a_cache_is_a_one_line_error():
+    from typer.testing import CliRunner
+
+    from quickdraft.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--no-enable-prefix-caching", "--prefix-cache-check"])
+    assert r.exit_code == 2 and "needs prefix caching on" in r.output and "Traceback" not in r.output, r.output
