@@ -178,7 +178,12 @@ _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10*
                  "t": 2**40}
 SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
 DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompt tokens one prefill step computes at most (chunked prefill): what a running stream may wait between two tokens
+# prompt tokens one prefill step computes at most (chunked prefill): what a running stream may wait between two
+# tokens while a long prompt arrives. 64 from benchmarks/results/chunked_prefill_smollm2_cpu.md (SmolLM2, one
+# thread, a loaded 2-core Xeon): while a 4,000-token prompt was prefilled, the running streams' median gap was
+# 3.2-4.7x their steady median at 64 (3.5-3.9x at 32), 24-25x at 512; the long prompt's first token came
+# 1.8x later than at 512 (75 s against 42 s), 32 cost 2.1x
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 64
 # the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
 # falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
 DEFAULT_POLICY = "auto"
