@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
             wait(url, proc)
         compare = ["--compare-url", urls[1], "--compare-label", "prefix caching off"] if args.compare else []
         cmd = [sys.executable, "-m", "quickdraft.cli", "bench-serve", "--workload", "chat", "--url", urls[0],
-               "--label", "prefix caching on", *compare, "--turns", str(args.turns), "--conversations", str(args.conversations),
+               "--label", "prefix caching on", *compare, "--turns", str(args.turns),
+               "--conversations", str(args.conversations),
                "--concurrency", str(args.concurrency), "--system-words", str(args.system_words),
                "--max-tokens", str(args.max_tokens), "--temperature", "0", "--out-dir", str(args.out_dir),
                "--name", args.name, *extra]

@@ -294,7 +294,8 @@ def test_eviction_under_pressure_leaves_running_requests_exact(target_dir):
     its own row (copies), so its output is still plain decoding's, and the budget holds every step."""
     probe = LLM(target_dir, method="none", compile=False, policy="fixed").engine
     tb = probe.budget.token_bytes
-    total = row_bytes(tb, 64) * 2 + 16 * tb  # one row of 64 positions and three 16-token blocks, or two rows and one block
+    # one row of 64 positions and three 16-token blocks, or two rows and one block
+    total = row_bytes(tb, 64) * 2 + 16 * tb
     llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True, kv_cache_memory=total,
               max_num_seqs=2, policy="fixed", prefix_cache_check="raise")
     exact_or_skip(llm)

@@ -40,7 +40,8 @@ def test_chat_workload_against_a_cached_and_an_uncached_server(servers, client, 
     turns, conversations, max_tokens = 3, 2, 6
     r = CliRunner().invoke(_app(), [
         "bench-serve", "--workload", "chat", "--url", cached.url, "--compare-url", plain.url, "--client", client,
-        "--turns", str(turns), "--conversations", str(conversations), "--concurrency", str(concurrency), "--system-words", "40",
+        "--turns", str(turns), "--conversations", str(conversations), "--concurrency", str(concurrency),
+        "--system-words", "40",
         "--max-tokens", str(max_tokens), "--temperature", "0", "--out-dir", str(tmp_path), "--name", "chat",
         "--label", "cached", "--compare-label", "plain"])
     assert r.exit_code == 0, r.output

@@ -311,7 +311,8 @@ def summary(results: list[TurnResult], turns: int, before: dict | None, after: d
         "speculation": {"draft_tokens": drafted, "accepted_tokens": accepted, "num_drafts": drafts,
                         "acceptance_rate": _ratio(accepted, drafted),
                         "mean_acceptance_length": 1 + accepted / drafts if drafts else None},
-        "spec_metrics": spec_summary(spec_counters(before) if before else None, spec_counters(after) if after else None),
+        "spec_metrics": spec_summary(spec_counters(before) if before else None,
+                                     spec_counters(after) if after else None),
     }
 
 
