@@ -1,127 +1,139 @@
-"""Multi-turn chat with a shared system prompt: time to first token per turn, with and without
-prefix caching, measured side by side on one engine.
+"""Multi-turn chat, with and without prefix caching, paired: two `quickdraft serve` processes of the
+same model (one with --no-enable-prefix-caching), and `quickdraft bench-serve --workload chat
+--compare-url` sending every turn to the cached server, then the same turn to the uncached one.
+The workload and its figures are bench-serve's (quickdraft.bench.serve_load.chat); this script
+only starts and stops the two servers.
 
-Workload: `--conversations` conversations of `--turns` turns each; every conversation starts
-with the same system prompt (about `--system-tokens` tokens) and every turn sends the whole
-history (system prompt, earlier questions and answers, the new question), as a chat server
-receives it. Each turn runs twice in a row on the same engine and models: once with the prefix
-cache switched off (every prompt computed from its first token), once with it on (the cache then
-holds the earlier turns' KV and the system prompt's). Pairing the two runs turn by turn lets the
-machine's drift hit both. Greedy decoding; the two runs' tokens must be identical
-(`identical` in the result), which is the prefix cache's promise.
+    python benchmarks/multi_turn.py --target smollm2 --turns 10 --conversations 2 --system-words 1000 \
+        --threads 1 --name multi_turn_smollm2_cpu
+    python benchmarks/multi_turn.py --target smollm2 --method suffix -k 4 --name multi_turn_suffix_cpu
 
-    python benchmarks/multi_turn.py                                  # the bundled pair, plain decoding
-    python benchmarks/multi_turn.py --target smollm2 --turns 10 --system-tokens 1000
-    python benchmarks/multi_turn.py --turns 2 --conversations 1 --system-tokens 40 --max-tokens 4 --out-dir /tmp/x
+    python benchmarks/multi_turn.py --method draft -k 4 --chat-template benchmarks/plain_chat_template.jinja \
+        --name multi_turn_bundled_draft_cpu               # the bundled pair: acceptance with and without hits
+    python benchmarks/multi_turn.py --target smollm2 --no-compare --conversations 64 --concurrency 64 \
+        --turns 3 --name concurrent_chat_smollm2_cpu      # one server (caching on), its peak memory
+
+Extra arguments after `--` go to bench-serve (e.g. `-- --client openai`). The servers' peak resident
+memory (VmHWM) is added to the results.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import torch
+import httpx
 
-from quickdraft import LLM, SamplingParams
-from quickdraft.bench.hardware import provenance, provenance_line
-from quickdraft.prefix_cache import PrefixCache
-
-SYSTEM = ("You are a careful Python assistant. Answer with short, correct code and one sentence of "
-          "explanation. Prefer the standard library, name things clearly, and handle empty inputs. ")
-QUESTIONS = ["How do I reverse a list?", "Now sort it by length.", "Make it a function with a docstring.",
-             "Add type hints.", "What if the list is empty?", "Write a test for it.", "Make it a generator.",
-             "Count the words instead.", "Read them from a file.", "Handle a missing file."]
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def first_token_time(engine, prompt: list[int], params: SamplingParams):
-    """Seconds from add_request to the request's first token, and its final output."""
-    t0 = time.perf_counter()
-    rid = engine.add_request(prompt, params)
-    ttft, final = None, None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == rid:
-                if ttft is None and out.token_ids:
-                    ttft = time.perf_counter() - t0
-                if out.finished:
-                    final = out
-    return ttft, final
+def start(args: argparse.Namespace, port: int, caching: bool, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(port), "--served-model-name", "model",
+           "--method", args.method, "--policy", "fixed", "--log-level", "warning",
+           "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
+    for flag, value in (("--target", args.target), ("--draft", args.draft), ("-k", args.k),
+                        ("--threads", args.threads), ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--chat-template", args.chat_template)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if not args.compile:  # eager: no background AOT build competing with the measurement
+        cmd.append("--no-compile")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"a server exited with {proc.returncode} (see its log)")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not ready after {timeout} s")
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit("no VmHWM in /proc (Linux only)")
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="target model (default: the bundled one)")
     ap.add_argument("--draft", default=None)
-    ap.add_argument("--method", default="none", help="none (default) | draft | eagle3 | suffix | ngram | lookahead")
-    ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--method", default="none")
+    ap.add_argument("-k", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chat-template", type=Path, default=None, help="for a model without one (the bundled pair: "
+                    "benchmarks/plain_chat_template.jinja)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="the servers' default steps (AOT packages when cached, "
+                    "else eager while a background build runs) instead of eager steps")
+    ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--conversations", type=int, default=2)
-    ap.add_argument("--system-tokens", type=int, default=400, help="the shared system prompt's length, about")
-    ap.add_argument("--max-tokens", type=int, default=32, help="tokens each answer gets")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--compile", choices=("eager", "auto"), default="eager")
-    ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--system-words", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--no-compare", dest="compare", action="store_false", help="only the server with caching")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--name", default="multi_turn_cpu")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    llm = LLM(args.target, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
-              compile=False if args.compile == "eager" else None, enable_prefix_caching=True,
-              max_num_batched_tokens=args.max_num_batched_tokens)
-    engine, tok = llm.engine, llm.tokenizer
-    cache: PrefixCache = engine.prefix_cache
-    one = tok.encode(SYSTEM)
-    system = (one * (args.system_tokens // len(one) + 1))[:args.system_tokens]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    turns: list[dict] = [dict(turn=t + 1, prompt_tokens=[], off_s=[], on_s=[], cached_tokens=[], identical=True)
-                         for t in range(args.turns)]
-    for c in range(args.conversations):
-        history = list(system)
-        for t in range(args.turns):
-            question = QUESTIONS[(t + c) % len(QUESTIONS)] + ("" if c == 0 else f" (variant {c})")
-            history += tok.encode(f"\nUser: {question}\nAssistant:")
-            engine.prefix_cache = None  # off: computed from the first token
-            off_s, off = first_token_time(engine, history, params)
-            engine.prefix_cache = cache  # on: the earlier turns' KV
-            on_s, on = first_token_time(engine, history, params)
-            row = turns[t]
-            row["prompt_tokens"].append(len(history))
-            row["off_s"].append(off_s)
-            row["on_s"].append(on_s)
-            row["cached_tokens"].append(on.num_cached_tokens)
-            row["identical"] &= on.token_ids == off.token_ids
-            history += on.token_ids
-    for row in turns:
-        row["ttft_off_s"] = statistics.median(row["off_s"])
-        row["ttft_on_s"] = statistics.median(row["on_s"])
-        row["ratio"] = row["ttft_off_s"] / row["ttft_on_s"]
-    stats = cache.stats
-    result = dict(target=str(args.target or "bundled"), method=args.method, k=args.k, turns=turns,
-                  conversations=args.conversations, system_tokens=len(system), max_tokens=args.max_tokens,
-                  max_num_batched_tokens=args.max_num_batched_tokens, threads=torch.get_num_threads(),
-                  identical=all(r["identical"] for r in turns), last_turn_ratio=turns[-1]["ratio"],
-                  prefix_cache=dict(queries=stats.queries, hits=stats.hits, evictions=stats.evictions,
-                                    cached_tokens=cache.num_cached_tokens, bytes=cache.nbytes),
-                  provenance=provenance(threads=torch.get_num_threads()))
+    ports = (free_port(), free_port())
+    logs = [args.out_dir / f"{args.name}.{which}.log" for which in ("cached", "uncached")]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"# Multi-turn chat: time to first token with and without prefix caching ({result['target']}, "
-             f"method {args.method})", "",
-             "| turn | prompt tokens | cached tokens | TTFT off (s) | TTFT on (s) | off / on | identical |",
-             "|---|---|---|---|---|---|---|"]
-    for r in turns:
-        lines.append(f"| {r['turn']} | {statistics.median(r['prompt_tokens']):.0f} | "
-                     f"{statistics.median(r['cached_tokens']):.0f} | {r['ttft_off_s']:.3f} | {r['ttft_on_s']:.3f} | "
-                     f"{r['ratio']:.2f}x | {r['identical']} |")
-    lines += ["", f"Medians over {args.conversations} conversation(s). "
-              f"Prefix cache: {stats.hits} of {stats.queries} prompt tokens hit (the on runs).", "",
-              provenance_line(result["provenance"]), ""]
-    (args.out_dir / f"{args.name}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    procs = [start(args, ports[0], True, logs[0])]
+    if args.compare:
+        procs.append(start(args, ports[1], False, logs[1]))
+    ok = False
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for url, proc in zip(urls, procs):
+            wait(url, proc)
+        compare = ["--compare-url", urls[1], "--compare-label", "prefix caching off"] if args.compare else []
+        cmd = [sys.executable, "-m", "quickdraft.cli", "bench-serve", "--workload", "chat", "--url", urls[0],
+               "--label", "prefix caching on", *compare, "--turns", str(args.turns),
+               "--conversations", str(args.conversations),
+               "--concurrency", str(args.concurrency), "--system-words", str(args.system_words),
+               "--max-tokens", str(args.max_tokens), "--temperature", "0", "--out-dir", str(args.out_dir),
+               "--name", args.name, *extra]
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        peaks = [peak_rss_mib(p.pid) for p in procs]
+        path = args.out_dir / f"{args.name}.json"
+        result = json.loads(path.read_text())
+        result["server_peak_rss_mib"] = dict(zip(("url", "compare_url"), peaks))
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        with (args.out_dir / f"{args.name}.md").open("a") as md:
+            md.write("Servers' peak resident memory (VmHWM): "
+                     + ", ".join(f"{n} {v:.0f} MiB" for n, v in result["server_peak_rss_mib"].items()) + ".\n")
+        ok = True
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+        for log in logs if ok else ():  # the servers' logs matter only when something failed
+            log.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,12 @@ _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10*
                  "t": 2**40}
 SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
 DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompt tokens one prefill step computes at most (chunked prefill): what a running stream may wait between two tokens
+# prompt tokens one prefill step computes at most (chunked prefill): what a running stream may wait between two
+# tokens while a long prompt arrives. 64 from benchmarks/results/chunked_prefill_smollm2_cpu.md (SmolLM2, one
+# thread, a loaded 2-core Xeon): while a 4,000-token prompt was prefilled, the running streams' median gap was
+# 3.2-4.7x their steady median at 64 (3.5-3.9x at 32), 24-25x at 512; the long prompt's first token came
+# 1.8x later than at 512 (75 s against 42 s), 32 cost 2.1x
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 64
 # the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
 # falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
 DEFAULT_POLICY = "auto"
@@ -263,6 +268,26 @@ def check_prefix_cache_bytes(value: Any) -> int | None:
     return value
 
 
+# The prefix cache's debug check (prefix_cache_check, --prefix-cache-check, this environment variable): on
+# every hit, the cached prefix is also prefilled from scratch and the two KV compared (quickdraft.prefix_cache)
+PREFIX_CACHE_CHECK_ENV = "QUICKDRAFT_PREFIX_CACHE_CHECK"
+_CHECK_WORDS = {"": False, "0": False, "false": False, "off": False, "no": False,
+                "1": True, "true": True, "on": True, "yes": True, "raise": "raise"}
+
+
+def check_prefix_cache_check(value: Any) -> bool | str:
+    """The prefix cache's debug check: False (the default), True (on a hit, prefill the cached
+    prefix from scratch too and compare the KV; a mismatch is logged, counted and repaired), or
+    "raise" (a mismatch raises: tests). Text as in the environment variable (PREFIX_CACHE_CHECK_ENV):
+    0/1, true/false, on/off, raise. Returns False, True or "raise"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _CHECK_WORDS:
+        return _CHECK_WORDS[value.strip().lower()]
+    raise QuickdraftError(f"prefix_cache_check must be true, false or 'raise' ({PREFIX_CACHE_CHECK_ENV}: 1, 0 or "
+                          f"raise), got {value!r}", field="prefix_cache_check")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "draft"  # "none" = plain decoding, or a registered proposer (quickdraft.proposers)
@@ -302,6 +327,9 @@ class EngineConfig:
     # used first) when requests need the memory; prefix_cache_bytes caps them further (None: only the budget).
     enable_prefix_caching: bool = False
     prefix_cache_bytes: int | None = None
+    # Debug: on every prefix cache hit, prefill the cached prefix from scratch too and compare the KV, bit for bit
+    # where the kernels are row-invariant (check_prefix_cache_check: False, True, "raise"); costs a prefill per hit
+    prefix_cache_check: bool | str = False
     # Chunked prefill: prompt tokens one step prefills at most, between decode steps of the running requests
     # (None: a whole batch of prompts in one step)
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -311,6 +339,11 @@ class EngineConfig:
         object.__setattr__(self, "kv_cache_memory", check_kv_cache_memory(self.kv_cache_memory))
         check_max_num_batched_tokens(self.max_num_batched_tokens)
         check_prefix_cache_bytes(self.prefix_cache_bytes)
+        object.__setattr__(self, "prefix_cache_check", check_prefix_cache_check(self.prefix_cache_check))
+        if self.prefix_cache_check and not self.enable_prefix_caching:
+            raise QuickdraftError("prefix_cache_check checks the prefix cache's hits: turn prefix caching on "
+                                  "(enable_prefix_caching=True, --enable-prefix-caching) or the check off",
+                                  field="prefix_cache_check")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise QuickdraftError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.compile not in (False, True, "aot", "auto"):

@@ -27,9 +27,10 @@ from .cache import KVBudget, KVCache, available_memory, return_freed_memory, row
 from .config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
                      format_bytes)
 from .constraints import GrammarVocabulary, Vocabularies, batch_masks
-from .errors import ContextLengthError, QuickdraftError
+from .errors import ContextLengthError, PrefixCacheMismatch, QuickdraftError
 from .metrics import SpecStats
 from .prefix_cache import PrefixCache
+from .model.quant import row_invariant
 from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Transformer, forward_chunks
 from .proposers import get as get_proposer
@@ -236,6 +237,8 @@ class Engine:
                                       "turn it off (enable_prefix_caching=False, --no-enable-prefix-caching)")
             # its blocks are claimed from the budget ("prefix") and evicted when requests need the memory
             self.prefix_cache = PrefixCache(config.prefix_cache_bytes, budget=self.budget)
+        # the debug check compares bits where a prefill's bits do not depend on its row count
+        self._check_exact = bool(config.prefix_cache_check) and row_invariant(target)
         self._batch_sampling: BatchSampling | None = None  # rebuilt when the batch changes
         self._batch_penalties: PenaltyState | None = None  # with it: None when no row has penalties
         self.stats = SpecStats()  # every request's steps since the engine started (the server exports it)
@@ -678,6 +681,11 @@ class Engine:
         r.num_cached = r.num_computed
         if with_state:
             proposer.loaded_state(row, with_state)
+        if r.num_cached and self.config.prefix_cache_check:  # debug: recompute the prefix and compare
+            bad = pc.check(self.target, self.cache, row, r.prompt, r.num_cached, self.config.max_num_batched_tokens,
+                           self._check_exact)
+            if bad is not None and self.config.prefix_cache_check == "raise":
+                raise PrefixCacheMismatch(f"request {r.id}: {bad}")
 
     def _store_prefix(self, r: _Request, row: int, length: int) -> None:
         """Keep positions [0, length) of `row` (committed tokens of r) in the prefix cache."""
@@ -1037,6 +1045,8 @@ class Engine:
         for j, r in enumerate(self.prefilling):  # aborted while prefilling: leave; the others move down
             row = first_prefilling + j
             if r.finished:
+                if self.prefix_cache is not None:  # its computed chunks (the target's KV), for a retry
+                    self.prefix_cache.store(r.prompt, r.num_computed, self.cache, row)
                 if self.proposer is not None:
                     self.proposer.finish(row, r.tokens, len(r.prompt))
                 continue

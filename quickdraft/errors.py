@@ -29,3 +29,8 @@ class ContextLengthError(QuickdraftError):
 class EngineFailure(QuickdraftError):
     """The engine cannot go on at all (e.g. a tensor-parallel rank died or timed out): every
     request it holds fails, and a server exits non-zero rather than answering 503 forever."""
+
+
+class PrefixCacheMismatch(RuntimeError):
+    """The prefix cache's debug check (prefix_cache_check="raise") found a hit whose KV differs
+    from a fresh prefill's: a bug, never the user's input."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -12,9 +13,9 @@ import torch
 
 from . import aot
 from .config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
-                     DEFAULT_POLICY, DEFAULT_SELF_DRAFT_QUANTIZATION, SELF_DRAFT, EngineConfig, SpecConfig,
-                     check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
-                     check_num_speculative_tokens, check_prefix_cache_bytes)
+                     DEFAULT_POLICY, DEFAULT_SELF_DRAFT_QUANTIZATION, PREFIX_CACHE_CHECK_ENV, SELF_DRAFT, EngineConfig,
+                     SpecConfig, check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
+                     check_num_speculative_tokens, check_prefix_cache_bytes, check_prefix_cache_check)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
@@ -71,7 +72,8 @@ class LLM:
                  tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None,
                  kv_cache_memory: int | float | str | None = None,
                  enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None,
-                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 prefix_cache_check: bool | str | None = None):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
         then cached on disk) before the first token; False: eager. None (default): CUDA graphs on
@@ -104,7 +106,10 @@ class LLM:
         enable_prefix_caching: keep the KV of computed tokens and reuse it for later prompts with
         the same prefix (quickdraft.prefix_cache; the server's default); its blocks take what the KV
         budget has free and are evicted when requests need it; prefix_cache_bytes (None: no cap of
-        its own) caps them further.
+        its own) caps them further. prefix_cache_check (debug): on every hit, prefill the cached
+        prefix from scratch too and compare the KV (bit for bit with row-invariant kernels); a
+        mismatch is logged, counted and repaired (True) or raises ("raise"); None (default): the
+        environment variable QUICKDRAFT_PREFIX_CACHE_CHECK where prefix caching is on, else off.
         max_num_batched_tokens: prompt tokens one prefill step computes at most (chunked prefill;
         None: whole prompts)."""
         choice = _profile_choice(profile, target) if method is None and draft is None else None
@@ -120,6 +125,9 @@ class LLM:
         check_kv_cache_memory(kv_cache_memory)
         check_max_num_batched_tokens(max_num_batched_tokens)
         check_prefix_cache_bytes(prefix_cache_bytes)
+        if prefix_cache_check is None:  # the environment's, where there is a cache to check
+            prefix_cache_check = os.environ.get(PREFIX_CACHE_CHECK_ENV, "") if enable_prefix_caching else False
+        prefix_cache_check = check_prefix_cache_check(prefix_cache_check)
         self_draft = isinstance(draft, str) and draft == SELF_DRAFT
         if self_draft:
             draft = None
@@ -194,7 +202,7 @@ class LLM:
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
                               preallocate=preallocate, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, prefix_cache_bytes=prefix_cache_bytes,
-                              max_num_batched_tokens=max_num_batched_tokens)
+                              max_num_batched_tokens=max_num_batched_tokens, prefix_cache_check=prefix_cache_check)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
         self.aot_build = None  # the background build of missing AOT packages, if this LLM started one

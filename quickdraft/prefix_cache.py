@@ -28,6 +28,13 @@ given), and when admitting a request needs more than is free, the budget asks th
 `release` blocks; it can release every one (no running request reads them), so a request that
 fits the budget is never kept waiting by cached blocks.
 
+Checking (prefix_cache_check, a debug mode). A cache bug must not produce wrong text: with the check
+on, every hit also prefills the cached prefix from scratch into a scratch cache (outside the KV
+budget; the engine's chunk size) and compares the two KV, every layer and position: bit for bit
+where the kernels are row-invariant, else within a tolerance (PyTorch's GEMMs change the last
+bits with the row count). A mismatch is logged and counted (stats.check_mismatches), the row gets
+the recomputed KV (the output stays right), and the blocks from the first bad one on are evicted.
+
 Eviction: least recently used block first (a hit or a store touches its chain from the root
 on, so a block is never older than its parent and leaves go first); evicting a block evicts its
 descendants (unreachable without it).
@@ -35,12 +42,16 @@ descendants (unreachable without it).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import KVBudget, KVCache
+from .model.transformer import forward_chunks
+
+log = logging.getLogger("quickdraft")
 
 BLOCK_SIZE = 16  # tokens per block (vLLM's default); measured against 32 in docs/server.md
 
@@ -99,10 +110,39 @@ class Block:
 @dataclass
 class PrefixCacheStats:
     """Counters under vLLM's names: queries and hits in tokens (a request's prompt looked up, the
-    tokens found), blocks evicted."""
+    tokens found), blocks evicted; with the debug check, hits checked and those that mismatched."""
     queries: int = 0
     hits: int = 0
     evictions: int = 0
+    checks: int = 0
+    check_mismatches: int = 0
+
+
+@dataclass(frozen=True)
+class CheckMismatch:
+    """A hit whose cached KV differs from a fresh prefill's (PrefixCache.check)."""
+    position: int  # the first prompt position whose KV differs
+    length: int  # positions the hit covered
+    max_abs_diff: float
+
+    def __str__(self) -> str:
+        return (f"prefix cache hit of {self.length} positions differs from a fresh prefill from position "
+                f"{self.position} on (max |diff| {self.max_abs_diff:.3g})")
+
+
+def _first_bad(cached: torch.Tensor, fresh: torch.Tensor, exact: bool) -> tuple[int | None, float]:
+    """The first position (dim 1 of (H_kv, n, D)) where `cached` differs from `fresh` (exactly, or
+    past a tolerance relative to the layer's largest value), and the largest difference."""
+    if torch.equal(cached, fresh):
+        return None, 0.0
+    diff = (cached.float() - fresh.float()).abs()
+    if exact:
+        bad = diff.ne(0) | cached.isnan().ne(fresh.isnan())
+    else:  # float32 sums in another order differ by ~1e-6 relative; bf16 / fp16 KV by ~1e-2
+        tol = (1e-3 if fresh.dtype == torch.float32 else 3e-2) * max(fresh.float().abs().max().item(), 1e-6)
+        bad = diff.gt(tol) | diff.isnan()
+    at = bad.any(dim=2).any(dim=0).nonzero()
+    return (int(at[0]) if len(at) else None), float(diff.nan_to_num(float("inf")).max())
 
 
 class PrefixCache:
@@ -255,6 +295,36 @@ class PrefixCache:
             self.nbytes -= b.nbytes
             self.stats.evictions += 1
             stack.extend(self._lru[c] for c in b.children)
+
+    def check(self, target, cache: KVCache, row: int, tokens: list[int], length: int, chunk: int | None,
+              exact: bool) -> CheckMismatch | None:
+        """The debug check of a hit just loaded: prefill tokens[:length] from scratch (`chunk`
+        tokens per forward, as the engine's prefill) and compare its KV with positions [0, length)
+        of `row`; on a mismatch, count and log it, give the row the fresh KV and evict the
+        blocks from the first bad one on. `exact`: compare bits (row-invariant kernels), else
+        within a tolerance."""
+        fresh = KVCache.for_model(target, 1, length)
+        view = fresh.rows(0, 1)
+        step = chunk or length
+        for s in range(0, length, step):
+            forward_chunks(target, [tokens[s:min(s + step, length)]], [s], view)
+        self.stats.checks += 1
+        first, worst = None, 0.0
+        for a, b in zip(_views(cache, row, 0, length), _views(fresh, 0, 0, length)):
+            at, diff = _first_bad(a, b, exact)
+            worst = max(worst, diff)
+            if at is not None:
+                first = at if first is None else min(first, at)
+        if first is None:
+            return None
+        mismatch = CheckMismatch(first, length, worst)
+        self.stats.check_mismatches += 1
+        log.warning("quickdraft: %s; the recomputed KV is used and the cached blocks from there on evicted", mismatch)
+        _copy(_views(cache, row, 0, length), _views(fresh, 0, 0, length))
+        chain = self._chain(tokens, length)
+        if first // self.block_size < len(chain):
+            self._evict(chain[first // self.block_size])
+        return mismatch
 
     def clear(self) -> None:
         self._index.clear()

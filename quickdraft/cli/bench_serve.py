@@ -1,5 +1,6 @@
 """`quickdraft bench-serve`: load a running OpenAI-compatible server and measure TTFT, TPOT,
-ITL, E2E, throughput, goodput and acceptance (the load generator is quickdraft.bench.serve_load)."""
+ITL, E2E, throughput, goodput and acceptance (the load generator is quickdraft.bench.serve_load);
+`--workload chat`: multi-turn conversations (quickdraft.bench.serve_load.chat)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def bench_serve_command(
     max_tokens: int = typer.Option(64, "--max-tokens"),
     temperature: float = opts.TEMPERATURE,
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Always generate max_tokens."),
-    workload: str = opts.WORKLOAD,
+    workload: str = typer.Option("code", "--workload", help="code | editing (held-out files, one completion "
+                                 "each) | chat (multi-turn conversations sharing a system prompt: --turns, "
+                                 "--conversations, --concurrency, per-turn TTFT and the prefix hit rate)."),
     prompts: Optional[Path] = opts.PROMPTS_FILE,
     model: Optional[str] = typer.Option(None, "--model", help="Model name to send (default: first of /v1/models)."),
     return_token_ids: bool = typer.Option(
@@ -42,9 +45,32 @@ def bench_serve_command(
     out_dir: Path = opts.OUT_DIR,
     name: str = typer.Option("bench_serve", "--name", help="Output file name (without extension)."),
     label: str = typer.Option("", "--label", help="Label of the server configuration, kept in the results."),
+    turns: int = typer.Option(10, "--turns", help="chat: turns per conversation (each sends the whole history)."),
+    conversations: int = typer.Option(8, "--conversations", help="chat: conversations (--concurrency at a time)."),
+    system_words: int = typer.Option(1000, "--system-words", help="chat: words of the shared system prompt "
+                                     "(about 1.3 tokens each)."),
+    client: str = typer.Option("httpx", "--client", help="chat: httpx (default) or openai (the official "
+                               "client, AsyncOpenAI)."),
+    compare_url: Optional[str] = typer.Option(None, "--compare-url", help="chat: a second server (e.g. "
+                                              "--no-enable-prefix-caching) sent every turn right after --url's: "
+                                              "paired, interleaved TTFT per turn."),
+    compare_label: str = typer.Option("", "--compare-label", help="chat: label of the --compare-url server."),
+    api_key: str = typer.Option("unused", "--api-key", envvar="QUICKDRAFT_API_KEY",
+                                help="chat: bearer token to send."),
 ) -> None:
     """Load a running server (Poisson arrivals or fixed concurrency): TTFT, TPOT, ITL, E2E, throughput,
-    goodput and acceptance; writes JSON and markdown."""
+    goodput and acceptance; or multi-turn chat (--workload chat); writes JSON and markdown."""
+    if workload == "chat":
+        try:
+            paths = _bench_chat(url, concurrency, turns, conversations, system_words, client, compare_url,
+                                compare_label, max_tokens, temperature, ignore_eos, model, seed, timeout, label,
+                                api_key, request_rates, prompts, out_dir, name)
+        except QuickdraftError as exc:
+            fail(str(exc))
+        for p in paths:
+            print(f"wrote {p}")
+        print(paths[1].read_text())
+        return
     try:
         result = _bench_serve(url, request_rates, concurrency, num_requests, max_tokens, temperature, ignore_eos,
                               workload, prompts, model, return_token_ids, seed, slo_ttft_ms, slo_tpot_ms, warmup,
@@ -100,3 +126,42 @@ def _bench_serve(url, request_rates, concurrency, num_requests, max_tokens, temp
         r["label"] = label
     return {"setup": setup(cfgs[0], described, label, warmup, command_line()),
             "runs": runs}
+
+
+def _bench_chat(url, concurrency, turns, conversations, system_words, client, compare_url, compare_label,
+                max_tokens, temperature, ignore_eos, model, seed, timeout, label, api_key, request_rates, prompts,
+                out_dir, name) -> list[Path]:
+    import importlib.util
+    import os
+
+    from ..bench.serve_load.chat import ChatConfig, run_chat, setup, write_outputs
+
+    if importlib.util.find_spec("httpx") is None:
+        raise QuickdraftError("bench-serve needs httpx: pip install httpx")
+    if request_rates is not None or prompts is not None:
+        raise QuickdraftError("--workload chat runs conversations: give --concurrency, not --request-rates or "
+                              "--prompts")
+    values = parse_values(concurrency or "1", "--concurrency", True)
+    if len(values) != 1:
+        raise QuickdraftError("--workload chat takes one --concurrency")
+    url = base_url(url)
+    compare = base_url(compare_url) if compare_url is not None else None
+    cfg = ChatConfig(url=url, conversations=conversations, turns=turns, concurrency=int(values[0]),
+                     system_words=system_words, max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
+                     model=model, client=client, compare_url=compare, seed=seed, timeout_s=timeout, api_key=api_key)
+    cfg.check()
+    model = asyncio.run(check_server(url, model))
+    if compare is not None:
+        asyncio.run(check_server(compare, model))
+    cfg = ChatConfig(**{**asdict(cfg), "model": model})
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True)) as bar:
+        task = bar.add_task("bench-serve chat", total=conversations * turns * (2 if compare else 1))
+        result = asyncio.run(run_chat(cfg, on_turn=lambda: bar.advance(task)))
+    if not any(s["completed"] for s in result["servers"].values()):
+        raise QuickdraftError(f"every turn failed, e.g. {result['servers']['url']['error_samples'][0]}")
+    result = {"setup": setup(cfg, label, compare_label, command_line(), load), **result}
+    return write_outputs(result, out_dir, name)

@@ -206,6 +206,12 @@ ENABLE_PREFIX_CACHING = typer.Option(None, "--enable-prefix-caching/--no-enable-
                                      help="Keep the KV of computed tokens and reuse it for later prompts with the "
                                      "same prefix (multi-turn chat, shared system prompts); output is unchanged. "
                                      "Default: on, except with --tensor-parallel-size > 1 (not supported there yet).")
+PREFIX_CACHE_CHECK = typer.Option(None, "--prefix-cache-check/--no-prefix-cache-check",
+                                  help="Debug: on every prefix cache hit, prefill the cached prefix from scratch too "
+                                  "and compare the KV bit for bit; a mismatch is logged, counted "
+                                  "(prefix_cache_check_mismatches in /metrics) and repaired. Costs a prefill per hit. "
+                                  "Default: the environment variable QUICKDRAFT_PREFIX_CACHE_CHECK (1, 0 or raise), "
+                                  "else off.")
 THREADS = typer.Option(None, "--threads", help="CPU threads torch uses (default: PyTorch's, one per core).",
                        callback=checked(check_threads))
 TREE_WIDTH = typer.Option(None, "--tree-width", help="Draft model: candidates per depth (>1 = token tree).")

@@ -30,6 +30,7 @@ def serve_command(
     max_num_seqs: int = opts.MAX_NUM_SEQS,
     max_num_batched_tokens: int = opts.MAX_NUM_BATCHED_TOKENS,
     enable_prefix_caching: Optional[bool] = opts.ENABLE_PREFIX_CACHING,
+    prefix_cache_check: Optional[bool] = opts.PREFIX_CACHE_CHECK,
     max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting for a slot at most (then 429)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Tokens per request, prompt and "
                                                 "answer (default: the model's context, or what --kv-cache-memory "
@@ -93,6 +94,9 @@ def serve_command(
                 fail(f"{flag}: {exc}")
     options = parse_spec_options(spec_option)
     tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
+    caching = tensor_parallel_size == 1 if enable_prefix_caching is None else enable_prefix_caching
+    if prefix_cache_check and not caching:
+        fail("--prefix-cache-check checks the prefix cache's hits: it needs prefix caching on")
     name = served_model_name or (str(target) if target is not None else "quickdraft-default")
 
     llm_kwargs = dict(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
@@ -100,8 +104,7 @@ def serve_command(
                       profile=None if profile is None else str(profile), compile="aot" if aot else compile,
                       quantization=quantization, draft_quantization=draft_quantization, draft_dtype=draft_dtype,
                       preallocate=True, kv_cache_memory=kv_cache_memory, max_num_batched_tokens=max_num_batched_tokens,
-                      enable_prefix_caching=tensor_parallel_size == 1 if enable_prefix_caching is None
-                      else enable_prefix_caching, **tp)
+                      enable_prefix_caching=caching, prefix_cache_check=prefix_cache_check, **tp)
 
     def load():
         from ..llm import LLM

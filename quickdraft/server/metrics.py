@@ -48,6 +48,11 @@ class _EngineCollector:
                                   value=pcs.hits if pcs else 0)
         yield CounterMetricFamily("prefix_cache_evictions", "Prefix cache blocks evicted (least recently used first).",
                                   value=pcs.evictions if pcs else 0)
+        yield CounterMetricFamily("prefix_cache_checks", "Prefix cache hits recomputed and compared "
+                                  "(--prefix-cache-check).", value=pcs.checks if pcs else 0)
+        yield CounterMetricFamily("prefix_cache_check_mismatches", "Checked hits whose KV differed from a fresh "
+                                  "prefill's (a bug: logged, and the recomputed KV used).",
+                                  value=pcs.check_mismatches if pcs else 0)
         yield GaugeMetricFamily("prefix_cache_cached_tokens", "Tokens whose KV the prefix cache holds.",
                                 value=pc.num_cached_tokens if pc is not None else 0)
         yield GaugeMetricFamily("prefix_cache_memory_bytes", "Bytes the prefix cache's blocks hold.",

@@ -286,3 +286,105 @@ def test_prefix_cache_claims_from_the_budget_under_its_cap():
     capped = PrefixCache(max_bytes=block_bytes, budget=KVBudget(6 * block_bytes, block_bytes // 16), block_size=16)
     capped.store(prompt(64, 2), 64, kv, 1)
     assert capped.nbytes == block_bytes  # its own cap, below what the budget has free
+
+
+def test_eviction_under_pressure_leaves_running_requests_exact(target_dir):
+    """A tiny budget: a request that hit the cache is running when another request's admission
+    needs the blocks' memory, so every block it was copied from is evicted under it; it reads only
+    its own row (copies), so its output is still plain decoding's, and the budget holds every step."""
+    probe = LLM(target_dir, method="none", compile=False, policy="fixed").engine
+    tb = probe.budget.token_bytes
+    # one row of 64 positions and three 16-token blocks, or two rows and one block
+    total = row_bytes(tb, 64) * 2 + 16 * tb
+    llm = LLM(target_dir, method="none", compile=False, enable_prefix_caching=True, kv_cache_memory=total,
+              max_num_seqs=2, policy="fixed", prefix_cache_check="raise")
+    exact_or_skip(llm)
+    eng, pc = llm.engine, llm.engine.prefix_cache
+    a = prompt(40, 31)
+    short = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    first = eng.generate([(a, short)])[0]
+    assert pc.num_cached_tokens == 48  # a's 51 computed positions: three blocks
+    b = a[:36] + prompt(4, 32)  # shares a's first two blocks
+    hit = eng.add_request(b, SamplingParams(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True))
+    outs = {o.request_id: o for o in eng.step()}  # its prefill: 32 positions copied from the cache
+    assert eng.running[0].num_cached == 32 and pc.num_cached_tokens == 48
+    other = eng.add_request(prompt(30, 33), short)  # needs a second row: the blocks must go
+    evicted_while_running = False
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+        assert eng.budget.used <= total
+        evicted_while_running |= pc.num_cached_tokens == 0 and any(r.id == hit for r in eng.running)
+    assert evicted_while_running and pc.stats.evictions >= 3
+    plain = LLM(target_dir, method="none", compile=False, policy="fixed").engine
+    assert_same([first, outs[hit], outs[other]],
+                [plain.generate([(p, params)])[0] for p, params in
+                 ((a, short), (b, SamplingParams(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True)),
+                  (prompt(30, 33), short))])
+    assert outs[hit].num_cached_tokens == 32 and pc.stats.checks == 1 and pc.stats.check_mismatches == 0
+
+
+@pytest.mark.parametrize("case", ["none", "draft"])
+def test_check_mode_finds_nothing_on_a_sound_cache(target_dir, noisy_draft, case):
+    kw = dict(CASES[case], compile=False, max_num_seqs=4, policy="fixed")
+    if kw["method"] == "draft":
+        kw["draft"] = noisy_draft
+    checked = LLM(target_dir, enable_prefix_caching=True, prefix_cache_check="raise", max_num_batched_tokens=16, **kw)
+    exact_or_skip(checked)
+    outs = conversation(checked, GREEDY, prompt(40, 0))
+    s = checked.engine.prefix_cache.stats
+    assert s.checks == sum(o.num_cached_tokens > 0 for o in outs) == 2 and s.check_mismatches == 0
+
+
+def _corrupt_first_cached_block(llm: LLM) -> int:
+    block = next(iter(llm.engine.prefix_cache._lru.values()))  # the system prompt's first block
+    with torch.inference_mode():
+        block.kv[1, 0, 0, 5, 3] += 0.5  # one value of layer 1's keys at position 5: what a cache bug could do
+    return block.id
+
+
+def test_check_mode_catches_a_corrupted_block(target_dir, caplog):
+    """A block corrupted behind the cache's back: "raise" raises on the hit; True logs it, counts
+    it, evicts the bad blocks and gives the row the recomputed KV, so the output is still right."""
+    from quickdraft.errors import PrefixCacheMismatch
+
+    kw = dict(method="none", compile=False, policy="fixed", enable_prefix_caching=True)
+    system, turns = prompt(40, 0), [prompt(9, 1), prompt(7, 2), prompt(11, 3)]
+    strict = LLM(target_dir, prefix_cache_check="raise", **kw)
+    exact_or_skip(strict)
+    strict.engine.generate([(system + turns[0], GREEDY)])
+    _corrupt_first_cached_block(strict)
+    with pytest.raises(PrefixCacheMismatch, match="from position 5 on"):
+        strict.engine.generate([(system + turns[2], GREEDY)])
+    assert not strict.engine.has_unfinished()  # generate aborted it: the engine goes on
+
+    lenient = LLM(target_dir, prefix_cache_check=True, **kw)
+    lenient.engine.generate([(system + turns[0], GREEDY)])
+    bad = _corrupt_first_cached_block(lenient)
+    with caplog.at_level("WARNING", logger="quickdraft"):
+        out = lenient.engine.generate([(system + turns[2], GREEDY)])[0]
+    plain = LLM(target_dir, method="none", compile=False, policy="fixed").engine
+    assert_same([out], [plain.generate([(system + turns[2], GREEDY)])[0]])
+    s = lenient.engine.prefix_cache.stats
+    assert out.num_cached_tokens == 32 and s.checks == 1 and s.check_mismatches == 1
+    assert "differs from a fresh prefill from position 5" in caplog.text
+    # the bad block and its descendants are gone; the repaired request stored sound ones in their place
+    assert bad not in lenient.engine.prefix_cache._lru and len(lenient.engine.prefix_cache._chain(system, 32)) == 2
+    # the next hit finds the blocks the repaired request stored: sound again
+    again = lenient.engine.generate([(system + turns[1], GREEDY)])[0]
+    assert again.num_cached_tokens == 32 and s.check_mismatches == 1 and s.checks == 2
+
+
+def test_check_mode_settings(target_dir, monkeypatch):
+    from quickdraft.config import EngineConfig, check_prefix_cache_check
+
+    assert [check_prefix_cache_check(v) for v in (True, False, "1", "0", "", "raise", "On")] == \
+        [True, False, True, False, False, "raise", True]
+    with pytest.raises(QuickdraftError, match="prefix_cache_check must be"):
+        check_prefix_cache_check("sometimes")
+    with pytest.raises(QuickdraftError, match="turn prefix caching on"):
+        EngineConfig(prefix_cache_check=True)
+    monkeypatch.setenv("QUICKDRAFT_PREFIX_CACHE_CHECK", "raise")
+    assert LLM(target_dir, method="none", compile=False, enable_prefix_caching=True,
+               policy="fixed").engine.config.prefix_cache_check == "raise"
+    assert LLM(target_dir, method="none", compile=False, policy="fixed").engine.config.prefix_cache_check is False

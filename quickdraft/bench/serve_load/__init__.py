@@ -25,6 +25,9 @@ SLO given (--slo-ttft-ms, --slo-tpot-ms). /metrics is scraped before and after e
 acceptance rate = accepted / drafted tokens and mean acceptance length = 1 + accepted /
 drafts (per drafting step, as vLLM reports it) over the run.
 
+`chat` is the multi-turn chat workload (`--workload chat`: conversations sharing a system prompt,
+each turn resending the history; TTFT per turn and the prefix hit rate; httpx or the openai client).
+
 The pure statistics are in `stats`, the client in `client`; `quickdraft bench-serve`
 (quickdraft.cli.bench_serve) is the command over them.
 """

@@ -280,7 +280,7 @@ def load_prompts(workload: str, prompts_file: Path | None, n: int) -> tuple[list
     from ..workloads import code_completion, editing
 
     if workload not in ("code", "editing"):
-        raise QuickdraftError(f"--workload must be code or editing, got {workload!r}")
+        raise QuickdraftError(f"--workload must be code, editing or chat, got {workload!r}")
     docs = load_corpus(None).heldout
     texts = code_completion(docs, n) if workload == "code" else [e.text for e in editing(docs, n, excerpt_chars=400)]
     if not texts:

@@ -1,0 +1,197 @@
+"""Chunked prefill: how much a long prompt arriving slows the streams already running, per chunk size
+(`--max-num-batched-tokens`), on a real `quickdraft serve`.
+
+Per chunk size (sizes interleaved, the sweep repeated in reverse so drift hits every size alike):
+start a server, warm it up, start `--streams` streaming completions (short prompts, long answers),
+let them run `--steady` seconds, send one `--long-tokens`-token prompt, and keep the streams going
+`--steady` seconds past its first token. The streams' inter-token latencies (the load generator's
+ITL: a chunk of several tokens shares its gap) are split into the steady ones (before the long
+prompt was sent and after its first token) and the window's (while it was prefilled). The bar:
+p99 of the window's ITL <= 3x the steady median. Also the long prompt's time to first token,
+which smaller chunks lengthen (more steps, a decode step between each two).
+
+    python benchmarks/chunked_prefill.py --target smollm2 --sizes 32,64,128,256,512 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from quickdraft.bench.hardware import provenance, provenance_line
+from quickdraft.bench.serve_load.stats import SSEDecoder, percentile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start(args, port: int, size: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(port), "--served-model-name", "model",
+           "--method", args.method, "--policy", "fixed", "--log-level", "warning", "--no-compile",
+           "--threads", str(args.threads), "--max-num-batched-tokens", str(size)]
+    if args.target:
+        cmd += ["--target", args.target]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not ready after {timeout} s")
+
+
+async def stream(client, url: str, prompt, max_tokens: int, t0: float, seen: list[tuple[float, int]]) -> None:
+    """One streamed completion; appends (arrival time from t0, tokens) per chunk to `seen` as they come
+    (kept when the task is cancelled: the streams are hung up on at the end of a run)."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    sse = SSEDecoder()
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=httpx.Timeout(600.0)) as resp:
+        if resp.status_code != 200:
+            raise SystemExit(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for text in resp.aiter_text():
+            now = time.perf_counter() - t0
+            for data in sse.feed(text):
+                if data.strip() == "[DONE]":
+                    return
+                for choice in json.loads(data).get("choices") or ():
+                    if choice.get("token_ids"):
+                        seen.append((now, len(choice["token_ids"])))
+
+
+def gaps(seen: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    """(arrival time, ITL) per token after the first: a chunk's gap shared by its tokens."""
+    out = []
+    for (t0, _), (t1, n) in zip(seen, seen[1:]):
+        out += [(t1, (t1 - t0) / n)] * n
+    return out
+
+
+async def one_run(url: str, args) -> dict:
+    rng = random.Random(0)
+    long_prompt = [rng.randrange(100, 8000) for _ in range(args.long_tokens)]
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=args.streams + 4)) as client:
+        warm: list = []
+        await stream(client, url, "def f(x):", 4, time.perf_counter(), warm)
+        t0 = time.perf_counter()
+        seen = [[] for _ in range(args.streams)]
+        tasks = [asyncio.ensure_future(stream(client, url, f"def helper_{i}(values):", args.stream_tokens, t0, seen[i]))
+                 for i in range(args.streams)]
+        await asyncio.sleep(args.steady)
+        long_seen: list = []
+        sent = time.perf_counter() - t0
+        await stream(client, url, long_prompt, 4, t0, long_seen)
+        first = long_seen[0][0]
+        await asyncio.sleep(args.steady)
+        if any(t.done() for t in tasks):
+            raise SystemExit("a stream ended before the run did: raise --stream-tokens")
+        for t in tasks:
+            t.cancel()  # the streams hang up: the server aborts them
+        await asyncio.gather(*tasks, return_exceptions=True)
+    steady, window = [], []
+    for s in seen:
+        for t, gap in gaps(s):
+            (window if sent < t <= first else steady).append(gap)
+    med = statistics.median(steady)
+    return {"long_ttft_s": first - sent, "steady_itl_median_s": med, "steady_itl_p99_s": percentile(steady, 99),
+            "window_itl_median_s": statistics.median(window) if window else None,
+            "window_itl_p99_s": percentile(window, 99), "window_itl_max_s": max(window, default=None),
+            "window_p99_over_steady_median": percentile(window, 99) / med if window else None,
+            "all_itl_p99_over_median": percentile(steady + window, 99) / statistics.median(steady + window),
+            "num_steady": len(steady), "num_window": len(window)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--method", default="none")
+    ap.add_argument("--sizes", default="32,64,128,256,512")
+    ap.add_argument("--repeats", type=int, default=2, help="sweeps (every other one in reverse order)")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--stream-tokens", type=int, default=3000, help="each stream's max_tokens (must outlast a run)")
+    ap.add_argument("--long-tokens", type=int, default=4000)
+    ap.add_argument("--steady", type=float, default=8.0, help="seconds of streaming before and after the long prompt")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--name", default="chunked_prefill_cpu")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    runs: dict[int, list[dict]] = {s: [] for s in sizes}
+    for rep in range(args.repeats):
+        for size in (sizes if rep % 2 == 0 else sizes[::-1]):
+            port = free_port()
+            log = args.out_dir / f"{args.name}.server.log"
+            proc = start(args, port, size, log)
+            try:
+                wait(f"http://127.0.0.1:{port}", proc)
+                r = asyncio.run(one_run(f"http://127.0.0.1:{port}", args))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+            r["loadavg_1m"] = os.getloadavg()[0]
+            runs[size].append(r)
+            print(size, json.dumps(r), flush=True)
+    log.unlink(missing_ok=True)
+    table = []
+    for size in sizes:
+        rs = runs[size]
+
+        def med(key):
+            vals = [r[key] for r in rs if r[key] is not None]
+            return statistics.median(vals) if vals else None
+
+        table.append({"max_num_batched_tokens": size, **{k: med(k) for k in rs[0] if k not in ("loadavg_1m",)},
+                      "loadavg_1m": [r["loadavg_1m"] for r in rs]})
+    result = {"target": args.target or "bundled", "method": args.method, "streams": args.streams,
+              "long_tokens": args.long_tokens, "steady_s": args.steady, "repeats": args.repeats,
+              "threads": args.threads, "loadavg_1m_before": load_before, "table": table, "runs": runs,
+              "command": "python benchmarks/chunked_prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "provenance": provenance(threads=args.threads)}
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"# Chunked prefill: running streams' inter-token latency while a {args.long_tokens}-token prompt "
+             f"arrives ({result['target']}, method {args.method}, {args.streams} streams)", "",
+             "| max_num_batched_tokens | steady ITL median ms | window ITL median ms | window ITL p99 ms | "
+             "window p99 / steady median | whole-run p99 / median | long prompt TTFT s |",
+             "|---|---|---|---|---|---|---|"]
+    for row in table:
+        lines.append(f"| {row['max_num_batched_tokens']} | {1e3 * row['steady_itl_median_s']:.0f} | "
+                     f"{1e3 * row['window_itl_median_s']:.0f} | {1e3 * row['window_itl_p99_s']:.0f} | "
+                     f"{row['window_p99_over_steady_median']:.2f} | {row['all_itl_p99_over_median']:.2f} | "
+                     f"{row['long_ttft_s']:.1f} |")
+    lines += ["", f"Medians over {args.repeats} runs per size (sizes interleaved, every other sweep reversed). "
+              "Steady: the streams' ITL before the long prompt was sent and after its first token; window: "
+              f"while it was prefilled. Each run {args.steady:g} s of streaming before and after.", "",
+              f"`{result['command']}`", "", provenance_line(result["provenance"]), ""]
+    (args.out_dir / f"{args.name}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
