@@ -105,11 +105,12 @@ def test_auto_policy_and_requests_joining_and_leaving(target_dir, noisy_draft, p
     assert [o.token_ids for o in outs] == [p[:m] for p, m in zip(plain_out, (40, 9, 30, 17, 25))]
 
 
-def test_model_cache_stays_exact_for_rows_it_did_not_draft(target_dir, noisy_draft):
+def test_model_cache_stays_exact_for_rows_it_did_not_draft(target_dir, draft_dir):
     """After every step, each row's positions the draft model counts as cached hold exactly the
     keys a fresh prefill of its committed tokens gives: rows drafted by suffix decoding keep
-    only the part of the model's own draft that the committed tokens follow."""
-    llm = make(target_dir, noisy_draft, "suffix,draft", MIXED)
+    only the part of the model's own draft that the committed tokens follow (a draft that often
+    disagrees with the target: its tokens and the committed ones part often)."""
+    llm = make(target_dir, draft_dir, "suffix,draft", MIXED)
     engine, member = llm.engine, llm.engine.proposer.model
     for p in PROMPTS:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
