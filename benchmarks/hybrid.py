@@ -195,22 +195,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cores", type=int, nargs="*", default=None, help="pin to these cores (default: the first --threads)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--name", default="hybrid_cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cores = sorted(os.sched_getaffinity(0))[:args.threads] if hasattr(os, "sched_getaffinity") else None
+    cores = args.cores or (sorted(os.sched_getaffinity(0))[:args.threads] if hasattr(os, "sched_getaffinity") else None)
     if cores:
         os.sched_setaffinity(0, cores)  # pinned: one core per thread
     load_before = loadavg()
     result = {"command": "python " + " ".join(sys.argv), "k": args.k, "new_tokens": args.new_tokens,
               "threads": args.threads, "pinned_cores": cores, "models": {}}
-    for model in args.models:
-        result["models"][model] = bench_model(model, args)
-    result["provenance"] = provenance("cpu", threads=args.threads, load_before=load_before)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / f"{args.name}.md").write_text("\n".join(markdown(result)) + "\n")
+    for model in args.models:  # written after each model: a long run that stops keeps what it measured
+        result["models"][model] = bench_model(model, args)
+        result["provenance"] = provenance("cpu", threads=args.threads, load_before=load_before)
+        (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out_dir / f"{args.name}.md").write_text("\n".join(markdown(result)) + "\n")
     print("\n".join(markdown(result)))
 
 
