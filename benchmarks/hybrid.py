@@ -151,7 +151,7 @@ def bench_model(model: str, args) -> dict:
 def markdown(result: dict) -> list[str]:
     lines = ["# The hybrid proposer against each single method (batch 1, greedy)", "",
              provenance_line(result["provenance"]), "",
-             f"Command: `{result['command']}`", "",
+             f"Command: `{result['command']}`", ""] + ([result["note"], ""] if result.get("note") else []) + [
              "Speedup over plain decoding (median over repeats of paired ratios); `auto`: method=\"auto\" "
              "(for the bundled pair suffix,ngram,draft; for SmolLM2 suffix,ngram). Best single method in bold; "
              "`vs best`: the hybrid's speedup over the best single method's. Every output identical to plain "
