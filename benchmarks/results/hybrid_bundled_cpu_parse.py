@@ -24,7 +24,7 @@ rows = {"plain": "none", "draft": "draft", "eagle3": "eagle3", "suffix": "suffix
 res["rows"] = rows
 prov = provenance("cpu", threads=1, load_before=[load_before, None, None])
 prov["commit"] = commit
-prov["command"] = command + "  (figures from its log: python /tmp/hy/parse.py)"
+prov["command"] = command + "  (figures from its log: python benchmarks/results/hybrid_bundled_cpu_parse.py)"
 prov["date"] = "2026-12-02T12:14:19+00:00 to 12:36:31+00:00"
 result = {"command": command, "k": 5, "new_tokens": 64, "threads": 1, "pinned_cores": [0],
           "note": "**Measured under heavy load**: the 1-minute load average was 10.4 when the run started and 28 when its bundled part ended, on 2 cores (other sessions were running); the process was pinned to one core, but these ratios are noisy (a repeat of one row took 4x another of the same row), so read them as indications; the lead may re-measure. Figures parsed from the run's log (medians over repeats as printed; the run was stopped before its "
