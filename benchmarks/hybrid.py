@@ -140,7 +140,7 @@ def bench_model(model: str, args) -> dict:
                           "tokens_per_step": statistics.median(x["tokens_per_step"] for x in e),
                           "repeats": e}
             if "drafted_by" in e[-1]:
-                summary[r]["drafted_by"] = e[-1]["drafted_by"]
+                summary[r]["drafted_by"], summary[r]["model_steps"] = e[-1]["drafted_by"], e[-1]["model_steps"]
             print(f"  {r:>22}: {summary[r]['speedup']:.2f}x plain, {summary[r]['tokens_per_s']:.1f} tok/s, "
                   f"acc len {summary[r]['mean_acceptance_length']:.2f}, identical {summary[r]['identical']}"
                   + (f", drafted by {summary[r]['drafted_by']}" if "drafted_by" in summary[r] else ""), flush=True)
@@ -173,6 +173,15 @@ def markdown(result: dict) -> list[str]:
             cells += [f"{s[h]['speedup'] / s[best]['speedup']:.2f}x" for h in hybrids]
             load = w["load_after"][0] if w["load_after"] else "?"
             lines.append(f"| {wname} | " + " | ".join(cells) + f" | {load} |")
+        if all("tokens_per_step" in w["rows"][r] for w in res["workloads"].values() for r in rows):
+            # what the load cannot change: tokens per target step (the hybrid's model drafting costs extra time)
+            lines += ["", "Tokens per target step (median over repeats; independent of the machine's load):", "",
+                      "| workload | " + " | ".join(rows) + " |", "|---" * (len(rows) + 1) + "|"]
+            for wname, w in res["workloads"].items():
+                lines.append(f"| {wname} | " + " | ".join(f"{w['rows'][r]['tokens_per_step']:.2f}" for r in rows) + " |")
+            lines += ["", "Steps in which the hybrid's model member drafted (last repeat): " + "; ".join(
+                f"{wname} {h}: {w['rows'][h]['model_steps']}" for wname, w in res["workloads"].items() for h in hybrids
+                if "model_steps" in w["rows"][h])]
         lines += ["", "Rows drafted by each member of the hybrid (last repeat), and mean acceptance length:", ""]
         for wname, w in res["workloads"].items():
             for h in hybrids:
