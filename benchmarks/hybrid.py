@@ -179,10 +179,11 @@ def markdown(result: dict) -> list[str]:
                       "| workload | " + " | ".join(rows) + " |", "|---" * (len(rows) + 1) + "|"]
             for wname, w in res["workloads"].items():
                 lines.append(f"| {wname} | " + " | ".join(f"{w['rows'][r]['tokens_per_step']:.2f}" for r in rows) + " |")
-            lines += ["", "Steps in which the hybrid's model member drafted (last repeat): " + "; ".join(
-                f"{wname} {h}: {w['rows'][h]['model_steps']}" for wname, w in res["workloads"].items() for h in hybrids
-                if "model_steps" in w["rows"][h] and ("draft" in res["rows"][h] or "eagle3" in res["rows"][h]))
-                or "none (no model member)"]
+            steps = [f"{wname} {h}: {w['rows'][h]['model_steps']}" for wname, w in res["workloads"].items()
+                     for h in hybrids if "model_steps" in w["rows"][h]
+                     and ("draft" in res["rows"][h] or "eagle3" in res["rows"][h])]
+            lines += ["", "Steps in which the hybrid's model member drafted (last repeat): "
+                      + ("; ".join(steps) or "none (no model member)")]
         lines += ["", "Rows drafted by each member of the hybrid (last repeat), and mean acceptance length:", ""]
         for wname, w in res["workloads"].items():
             for h in hybrids:
