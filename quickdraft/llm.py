@@ -24,6 +24,7 @@ from .model.quant import blocked_supported, prepare, quantized_copy
 from .model.eagle3 import is_eagle3_head
 from .model.sources import CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
+from .proposers import AUTO_FREE, method_name
 from .proposers import get as get_proposer
 from .sampling import SamplingParams
 
@@ -112,6 +113,8 @@ class LLM:
         environment variable QUICKDRAFT_PREFIX_CACHE_CHECK where prefix caching is on, else off.
         max_num_batched_tokens: prompt tokens one prefill step computes at most (chunked prefill;
         None: whole prompts)."""
+        if method is not None:  # one name, "auto", or a list of names ("suffix,draft" / ["suffix", "draft"])
+            method = method_name(method)
         choice = _profile_choice(profile, target) if method is None and draft is None else None
         if choice is not None:
             method, draft = choice.method, choice.draft
@@ -138,18 +141,24 @@ class LLM:
             target, default_draft = default_model_dirs()
             if not target.exists():
                 raise QuickdraftError("no target given and no bundled default model is installed; pass target=PATH")
-            if draft is None and not self_draft:  # the bundled pair; with method="eagle3" the target's head
-                draft = resolve_model("target-eagle3") if method == "eagle3" else default_draft
+            if draft is None and not self_draft:  # the bundled pair; with method="eagle3" (or a list with it) the target's head
+                draft = resolve_model("target-eagle3") if _model_member(method) == "eagle3" else default_draft
         else:  # a folder, a .gguf, a named model (fetched on first use) or a Hub id
-            if draft is None and not self_draft and method in (None, "draft", "eagle3"):
+            wanted = None if method is None else "auto" if method == "auto" else _model_member(method)
+            if draft is None and not self_draft and (method is None or wanted is not None):
                 # the named model's own draft model (used by default), or its EAGLE-3 head (used when
-                # method="eagle3" asks for it: a head that does not pay is not made the default)
+                # method="eagle3" or a list with eagle3 asks for it: a head that does not pay is not made
+                # the default); method="auto" takes either (the hybrid drafts with it only where it pays)
                 named = named_default_draft(target)
-                if named is not None and (method == "eagle3") == is_eagle3_head(named):
+                if named is not None and (wanted == "auto" or (wanted == "eagle3") == is_eagle3_head(named)):
                     draft = named
             target = resolve_model(target)
         if draft is not None:
             draft = resolve_model(draft)
+        if method == "auto":  # the free proposers, and the draft or head when there is one
+            model = () if draft is None and not self_draft else \
+                ("eagle3",) if draft is not None and is_eagle3_head(draft) else ("draft",)
+            method = ",".join(AUTO_FREE + model)
         if method is None:  # a head folder speculates with eagle3, any other draft as a draft model
             method = "none" if draft is None else "eagle3" if is_eagle3_head(draft) else "draft"
         spec = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens,
@@ -382,11 +391,25 @@ def _head_quantization(asked: str | None, device: torch.device) -> str | None:
 
 
 def _check_self_draft_method(method: str | None) -> str:
-    """A self-draft is a draft model: method "draft" (the default with it)."""
-    if method not in (None, "draft"):
+    """A self-draft is a draft model: method "draft" (the default with it), "auto" or a list
+    whose model proposer is "draft"."""
+    if method is None:
+        return "draft"
+    if method != "auto" and _model_member(method) != "draft":
         raise QuickdraftError(f"draft='self' drafts with a quantised copy of the target, a draft model: use "
-                              f"method 'draft' (the default), not {method!r}")
-    return "draft"
+                              f"method 'draft' (the default), 'auto' or a list with 'draft', not {method!r}")
+    return method
+
+
+def _model_member(method: str | None) -> str | None:
+    """The model proposer (one needing a draft model or head) a method names, itself or in its
+    list; None for none, auto and the free proposers."""
+    if method is None or method == "auto":
+        return None
+    cls = get_proposer(method)
+    if cls is None or not cls.needs_draft_model:
+        return None
+    return getattr(cls, "MODEL", None) or method
 
 
 _BITS = {"int8": 8, "int4": 4}

@@ -129,10 +129,14 @@ def goodness_of_fit(counts: dict[int, int], probs: Sequence[float], top: int = 2
 def _validate(method: str, draft, k: int, samples: int, batch: int, top: int, alpha: float, seed: int) -> None:
     from .. import proposers
 
-    if method == "none" or method not in proposers.PROPOSERS:
-        raise QuickdraftError(f"--method must be one of {', '.join(sorted(proposers.PROPOSERS))} (a speculative "
-                              f"method to check against plain decoding), got {method!r}")
-    if proposers.get(method).needs_draft_model and draft is None:
+    try:  # one method, "auto" or a list of them ("suffix,draft"): the registry's one check
+        cls = proposers.get(method)
+    except QuickdraftError:
+        cls = None
+    if cls is None:
+        raise QuickdraftError(f"--method must be one of {', '.join(sorted(proposers.PROPOSERS))}, auto or a list "
+                              f"of them (a speculative method to check against plain decoding), got {method!r}")
+    if cls.needs_draft_model and draft is None:
         raise QuickdraftError(f"method {method!r} needs a draft model: pass --draft DIR (or pick --method ngram, "
                               "suffix or lookahead)")
     for name, value, low in (("k", k, 1), ("samples", samples, 100), ("batch", batch, 1), ("top", top, 1)):

@@ -167,7 +167,9 @@ DRAFT = typer.Option(None, "--draft", help="Draft model, given like --target (de
                      "(--draft-quantization int8 for int8) drafting for it.")
 METHOD = typer.Option(None, "--method", help="none | draft | eagle3 | ngram | suffix | lookahead (eagle3: --draft "
                       "is an EAGLE-3 head folder; default: draft when a "
-                      "draft is given, else none).")
+                      "draft is given, else none), auto (suffix and ngram, plus the draft or head when there is one, "
+                      "the best per request and step) or a list such as suffix,draft (a member's option: "
+                      "-o suffix.tree=false).")
 METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable): draft | eagle3 | ngram | suffix | "
                        "lookahead (default: draft when a draft is available, else ngram).")
 

@@ -62,7 +62,9 @@ def test_generate_with_other_proposers(target_dir, draft_dir):
     for extra in (["--method", "ngram", "-o", "max_ngram=3", "-o", "num_candidates=2"],
                   ["--method", "suffix", "-o", "tree=false"],
                   ["--method", "lookahead", "-k", 4],
-                  ["--draft", draft_dir, "--tree-width", 2]):
+                  ["--draft", draft_dir, "--tree-width", 2],
+                  ["--draft", draft_dir, "--method", "suffix,draft", "-o", "suffix.tree=false", "-o", "draft_cost=0"],
+                  ["--draft", draft_dir, "--method", "auto"]):
         r = run("generate", "--target", target_dir, *extra, "--max-tokens", 16, "--ignore-eos", "--temperature", 0,
                 "--json", "def add(a, b):")
         assert r.returncode == 0, r.stderr
@@ -79,6 +81,9 @@ def test_generate_with_other_proposers(target_dir, draft_dir):
     (["--max-tokens", "0"], "max_tokens"),
     (["--max-tokens", "100000"], "context length"),
     (["--method", "bogus"], "method"),
+    (["--method", "suffix,suffix"], "twice"),
+    (["--method", "suffix,lookahead"], "cannot be combined"),
+    (["--method", "suffix,ngram", "-o", "tree=false"], "member.option"),
 ])
 def test_errors_are_one_line_exit_2(target_dir, args, needle):
     if "--target" not in args:
