@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from . import aot
-from .config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+from .config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
                      DEFAULT_POLICY, DEFAULT_SELF_DRAFT_QUANTIZATION, SELF_DRAFT, EngineConfig, SpecConfig,
-                     check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
-                     check_num_speculative_tokens, check_prefix_cache_bytes)
+                     check_constraint_compile_timeout, check_kv_cache_memory, check_max_num_batched_tokens,
+                     check_max_num_seqs, check_num_speculative_tokens, check_prefix_cache_bytes)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
@@ -71,7 +71,8 @@ class LLM:
                  tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None,
                  kv_cache_memory: int | float | str | None = None,
                  enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None,
-                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 constraint_compile_timeout: float = DEFAULT_CONSTRAINT_COMPILE_TIMEOUT):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
         then cached on disk) before the first token; False: eager. None (default): CUDA graphs on
@@ -106,7 +107,10 @@ class LLM:
         budget has free and are evicted when requests need it; prefix_cache_bytes (None: no cap of
         its own) caps them further.
         max_num_batched_tokens: prompt tokens one prefill step computes at most (chunked prefill;
-        None: whole prompts)."""
+        None: whole prompts).
+        constraint_compile_timeout: seconds a request's constraint (SamplingParams.constraint) may
+        take to compile for the model's vocabulary (off the step loop); past it the request is a
+        QuickdraftError naming the constraint."""
         choice = _profile_choice(profile, target) if method is None and draft is None else None
         if choice is not None:
             method, draft = choice.method, choice.draft
@@ -120,6 +124,7 @@ class LLM:
         check_kv_cache_memory(kv_cache_memory)
         check_max_num_batched_tokens(max_num_batched_tokens)
         check_prefix_cache_bytes(prefix_cache_bytes)
+        check_constraint_compile_timeout(constraint_compile_timeout)
         self_draft = isinstance(draft, str) and draft == SELF_DRAFT
         if self_draft:
             draft = None
@@ -194,7 +199,8 @@ class LLM:
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
                               preallocate=preallocate, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, prefix_cache_bytes=prefix_cache_bytes,
-                              max_num_batched_tokens=max_num_batched_tokens)
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              constraint_compile_timeout=constraint_compile_timeout)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
         self.aot_build = None  # the background build of missing AOT packages, if this LLM started one
