@@ -3,8 +3,10 @@ constrained decoding, and llama.cpp's JSON-schema grammar on the same weights.
 
 Workloads, generated deterministically from templates here (held out from any tuning):
   extraction      a text that states a person's / an order's / an event's fields, and a schema
-                  for them (varied fields, enums, integers, arrays, optional keys): the values are
-                  in the prompt, so suffix / n-gram proposals can copy them
+                  for them (varied fields, enums, integers, arrays, nested objects, patterns): the
+                  values are in the prompt, so suffix / n-gram proposals can copy them. Strings are
+                  bounded (maxLength, bounded patterns), as a schema for a model's output should
+                  be: an unbounded string lets a looping model write until max_tokens
   classification  a review or a support ticket, answered as one of an enum (a choice list)
   tools           a request for one of two functions, through the chat template with `tools` and
                   tool_choice "required" (the server's own constraint and parser, server/tools.py)
@@ -71,12 +73,12 @@ TICKET = {"billing": "I was charged twice for my {p} order, please refund one pa
           "technical": "The {p} will not turn on after the latest firmware update.",
           "account": "I cannot log in to my account to check the {p} warranty."}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast for a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                          "required": ["city", "days"], "additionalProperties": False}}},
          {"type": "function", "function": {"name": "book_table", "description": "Book a restaurant table",
-          "parameters": {"type": "object", "properties": {"restaurant": {"type": "string"},
-                                                          "people": {"type": "integer", "minimum": 1},
+          "parameters": {"type": "object", "properties": {"restaurant": {"type": "string", "maxLength": 40},
+                                                          "people": {"type": "integer", "minimum": 1, "maximum": 20},
                                                           "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}},
                          "required": ["restaurant", "people", "time"], "additionalProperties": False}}}]
 
@@ -96,14 +98,14 @@ class Task:
 def _person(r: random.Random, i: int) -> Task:
     name, city, job, age = f"{r.choice(FIRST)} {r.choice(LAST)}", r.choice(CITIES), r.choice(JOBS), r.randint(19, 80)
     langs = r.sample(["English", "Spanish", "Japanese", "German", "Hindi", "French"], r.randint(1, 3))
-    fields = {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
-              "city": {"type": "string"}, "occupation": {"enum": JOBS}}
+    fields = {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
+              "city": {"type": "string", "maxLength": 40}, "occupation": {"enum": JOBS}}
     text = f"{name} is a {age}-year-old {job} who lives in {city}."
     if i % 2:
-        fields["languages"] = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 4}
+        fields["languages"] = {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 4}
         text += f" {name.split()[0]} speaks {' and '.join(langs)}."
     if i % 3 == 0:
-        fields["email"] = {"type": "string", "pattern": "^[a-z.]+@[a-z]+\\.com$"}
+        fields["email"] = {"type": "string", "pattern": "^[a-z.]{1,40}@[a-z]{1,20}\\.com$"}
         text += f" Contact: {name.lower().replace(' ', '.')}@example.com."
     return _extraction(f"person{i}", "person", text, fields)
 
@@ -111,14 +113,14 @@ def _person(r: random.Random, i: int) -> Task:
 def _order(r: random.Random, i: int) -> Task:
     oid, product, qty = f"ORD-{r.randint(10000, 99999)}", r.choice(PRODUCTS), r.randint(1, 9)
     price, status, city = round(r.uniform(5, 300), 2), r.choice(STATUSES), r.choice(CITIES)
-    fields = {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{5}$"}, "product": {"type": "string"},
+    fields = {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{5}$"}, "product": {"type": "string", "maxLength": 40},
               "quantity": {"type": "integer", "minimum": 1}, "status": {"enum": STATUSES}}
     text = f"Order {oid}: {qty} x {product}, status {status}."
     if i % 2 == 0:
         fields["unit_price"] = {"type": "number"}
         text += f" Each costs {price} euros."
     if i % 3 == 1:
-        fields["ship_to"] = {"type": "object", "properties": {"city": {"type": "string"}, "express": {"type": "boolean"}},
+        fields["ship_to"] = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}, "express": {"type": "boolean"}},
                              "required": ["city", "express"], "additionalProperties": False}
         text += f" Ship to {city}, {'express' if i % 2 else 'standard'} delivery."
     return _extraction(f"order{i}", "order", text, fields)
@@ -127,14 +129,14 @@ def _order(r: random.Random, i: int) -> Task:
 def _event(r: random.Random, i: int) -> Task:
     kind, city, month, day = r.choice(EVENTS), r.choice(CITIES), r.choice(MONTHS), r.randint(1, 28)
     guests, host = r.randint(10, 900), f"{r.choice(FIRST)} {r.choice(LAST)}"
-    fields = {"event": {"enum": EVENTS}, "city": {"type": "string"}, "month": {"enum": MONTHS},
+    fields = {"event": {"enum": EVENTS}, "city": {"type": "string", "maxLength": 40}, "month": {"enum": MONTHS},
               "day": {"type": "integer", "minimum": 1, "maximum": 31}}
     text = f"The {kind} takes place in {city} on {month} {day}."
     if i % 2:
         fields["guests"] = {"type": "integer", "minimum": 0}
         text += f" About {guests} guests are expected."
     if i % 3 == 2:
-        fields["organiser"] = {"type": "string"}
+        fields["organiser"] = {"type": "string", "maxLength": 40}
         text += f" It is organised by {host}."
     return _extraction(f"event{i}", "event", text, fields)
 
