@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_model import hf_folder  # noqa: E402 - the float32 SmolLM2 folder (its tokenizer)
+
 from quickdraft.constraints import Constraint, GrammarVocabulary
 from quickdraft.model.gguf import read_gguf
 from quickdraft.model.gguf_tokenizer import build_tokenizer
-from quickdraft.model.loader import hf_folder
 from quickdraft.model.sources import resolve_model
 from quickdraft.model.tokenizer import Tokenizer, eos_token_ids
 
@@ -116,7 +118,7 @@ def bench_xgrammar(folder: Path, ids: list[int], repeats: int) -> dict:
             m.fill_next_token_bitmask(bitmask)
             masks.append(time.perf_counter() - t)
             assert m.accept_token(i), "the instance's token is forbidden"
-    return {"version": xgr.__version__, "vocab_setup_s": round(setup, 3),
+    return {"version": _version("xgrammar"), "vocab_setup_s": round(setup, 3),
             "compile_first_mask_ms": round(statistics.median(compiles) * 1e3, 3), "mask": steps(masks)}
 
 
