@@ -371,28 +371,30 @@ def main() -> None:
             order = list(llms) if i % 2 == 0 else list(llms)[::-1]  # ABBA: interleaved, the order alternating
             for m in order:
                 results[m].append(run_ours(llms[m], clock, task, chat))
-            print(f"{model} {task.name}: " + " ".join(f"{m} {results[m][-1].decode_tokens / max(1e-9, results[m][-1].decode_s):.0f}"
-                                                   for m in llms), flush=True)
+            print(f"{model} {task.name}: " + " ".join(
+                f"{m} {results[m][-1].decode_tokens / max(1e-9, results[m][-1].decode_s):.0f} tok/s "
+                f"{'valid' if results[m][-1].valid else 'INVALID'}" for m in llms), flush=True)
         peer = []
         if not args.no_llamacpp:
             llama = llamacpp.ensure_llama_cpp()
             gguf = models.gguf(llama, "F32")
-            tok = llms["plain"].tokenizer
+            first = next(iter(llms.values()))
+            tok = first.tokenizer
             for task in all_tasks:
                 if task.workload == "tools":
                     continue  # llama.cpp's completion has no tool calling; its grammar is the schema's
-                ids = prompt_ids(llms["plain"], task, chat)
+                ids = prompt_ids(first, task, chat)
                 text = tok.decode(ids, skip_special_tokens=False) if chat else task.messages[0]["content"] + "\nAnswer: "
                 peer.append(run_peer(llama, gguf, task, text, ids, args.threads))
-        plain = results["plain"]
+        plain = results.get("plain")  # None: a run of other methods alone (validity over many tasks)
         entry = {"target": str(models.target), "chat_template": chat, "methods": {}, "workloads": {}}
         for w in ("extraction", "classification", "tools", "all"):
             pick = (lambda rs: rs) if w == "all" else (lambda rs, w=w: [r for r in rs if r.workload == w])
-            entry["workloads"][w] = {m: summarise(pick(rs), pick(plain) if m != "plain" else None)
+            entry["workloads"][w] = {m: summarise(pick(rs), pick(plain) if m != "plain" and plain else None)
                                      for m, rs in results.items() if pick(rs)}
             if peer and w in ("extraction", "classification"):
                 pr = pick(peer)
-                s = summarise(pr, [r for r in pick(plain)])
+                s = summarise(pr, pick(plain) if plain else None)
                 entry["workloads"][w]["llama.cpp"] = s
         entry["outputs"] = {m: [{"task": r.task, "text": r.text, "valid": r.valid, "forced": r.forced,
                                  "tokens": r.decode_tokens + 1, "decode_s": round(r.decode_s, 4)} for r in rs]
