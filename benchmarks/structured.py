@@ -47,7 +47,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp  # noqa: E402
 
-from quickdraft import LLM, SamplingParams  # noqa: E402
+from quickdraft import LLM, QuickdraftError, SamplingParams  # noqa: E402
 from quickdraft.engine import Engine  # noqa: E402
 from quickdraft.server import tools as toolcalls  # noqa: E402
 
@@ -374,10 +374,15 @@ def main() -> None:
             print(f"{model} {task.name}: " + " ".join(
                 f"{m} {results[m][-1].decode_tokens / max(1e-9, results[m][-1].decode_s):.0f} tok/s "
                 f"{'valid' if results[m][-1].valid else 'INVALID'}" for m in llms), flush=True)
-        peer = []
+        peer, peer_skipped = [], None
         if not args.no_llamacpp:
             llama = llamacpp.ensure_llama_cpp()
-            gguf = models.gguf(llama, "F32")
+            try:
+                gguf = models.gguf(llama, "F32")
+            except QuickdraftError as exc:  # e.g. llama.cpp's converter cannot read the checkpoint's quantisation
+                peer_skipped = f"no F32 GGUF: {str(exc).splitlines()[0][:200]} ... {str(exc).strip().splitlines()[-1][:200]}"
+                print(f"llama.cpp skipped: {peer_skipped}", flush=True)
+        if not args.no_llamacpp and peer_skipped is None:
             first = next(iter(llms.values()))
             tok = first.tokenizer
             for task in all_tasks:
@@ -387,7 +392,9 @@ def main() -> None:
                 text = tok.decode(ids, skip_special_tokens=False) if chat else task.messages[0]["content"] + "\nAnswer: "
                 peer.append(run_peer(llama, gguf, task, text, ids, args.threads))
         plain = results.get("plain")  # None: a run of other methods alone (validity over many tasks)
-        entry = {"target": str(models.target), "chat_template": chat, "methods": {}, "workloads": {}}
+        entry = {"target": str(models.target), "chat_template": chat, "workloads": {}}
+        if peer_skipped:
+            entry["llama.cpp_skipped"] = peer_skipped
         for w in ("extraction", "classification", "tools", "all"):
             pick = (lambda rs: rs) if w == "all" else (lambda rs, w=w: [r for r in rs if r.workload == w])
             entry["workloads"][w] = {m: summarise(pick(rs), pick(plain) if m != "plain" and plain else None)
@@ -436,6 +443,8 @@ def markdown(report: dict) -> str:
                              f"{s['tokens_per_step'] or '-'} | {s['forced_tokens_per_request']} | {s['valid']:.0%} | "
                              f"{ident} | {s['constraint_share']:.1%} | {s['mean_request_s']} | "
                              f"{s.get('request_speedup_vs_plain', '-')} |")
+        if entry.get("llama.cpp_skipped"):
+            lines.append(f"llama.cpp: not run ({entry['llama.cpp_skipped']}).")
         lines.append("")
     return "\n".join(lines) + "\n"
 
