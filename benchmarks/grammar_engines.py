@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_model import hf_folder  # noqa: E402 - the float32 SmolLM2 folder (its tokenizer)
 
+from quickdraft.bench.hardware import loadavg, provenance, provenance_line  # noqa: E402
 from quickdraft.constraints import Constraint, GrammarVocabulary
 from quickdraft.model.gguf import read_gguf
 from quickdraft.model.gguf_tokenizer import build_tokenizer
@@ -131,13 +132,17 @@ def _version(name: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--vocabularies", default="smollm2-49k,llama3-128k", help="comma-separated subset")
     ap.add_argument("--out", required=True, help="path stem: STEM.json and STEM.md")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    load_before = loadavg()
     text = json.dumps(INSTANCE, separators=(", ", ": "))
     report = {"command": " ".join(["python", *sys.argv]), "load_before": os.getloadavg(), "schema": SCHEMA,
               "instance": text, "vocabularies": {}}
     for name, folder in vocabularies().items():
+        if name not in args.vocabularies.split(","):
+            continue
         ids = Tokenizer(folder).encode(text, add_special_tokens=False)
         row = {"instance_tokens": len(ids)}
         for lib, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
@@ -148,6 +153,7 @@ def main() -> None:
             print(name, lib, row[lib], flush=True)
         report["vocabularies"][name] = row
     report["load_after"] = os.getloadavg()
+    report["provenance"] = provenance(threads=1, load_before=load_before)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# llguidance vs xgrammar", "", f"`{report['command']}`; load average {report['load_before'][0]:.1f} "
@@ -163,6 +169,7 @@ def main() -> None:
             else:
                 lines.append(f"| {name} ({row['instance_tokens']} tokens) | {lib} {r['version']} | {r['vocab_setup_s']} | "
                              f"{r['compile_first_mask_ms']} | {r['mask']['median_ms']} | {r['mask']['p90_ms']} |")
+    lines += ["", provenance_line(report["provenance"])]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

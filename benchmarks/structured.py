@@ -39,8 +39,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("QUICKDRAFT_AOT_BUILD", "0")  # no background build competing with the timings
-
 import jsonschema  # noqa: E402
 import torch  # noqa: E402
 
@@ -48,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp  # noqa: E402
 
 from quickdraft import LLM, QuickdraftError, SamplingParams  # noqa: E402
+from quickdraft.bench.hardware import loadavg, provenance, provenance_line, steady_steps  # noqa: E402
 from quickdraft.engine import Engine  # noqa: E402
 from quickdraft.server import tools as toolcalls  # noqa: E402
 
@@ -339,7 +338,9 @@ def main() -> None:
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--out", required=True, help="path stem: writes STEM.json and STEM.md")
     args = ap.parse_args()
+    steady_steps()  # no background AOT build competing with the timings
     torch.set_num_threads(args.threads)
+    load_before = loadavg()
     clock = ConstraintClock()
     all_tasks = tasks(args.extraction, args.classification, args.tools)
     report = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
@@ -409,6 +410,7 @@ def main() -> None:
         report["models"][model] = entry
         del llms
     report["machine"]["load_after"] = os.getloadavg()
+    report["provenance"] = provenance(threads=args.threads, load_before=load_before)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
@@ -446,6 +448,7 @@ def markdown(report: dict) -> str:
         if entry.get("llama.cpp_skipped"):
             lines.append(f"llama.cpp: not run ({entry['llama.cpp_skipped']}).")
         lines.append("")
+    lines.append(provenance_line(report["provenance"]))
     return "\n".join(lines) + "\n"
 
 
