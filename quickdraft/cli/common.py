@@ -20,11 +20,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                      DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY,
-                      MAX_NUM_SPECULATIVE_TOKENS,
-                      check_constraint_compile_timeout, check_kv_cache_memory, check_max_num_batched_tokens,
-                      check_max_num_seqs,
+from ..config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU,
+                      DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                      DEFAULT_POLICY, MAX_NUM_SPECULATIVE_TOKENS, check_constraint_compile_timeout,
+                      check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
                       check_num_speculative_tokens)
 from ..errors import QuickdraftError
 from ..sampling import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams, check_field
