@@ -187,6 +187,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 64
 # the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
 # falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
 DEFAULT_POLICY = "auto"
+# Seconds a request's constraint (JSON schema, regex, grammar) may take to compile for the model's
+# vocabulary (quickdraft.constraints: on a worker thread, never the engine's step loop); past it
+# the request is refused (QuickdraftError naming the constraint; HTTP 400 on the server). A sane
+# schema takes milliseconds; llguidance's own size limits end even pathological ones within about a second.
+DEFAULT_CONSTRAINT_COMPILE_TIMEOUT = 5.0
 
 
 def _is_int(value: Any) -> bool:
@@ -256,6 +261,15 @@ def check_max_num_batched_tokens(value: Any) -> int | None:
     if value is not None and (not _is_int(value) or value < 1):
         raise QuickdraftError(f"max_num_batched_tokens must be an integer >= 1, got {value!r}")
     return value
+
+
+def check_constraint_compile_timeout(value: Any) -> float:
+    """Seconds a constraint may take to compile: a number > 0 (LLM, EngineConfig,
+    --constraint-compile-timeout)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise QuickdraftError(f"constraint_compile_timeout must be a number of seconds > 0, got {value!r}",
+                              field="constraint_compile_timeout")
+    return float(value)
 
 
 def check_prefix_cache_bytes(value: Any) -> int | None:
@@ -333,9 +347,13 @@ class EngineConfig:
     # Chunked prefill: prompt tokens one step prefills at most, between decode steps of the running requests
     # (None: a whole batch of prompts in one step)
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # seconds a request's constraint may take to compile (off the step loop); past it the request is refused
+    constraint_compile_timeout: float = DEFAULT_CONSTRAINT_COMPILE_TIMEOUT
 
     def __post_init__(self) -> None:
         check_max_num_seqs(self.max_num_seqs)
+        object.__setattr__(self, "constraint_compile_timeout",
+                           check_constraint_compile_timeout(self.constraint_compile_timeout))
         object.__setattr__(self, "kv_cache_memory", check_kv_cache_memory(self.kv_cache_memory))
         check_max_num_batched_tokens(self.max_num_batched_tokens)
         check_prefix_cache_bytes(self.prefix_cache_bytes)

@@ -16,6 +16,13 @@ its lexer and parser lazily, so a new JSON schema costs milliseconds rather than
 rolls back consumed tokens, and it tells which tokens a state forces (compute_ff_tokens).
 Notations: JSON Schema, regular expressions (Rust's regex syntax), Lark (llguidance's EBNF
 dialect) and llama.cpp's GBNF, choice lists.
+
+Compiling: a Constraint checks its notation when built (no tokenizer needed). Its compile for a
+vocabulary (llguidance's matcher and first mask: the costly part, up to about a second for a
+pathological schema) runs on a worker thread under a time limit (EngineConfig's
+constraint_compile_timeout) when the engine checks the request, which the server does off its
+event loop and off the engine's thread; llguidance drops the GIL meanwhile, so other requests
+keep streaming. The compiled matcher is kept on the Constraint and copied for each request.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .config import DEFAULT_CONSTRAINT_COMPILE_TIMEOUT
 from .errors import QuickdraftError
 
 # JSON is written in one layout: ", " and ": " between items, no other whitespace. Flexible
@@ -98,8 +106,19 @@ class Constraint:
             object.__setattr__(self, "_grammar", cached)
         return cached
 
-    def __reduce__(self):  # pickles without the cached grammar
+    def __reduce__(self):  # pickles without the cached grammar and matcher
         return (Constraint, (self.kind, self.value))
+
+    def compiled(self, vocab: GrammarVocabulary, timeout: float = DEFAULT_CONSTRAINT_COMPILE_TIMEOUT):
+        """llguidance's matcher for `vocab` at the start of the output (compiled once per
+        vocabulary, on a worker thread; copy it before use). A QuickdraftError naming the kind
+        when the grammar is invalid for this vocabulary or took longer than `timeout` seconds."""
+        cached = self.__dict__.get("_compiled")
+        if cached is not None and cached[0] is vocab:
+            return cached[1]
+        matcher = _compile_matcher(vocab, self, timeout)
+        object.__setattr__(self, "_compiled", (vocab, matcher))
+        return matcher
 
 
 def _compile(kind: str, value: str) -> str:
@@ -127,6 +146,38 @@ def _compile(kind: str, value: str) -> str:
     if problem and not problem.startswith("WARNING"):
         raise QuickdraftError(f"invalid {kind}: {_one_line(problem)}", field=kind)
     return grammar
+
+
+def _compile_matcher(vocab: GrammarVocabulary, constraint: Constraint, timeout: float):
+    """Build the matcher and its first mask on a daemon thread, waiting at most `timeout` seconds.
+    A compile past its limit is left to finish on its own (a thread cannot be stopped; llguidance's
+    size and fuel limits end it, and it holds no GIL) and its result dropped."""
+    llg = _llguidance()
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            m = llg.LLMatcher(vocab.tokenizer, constraint.grammar, log_level=0)
+            if not m.is_error():  # the lexer is built lazily: the first mask is part of the compile
+                scratch = torch.empty(vocab.words, dtype=torch.int32)
+                m.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * 4)
+            box["matcher"] = m
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=build, name="quickdraft-constraint-compile", daemon=True).start()
+    if not done.wait(timeout):
+        raise QuickdraftError(f"{constraint.kind} did not compile within {timeout:g} s "
+                              "(constraint_compile_timeout): simplify it or raise the limit", field=constraint.kind)
+    if "error" in box:
+        raise box["error"]
+    m = box["matcher"]
+    if m.is_error():
+        raise QuickdraftError(f"invalid {constraint.kind}: {_one_line(m.get_error())}", field=constraint.kind)
+    return m
 
 
 def _one_line(message: str) -> str:
@@ -171,6 +222,7 @@ class GrammarVocabulary:
                 self.eos_only[e // 32] |= torch.tensor(1 << (e % 32), dtype=torch.int64).to(torch.int32)
 
     def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh grammar state for one request (a copy of the constraint's compiled matcher)."""
         return Matcher(self, constraint)
 
     def to_bool(self, bitmask: torch.Tensor) -> torch.Tensor:
@@ -184,11 +236,8 @@ class Matcher:
     each draft prefix without changing it."""
 
     def __init__(self, vocab: GrammarVocabulary, constraint: Constraint):
-        llg = _llguidance()
         self.vocab = vocab
-        self.m = llg.LLMatcher(vocab.tokenizer, constraint.grammar, log_level=0)
-        if self.m.is_error():
-            raise QuickdraftError(f"invalid {constraint.kind}: {_one_line(self.m.get_error())}", field=constraint.kind)
+        self.m = constraint.compiled(vocab).deep_copy()
 
     def _fill(self, out: torch.Tensor) -> None:
         self.m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)

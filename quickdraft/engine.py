@@ -476,8 +476,9 @@ class Engine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise QuickdraftError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                   field="logit_bias")
-        if params.constraint is not None:
-            self._grammar.get()  # built once (about a second): here, so a failure is this request's
+        if params.constraint is not None:  # the vocabulary (once, about a second), then the constraint's compile
+            # (on a worker thread, time-limited): here, so a failure is this request's, before the step loop sees it
+            params.constraint.compiled(self._grammar.get(), self.config.constraint_compile_timeout)
         if params.stop and self.tokenizer is None:
             raise QuickdraftError("stop strings need a tokenizer; this model folder has none", field="stop")
         if num_speculative_tokens is not None and (

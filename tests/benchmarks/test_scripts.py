@@ -68,6 +68,11 @@ def _check_multi_turn(data: dict) -> None:
     assert data["turns"][1]["cached_tokens"][0] >= 32  # the second turn reuses the first one's KV
 
 
+def _check_structured(data: dict) -> None:
+    rows = data["models"]["bundled"]["workloads"]["all"]
+    assert rows["plain"]["valid"] == 1.0 and rows["suffix"]["identical_to_plain"] == rows["suffix"]["requests"] == 3
+
+
 CASES: dict[str, Case] = {
     "ar_vs_transformers.py": Case(["--repeats", "1", "--warmup", "0", "--new-tokens", "4", "--prompt-len", "8",
                                    "--out-dir", "{out}"], ["ar_vs_transformers_cpu.json", "ar_vs_transformers_cpu.md"]),
@@ -122,6 +127,12 @@ CASES: dict[str, Case] = {
                       "--profile", "{profile}", "--out-dir", "{out}"], ["serve_cpu.json", "serve_cpu.md"],
                      marks=[pytest.mark.slow]),
     "small_m_gemm.py": Case(["--tiny", "--out", "{out}/small_m.json"], ["small_m.json"]),
+    "structured.py": Case(["--models", "bundled", "--methods", "plain,suffix", "--extraction", "1", "--classification",
+                           "1", "--tools", "1", "-k", "2", "--no-llamacpp", "--out", "{out}/st"], ["st.json", "st.md"],
+                          check=lambda out: _check_structured(_json(out, "st.json"))),
+    "grammar_engines.py": Case(["--repeats", "1", "--vocabularies", "smollm2-49k", "--out", "{out}/ge"],
+                               ["ge.json", "ge.md"], marks=[pytest.mark.slow],
+                               skip_run="needs SmolLM2's tokenizer (a download) and xgrammar in its own environment"),
     "tensor_parallel.py": Case(["--repeats", "1", "--iters", "1", "--new-tokens", "4", "--out-dir", "{out}"],
                                ["tensor_parallel_cpu.json", "tensor_parallel_cpu.md"], marks=[pytest.mark.slow]),
     "verify_cost.py": Case(["--model", "bundled", "--tiny", "--rounds", "1", "--out", "{out}/vc.json"], ["vc.json"]),

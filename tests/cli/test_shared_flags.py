@@ -146,3 +146,16 @@ def test_kv_cache_memory_is_one_flag_with_the_library_default_and_check():
     for command in ("serve", "generate"):
         r = run(command, "--kv-cache-memory", "lots", *(["hi"] if command == "generate" else []))
         assert r.returncode == 2 and r.stderr.strip() == f"error: {message}", r.stderr
+
+
+def test_constraint_compile_timeout_is_one_flag_with_the_library_default_and_check():
+    from quickdraft.config import DEFAULT_CONSTRAINT_COMPILE_TIMEOUT
+
+    assert inspect.signature(LLM).parameters["constraint_compile_timeout"].default == DEFAULT_CONSTRAINT_COMPILE_TIMEOUT
+    assert EngineConfig().constraint_compile_timeout == DEFAULT_CONSTRAINT_COMPILE_TIMEOUT
+    uses = dict(flags("--constraint-compile-timeout"))
+    assert set(uses) == {"generate", "serve"}
+    for name, p in uses.items():
+        assert p.default == DEFAULT_CONSTRAINT_COMPILE_TIMEOUT and p.help == common.CONSTRAINT_COMPILE_TIMEOUT.help, name
+    with pytest.raises(QuickdraftError, match="constraint_compile_timeout must be a number of seconds > 0"):
+        EngineConfig(constraint_compile_timeout=0)

@@ -55,3 +55,10 @@ def test_bad_constraints_are_one_line_exit_2(target_dir, tmp_path, flags, needle
     r = run("generate", "--target", target_dir, *[str(tmp_path / "bad.json") if f == "{bad}" else f for f in flags], "hello")
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_compile_time_limit_flag_is_checked_before_loading(target_dir, command):
+    r = run(command, "--target", target_dir, "--constraint-compile-timeout", "0", *(["x"] if command == "generate" else []))
+    assert r.returncode != 0
+    assert "constraint_compile_timeout must be a number of seconds > 0" in r.stderr and "Traceback" not in r.stderr

@@ -18,7 +18,7 @@ from quickdraft.constraints import Constraint, GrammarVocabulary
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.sampling import BatchSampling, process_logits
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, slow_schema
 from test_lossless import N, PROMPT, V, chi2_pvalue, sampled_joint
 
 SCHEMA = {"type": "object", "properties": {
@@ -260,3 +260,29 @@ def test_constrained_sampling_matches_the_masked_target(worded, method, options,
     wrong = exact_joint_masked(draft, SamplingParams(constraint=c, **kw))
     assert chi2_pvalue(counts, wrong) < 1e-6
     assert chi2_pvalue(counts, 0.7 * probs + 0.3 * wrong) < 1e-6
+
+
+def test_a_constraint_past_its_compile_time_limit_is_refused(target_dir):
+    llm = LLM(target_dir, method="none", policy="fixed", constraint_compile_timeout=0.05)
+    with pytest.raises(QuickdraftError, match="did not compile within 0.05 s") as e:
+        llm.generate([[0, 1, 2]], SamplingParams(max_tokens=4, constraint={"json_schema": slow_schema()}))
+    assert e.value.field == "json_schema"
+    # the engine is untouched: a sane constraint (compiled within the limit) still runs
+    out = llm.generate([[0, 1, 2]], SamplingParams(temperature=0, max_tokens=4, constraint={"regex": "[ab]+"}))[0]
+    assert out.text and set(out.text) <= {"a", "b"}
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), "5", True])
+def test_the_compile_time_limit_is_checked(target_dir, value):
+    with pytest.raises(QuickdraftError, match="constraint_compile_timeout"):
+        LLM(target_dir, method="none", policy="fixed", constraint_compile_timeout=value)
+
+
+def test_a_compiled_constraint_is_reused_and_copied_per_request(target_dir):
+    llm = LLM(target_dir, method="none", policy="fixed")
+    params = SamplingParams(temperature=0, max_tokens=12, constraint={"json_schema": SCHEMA})
+    a, b = llm.generate([[0, 1, 2], [3, 4]], params)  # one compile; each request its own grammar state
+    for o in (a, b):
+        assert o.finish_reason == "length" or jsonschema.validate(json.loads(o.text), SCHEMA) is None
+    first = params.constraint.compiled(llm.engine._grammar.get())
+    assert params.constraint.compiled(llm.engine._grammar.get()) is first

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -15,6 +17,7 @@ import pytest
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.server import tools as toolcalls
+from conftest import slow_schema
 from server_util import ServerProcess
 
 MODEL = "tiny"
@@ -227,3 +230,47 @@ def test_auto_reads_the_shapes_models_write():
     s = toolcalls.ToolStream(p)
     assert s.feed("Hello", False, None)[0] == [{"content": "Hello"}] and s.feed(" there", True, "stop") == (
         [{"content": " there"}], "stop")
+
+
+def test_a_slow_schema_compiles_beside_the_running_streams_and_past_its_limit_is_a_400(target_dir, tmp_path):
+    """While a schema compiles (off the event loop and the engine's thread), another request's
+    stream keeps producing tokens; the compile past --constraint-compile-timeout is a 400 naming
+    the field. (The slow schema takes about a second, its limit here 0.2 s.)"""
+    s = ServerProcess("--target", str(target_dir), "--method", "none", "--constraint-compile-timeout", "0.2",
+                      "--served-model-name", MODEL, log=tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        # the grammar vocabulary is built at the first constrained request: not part of what is measured
+        c.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"guided_regex": "[ab]+"})
+        chunks: list[float] = []  # arrival times of the streamed tokens
+        stop = threading.Event()
+
+        def stream() -> None:  # streams back to back until told to stop
+            while not stop.is_set():
+                for _ in c.completions.create(model=MODEL, prompt="x", max_tokens=400, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}):
+                    chunks.append(time.monotonic())
+                    if stop.is_set():
+                        break
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        while len(chunks) < 5:  # flowing
+            time.sleep(0.01)
+        began = time.monotonic()
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8,
+                                                        "guided_json": slow_schema()}, timeout=60)
+        ended = time.monotonic()
+        stop.set()
+        t.join(timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "guided_json" and "did not compile" in r.json()["error"]["message"]
+        during = [x for x in chunks if began < x < ended]
+        assert len(during) >= 3, (len(during), ended - began)  # the other stream progressed meanwhile
+        # and the server still serves schemas that compile in time
+        ok = c.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0,
+                                  extra_body={"guided_json": SCHEMA})
+        assert ok.choices[0].finish_reason == "length" or jsonschema.validate(json.loads(ok.choices[0].text),
+                                                                               SCHEMA) is None
+    finally:
+        s.stop()
