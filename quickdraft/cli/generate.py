@@ -41,7 +41,8 @@ def generate(
     dtype: Optional[str] = opts.DTYPE,
     device: Optional[str] = opts.DEVICE,
     compare: bool = typer.Option(False, "--compare",
-                                 help="Also decode without speculation and report the speedup."),
+                                 help="Also decode without speculation (the same target: weight format, compile, "
+                                 "KV budget) and report the speedup."),
     compile: Optional[bool] = opts.COMPILE,
     aot: bool = opts.AOT,
     quantization: Optional[str] = opts.QUANTIZATION,
