@@ -31,7 +31,8 @@ g. weight formats on the device: the bundled pair with quantization none / int8 
    int8 / int4 weight-only kernel for CUDA: those dequantise per call, labelled so).
 h. ahead-of-time compiled CPU steps (quickdraft.aot) on the device machine's CPU and its torch:
    build and load time of the bundled target's package, eager vs package ms/token (4 threads),
-   greedy output equality.
+   greedy output equality. With --small, the bundled draft's (2 layers instead of 8: a quarter
+   of the build, the same steps).
 
 A part that would start past the time budget (--budget-s) is skipped and says so.
 """
@@ -348,17 +349,20 @@ def weight_formats(device: torch.device, s: Settings) -> dict:
 
 
 def aot_cpu(s: Settings) -> dict:
-    """The bundled target's AOT package on this machine's CPU (a scratch cache folder)."""
+    """The bundled target's AOT package on this machine's CPU (a scratch cache folder); --small:
+    the bundled draft's, a smaller model through the same build, load and engine."""
     import tempfile
 
     from quickdraft import aot
-    from quickdraft.llm import LLM
+    from quickdraft.llm import LLM, default_model_dirs
+
+    model = default_model_dirs()[1 if s is SMALL else 0]
 
     threads, cache = torch.get_num_threads(), os.environ.get("QUICKDRAFT_CACHE")
     torch.set_num_threads(1 if s is SMALL else 4)
     os.environ["QUICKDRAFT_CACHE"] = tempfile.mkdtemp(prefix="quickdraft-aot-")
     try:
-        eager = LLM(method="none", device="cpu", dtype="float32", compile=False)
+        eager = LLM(model, method="none", device="cpu", dtype="float32", compile=False)
         t0 = time.perf_counter()
         aot.build(eager.target)
         built = time.perf_counter() - t0
@@ -369,9 +373,10 @@ def aot_cpu(s: Settings) -> dict:
         tokens = 16 if s is SMALL else 96
         cpu = torch.device("cpu")
         want, eager_tps = _generate(eager, prompts[:1], tokens, cpu)
-        packaged = LLM(method="none", device="cpu", dtype="float32", compile="auto")
+        packaged = LLM(model, method="none", device="cpu", dtype="float32", compile="auto")
         got, aot_tps = _generate(packaged, prompts[:1], tokens, cpu)
-        return {"torch": torch.__version__, "threads": torch.get_num_threads(), "build_s": built, "load_s": loaded,
+        return {"model": f"bundled {model.name}", "torch": torch.__version__, "threads": torch.get_num_threads(),
+                "build_s": built, "load_s": loaded,
                 "loaded": repr(step), "engine_step": type(packaged.engine._forward).__name__,
                 "eager_ms_per_token": 1e3 / eager_tps, "aot_ms_per_token": 1e3 / aot_tps,
                 "identical": got == want, "new_tokens": tokens,

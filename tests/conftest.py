@@ -16,18 +16,37 @@ warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 
 
-def _pin_kernel_cache() -> None:
-    """quickdraft's compiled CPU kernels stay in the user's cache while tests point
-    QUICKDRAFT_CACHE at temporary folders: otherwise every process those tests start (the
-    tensor-parallel ranks) compiles the kernels again, ~15-30 s each."""
-    import os
-
-    from quickdraft.model.sources import cache_dir
-
-    os.environ.setdefault("QUICKDRAFT_KERNEL_CACHE", str(cache_dir() / "kernels"))
+# What the tests may share with the user's cache: downloads and builds keyed by their contents
+# (catalogue models, checked by sha256; llama.cpp peer builds; float32 conversions of catalogue
+# GGUFs), which cost minutes to make again. Compiled kernels are shared through
+# QUICKDRAFT_KERNEL_CACHE (else every process the tests start, the tensor-parallel ranks too,
+# compiles them again, ~15-30 s each).
+SHARED_CACHE_FOLDERS = ("peers", "converted")
 
 
-_pin_kernel_cache()
+def _isolate_cache() -> None:
+    """Point QUICKDRAFT_CACHE (this process's and every process it starts) at a folder of the
+    session's own: the tests neither read nor write the user's calibrated step costs (`costs/`,
+    which change the auto policy's k), AOT packages (`aot/`) or GGUF metadata folders (`gguf/`).
+    The folders above are linked from the user's cache where they exist."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from quickdraft.model.sources import CATALOGUE
+    from quickdraft.paths import cache_dir
+
+    user = cache_dir()
+    os.environ.setdefault("QUICKDRAFT_KERNEL_CACHE", str(user / "kernels"))
+    session = Path(tempfile.mkdtemp(prefix="quickdraft-test-cache-"))
+    atexit.register(shutil.rmtree, session, ignore_errors=True)
+    for name in (*CATALOGUE, *SHARED_CACHE_FOLDERS):
+        if (user / name).is_dir():
+            (session / name).symlink_to(user / name, target_is_directory=True)
+    os.environ["QUICKDRAFT_CACHE"] = str(session)
+
+
+_isolate_cache()
 # A CPU engine with compile=None builds its missing AOT packages in a background process; tests
 # run what they name (the tests of that build turn it back on), not a compile of their own models.
 os.environ["QUICKDRAFT_AOT_BUILD"] = "0"

@@ -20,7 +20,6 @@ can use it too); `LLM(profile=...)`, `generate --profile` and `serve --profile` 
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 from collections.abc import Callable
@@ -208,15 +207,12 @@ def select(config: SelectConfig, progress: Callable[[str, float], None] | None =
     from ..model.loader import checkpoint_dir, resolve_device
     from ..model.sources import resolve_model
     from ..model.tokenizer import Tokenizer
-    from ..policy.costs import Choice, MethodProfile, Profile, save_profile, solve_alpha
+    from ..policy.costs import Choice, MethodProfile, Profile, solve_alpha
     from .compare import run_bench
-    from .hardware import device_name, provenance
+    from .hardware import device_name
+    from .tune import check_plot, now, write_profile
 
-    if config.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise QuickdraftError("--plot needs matplotlib: pip install matplotlib") from None
+    check_plot(config.plot)
     if config.target is None:
         target_path, bundled_draft = default_model_dirs()
         automatic = str(bundled_draft) if bundled_draft.exists() else None
@@ -279,14 +275,10 @@ def select(config: SelectConfig, progress: Callable[[str, float], None] | None =
     device = resolve_device(config.device)
     profile = Profile(device.type, device_name(device), torch.__version__, target_name, res["target_dtype"], 128,
                       res["batch_sizes"], res["query_lengths"], res["target_step_s"], methods,
-                      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      command=config.command, threads=torch.get_num_threads(), choice=choice)
-    profile.best_k_by_batch = profile.best_k_table()
-    config.out.parent.mkdir(parents=True, exist_ok=True)
-    # the measured table and the provenance ride along (load_profile ignores keys it does not know)
-    save_profile(config.out, {**profile.to_dict(), "select": {"rows": rows, "skipped": skipped,
-                                                             "plain_tokens_per_s": plain_tps},
-                              "provenance": provenance(device)})
+                      created=now(), command=config.command, threads=torch.get_num_threads(), choice=choice)
+    # the measured table rides along
+    write_profile(profile, config.out, device,
+                  select={"rows": rows, "skipped": skipped, "plain_tokens_per_s": plain_tps})
     result = SelectResult(rows, plain_tps, choice, profile, skipped)
     if config.plot is not None:
         plot_select(result, config.plot)

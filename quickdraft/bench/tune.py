@@ -60,17 +60,13 @@ def tune(config: TuneConfig, console=None):
     from ..llm import LLM, default_model_dirs
     from .. import proposers
     from ..sampling import SamplingParams
-    from .hardware import device_name, provenance
-    from ..policy.costs import Profile, save_profile
+    from .hardware import device_name
+    from ..policy.costs import Profile
     from .measure import measure_acceptance, measure_propose, measure_target_steps
     from .workloads import read_prompts
 
     console = console or Console(stderr=True, highlight=False)
-    if config.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise QuickdraftError("--plot needs matplotlib: pip install matplotlib") from None
+    check_plot(config.plot)
     draft = config.draft if config.draft is not None or config.target is not None else default_model_dirs()[1]
     methods = list(config.methods) or ["draft" if draft is not None else "ngram"]
     for m in methods:
@@ -129,16 +125,40 @@ def tune(config: TuneConfig, console=None):
             "torch": torch.__version__, "target": str(config.target or default_model_dirs()[0]),
             "dtype": str(target.dtype).removeprefix("torch."), "context": config.context,
             "batch_sizes": bs, "query_lengths": qs, "target_step_s": steps, "methods": results, "best_k": {},
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": config.command, "threads": torch.get_num_threads()}
+            "created": now(), "command": config.command, "threads": torch.get_num_threads()}
     profile = Profile.from_dict(data)
-    profile.best_k_by_batch = profile.best_k_table()
-    config.out.parent.mkdir(parents=True, exist_ok=True)
-    # the provenance record rides along in the JSON (load_profile ignores keys it does not know)
-    save_profile(config.out, {**profile.to_dict(), "provenance": provenance(target.device)})
+    write_profile(profile, config.out, target.device)
     if config.plot is not None:
         plot_profile(profile, config.plot)
     return profile
+
+
+# ---- shared with `quickdraft select` (bench/select.py), which writes a profile too -------------
+
+def check_plot(plot: Path | None) -> None:
+    """Before measuring: a --plot needs matplotlib (a clear error now, not after the run)."""
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise QuickdraftError("--plot needs matplotlib: pip install matplotlib") from None
+
+
+def now() -> str:
+    """A profile's `created` stamp (UTC, seconds)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_profile(profile, out: Path, device, **extra) -> None:
+    """Fill in the best k per batch size and write `profile` to `out`, with the provenance
+    record of `device` and the `extra` keys riding along (load_profile ignores keys it does not
+    know)."""
+    from ..policy.costs import save_profile
+    from .hardware import provenance
+
+    profile.best_k_by_batch = profile.best_k_table()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(out, {**profile.to_dict(), **extra, "provenance": provenance(device)})
 
 
 def _builtin_prompts(llm, n: int) -> list[list[int]]:

@@ -31,7 +31,7 @@ def bench_command(
     num_prompts: int = typer.Option(4, "--num-prompts", help="Built-in workload: prompts."),
     new_tokens: int = typer.Option(64, "--new-tokens"),
     repeats: int = typer.Option(3, "--repeats"),
-    iters: int = typer.Option(5, "--iters", help="Timed repetitions of each step-cost measurement."),
+    iters: int = opts.iters_option(5),
     out_dir: Path = opts.OUT_DIR,
     name: str = typer.Option("bench", "--name"),
     peers: bool = typer.Option(False, "--peers", help="Also time transformers' generate, assisted generation and "

@@ -277,6 +277,22 @@ PROMPTS_FILE = typer.Option(None, "--prompts", help="JSONL of {\"prompt\": text 
                             "built-in workload).")
 WORKLOAD = typer.Option("code", "--workload", help="Built-in workload: code | editing (held-out files).")
 OUT_DIR = typer.Option(Path("bench-results"), "--out-dir", help="Folder for the result files.")
+PLOT = typer.Option(None, "--plot", help="Also write a PNG (needs matplotlib).")
+
+
+def iters_option(default: int):
+    """--iters of the commands that time steps (tune, select, bench): their own default each."""
+    return typer.Option(default, "--iters", help="Timed repetitions of each step-cost measurement (medians).")
+
+
+def profile_out_option(default: str):
+    """--out of the commands that write a profile (tune, select)."""
+    return typer.Option(Path(default), "--out", help="Profile JSON to write.")
+
+
+def written(out: Path, plot: Path | None) -> str:
+    """The line tune and select end with: where the profile (and the plot) went."""
+    return f"profile written to {out}" + (f", plot to {plot}" if plot else "")
 
 
 # ---- structured output (docs/structured-output.md) ----------------------------------------

@@ -41,7 +41,8 @@ def generate(
     dtype: Optional[str] = opts.DTYPE,
     device: Optional[str] = opts.DEVICE,
     compare: bool = typer.Option(False, "--compare",
-                                 help="Also decode without speculation and report the speedup."),
+                                 help="Also decode without speculation (the same target: weight format, compile, "
+                                 "KV budget) and report the speedup."),
     compile: Optional[bool] = opts.COMPILE,
     aot: bool = opts.AOT,
     quantization: Optional[str] = opts.QUANTIZATION,
@@ -70,10 +71,12 @@ def generate(
                             constraint=opts.constraint_flags(json_schema, json_object, regex, choice, grammar))
     options = parse_spec_options(spec_option, tree_width)
     tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
-    llm = LLM(target=target, draft=draft, method=method, num_speculative_tokens=k, dtype=dtype, device=device,
-              spec_options=options, policy=policy, profile=profile, compile="aot" if aot else compile, quantization=quantization,
-              draft_quantization=draft_quantization, draft_dtype=draft_dtype, kv_cache_memory=kv_cache_memory,
-              constraint_compile_timeout=constraint_compile_timeout, **tp)
+    # what the target runs as (--compare's plain decoding runs the same: same weights, same steps)
+    target_args = dict(target=target, dtype=dtype, device=device, compile="aot" if aot else compile,
+                       quantization=quantization, kv_cache_memory=kv_cache_memory,
+                       constraint_compile_timeout=constraint_compile_timeout, **tp)
+    llm = LLM(draft=draft, method=method, num_speculative_tokens=k, spec_options=options, policy=policy,
+              profile=profile, draft_quantization=draft_quantization, draft_dtype=draft_dtype, **target_args)
     if chat and ids:
         fail("--chat and --ids cannot be combined")
     prompt_in = parse_ids(prompt, "--ids (PROMPT)") if ids else prompt
@@ -81,7 +84,7 @@ def generate(
     if compare:
         if llm.engine.proposer is None:
             fail("--compare needs speculative decoding: give a draft or a --method (or use the bundled pair)")
-        plain = LLM(target=target, method="none", dtype=dtype, device=device, **tp)
+        plain = LLM(method="none", **target_args)
         warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
         for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
             m.generate([m.encode(prompt_in, chat=chat)], warm)

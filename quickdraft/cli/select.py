@@ -31,9 +31,9 @@ def select_command(
     max_tokens: int = typer.Option(64, "--max-tokens", help="New tokens per prompt."),
     temperature: float = opts.TEMPERATURE,
     repeats: int = typer.Option(3, "--repeats", help="Paired end-to-end runs per candidate (medians)."),
-    iters: int = typer.Option(3, "--iters", help="Timed repetitions of each step-cost measurement."),
-    out: Path = typer.Option(Path("quickdraft-select.json"), "--out", help="Profile JSON to write."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a PNG (needs matplotlib)."),
+    iters: int = opts.iters_option(3),
+    out: Path = opts.profile_out_option("quickdraft-select.json"),
+    plot: Optional[Path] = opts.PLOT,
     dtype: Optional[str] = opts.DTYPE,
     device: Optional[str] = opts.DEVICE,
     threads: Optional[int] = opts.THREADS,
@@ -58,5 +58,5 @@ def select_command(
     pick = "plain decoding (no method measured faster here)" if c.method == "none" else \
         f"method {c.method}" + (f", draft {c.draft}" if c.draft else "") + f", k={c.k} ({c.speedup:.2f}x plain decoding)"
     stdout.print(f"choice: {pick}")
-    stdout.print(f"profile written to {config.out}" + (f", plot to {config.plot}" if config.plot else "")
+    stdout.print(opts.written(config.out, config.plot)
                  + f"; run it with: quickdraft generate --profile {config.out} ...")

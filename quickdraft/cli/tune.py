@@ -28,9 +28,9 @@ def tune_command(
     num_prompts: int = typer.Option(8, "--num-prompts", help="Built-in workload: number of prompts."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="New tokens per prompt in the acceptance run."),
     temperature: float = opts.TEMPERATURE,
-    iters: int = typer.Option(10, "--iters", help="Timed repetitions per measurement (medians)."),
-    out: Path = typer.Option(Path("quickdraft-profile.json"), "--out", help="Profile JSON to write."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a PNG (needs matplotlib)."),
+    iters: int = opts.iters_option(10),
+    out: Path = opts.profile_out_option("quickdraft-profile.json"),
+    plot: Optional[Path] = opts.PLOT,
     dtype: Optional[str] = opts.DTYPE,
     device: Optional[str] = opts.DEVICE,
     threads: Optional[int] = opts.THREADS,
@@ -50,4 +50,4 @@ def tune_command(
     for name, m in profile.methods.items():
         stdout.print(f"{name}: acceptance per position " + " ".join(f"{a:.2f}" for a in m.acceptance_per_pos)
                      + f" (i.i.d. alpha {m.alpha:.3f}, drafted in {100 * m.draft_rate:.0f}% of steps)")
-    stdout.print(f"profile written to {config.out}" + (f", plot to {config.plot}" if config.plot else ""))
+    stdout.print(opts.written(config.out, config.plot))

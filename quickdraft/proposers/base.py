@@ -194,6 +194,52 @@ class Proposer:
         """Feedback after verification."""
 
 
+class OwnKVProposer(Proposer):
+    """A proposer with a KV cache of its own (a draft model's, an EAGLE-3 head's): its rows follow
+    the engine's, `cached[row]` positions of a row are built, and the prefix cache keeps that KV
+    with the target's blocks (state_cache / state_length / loaded_state). A subclass says how to
+    allocate the cache (`new_cache`) and how many bytes a position takes (`kv_token_bytes`)."""
+
+    def __init__(self) -> None:
+        self.cache: KVCache | None = None
+        self.cached: list[int] = []  # per row: positions [0, n) of its KV built in `cache`
+
+    def new_cache(self, max_slots: int, capacity: int) -> KVCache:
+        raise NotImplementedError
+
+    def reserve(self, max_slots: int, capacity: int) -> None:
+        c = self.cache
+        if c is None or c.max_slots < max_slots or c.capacity < capacity:
+            self.cache = None  # free the old one first
+            self.cache = self.new_cache(max_slots, capacity)
+        self.cached = [0] * max_slots
+
+    def resize(self, max_slots: int, capacity: int, keep: int) -> None:
+        if max_slots == 0:
+            self.cache, self.cached = None, []
+        elif self.cache is None:
+            self.reserve(max_slots, capacity)
+        else:
+            self.cache.resize(max_slots, capacity, keep)
+            self.cached = (self.cached + [0] * max_slots)[:max_slots]
+
+    def start(self, row: int, prompt: list[int]) -> None:
+        self.cached[row] = 0
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst, self.cached[src])
+        self.cached[dst] = self.cached[src]
+
+    def state_cache(self) -> KVCache:
+        return self.cache
+
+    def state_length(self, row: int) -> int:
+        return self.cached[row]
+
+    def loaded_state(self, row: int, length: int) -> None:
+        self.cached[row] = length
+
+
 def check_options(method: str, options: dict, allowed: Sequence[str]) -> None:
     unknown = sorted(set(options) - set(allowed))
     if unknown:

@@ -34,12 +34,12 @@ from ..compile import CompiledVariants, chain_key, pad_chain, warm_samplings, wa
 from ..errors import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
 from ..sampling import BatchSampling, StepRandom, Stream, process_logits, race
-from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int, check_options, register
+from .base import Draft, OwnKVProposer, ProposeBatch, VerifyResult, check_int, check_options, register
 from .draft_tree import chain_prefix, sampled_tree_parents, top_w_tree
 
 
 @register("draft")
-class DraftModelProposer(Proposer):
+class DraftModelProposer(OwnKVProposer):
     OPTIONS = ("tree_width", "tree_nodes", "tree_sampled", "confidence_threshold", "penalize")
     needs_draft_model = True
 
@@ -64,8 +64,7 @@ class DraftModelProposer(Proposer):
         # chain mode: a row stops drafting once the draft's top probability (at temperature 1)
         # falls under this; the step stops early when every row has stopped
         self.confidence_threshold = float(confidence_threshold)
-        self.cache: KVCache | None = None
-        self.cached: list[int] = []
+        super().__init__()  # the draft's KV cache (OwnKVProposer)
         self._step = model  # the draft's forward for one-token steps (compiled by compile())
         self._chains: CompiledVariants | None = None  # the whole k-token chain as one graph (compile())
 
@@ -139,42 +138,13 @@ class DraftModelProposer(Proposer):
     def max_draft_tokens(self, k: int) -> int:
         return k * self.tree_width if self.tree_nodes is None else min(k * self.tree_width, self.tree_nodes)
 
-    def reserve(self, max_slots: int, capacity: int) -> None:
-        c = self.cache
-        if c is None or c.max_slots < max_slots or c.capacity < capacity:
-            self.cache = None  # free the old one first
-            self.cache = KVCache.for_model(self.model, max_slots, capacity)
-        self.cached = [0] * max_slots
-
-    def resize(self, max_slots: int, capacity: int, keep: int) -> None:
-        if max_slots == 0:
-            self.cache, self.cached = None, []
-        elif self.cache is None:
-            self.reserve(max_slots, capacity)
-        else:
-            self.cache.resize(max_slots, capacity, keep)
-            self.cached = (self.cached + [0] * max_slots)[:max_slots]
+    def new_cache(self, max_slots: int, capacity: int) -> KVCache:
+        return KVCache.for_model(self.model, max_slots, capacity)
 
     def kv_token_bytes(self) -> int:
         return KVCache.token_bytes(self.model)
 
-    def start(self, row: int, prompt: list[int]) -> None:
-        self.cached[row] = 0
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst, self.cached[src])
-        self.cached[dst] = self.cached[src]
-
     prefix_state = "rebuild"  # the draft's KV is cached with the target's; a hit without it is caught up
-
-    def state_cache(self) -> KVCache:
-        return self.cache
-
-    def state_length(self, row: int) -> int:
-        return self.cached[row]
-
-    def loaded_state(self, row: int, length: int) -> None:
-        self.cached[row] = length
 
     def _catch_up(self, batch: ProposeBatch) -> torch.Tensor:
         """Feed each row the committed tokens its cache lacks; logits after the last (B, V)."""

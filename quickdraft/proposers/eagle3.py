@@ -33,12 +33,12 @@ from ..cache import KVCache, to_device
 from ..errors import QuickdraftError
 from ..model.eagle3 import Eagle3Head
 from ..sampling import process_logits, race
-from .base import Draft, ProposeBatch, Proposer, check_int, check_options, register
+from .base import Draft, OwnKVProposer, ProposeBatch, check_int, check_options, register
 from .draft_tree import prune
 
 
 @register("eagle3")
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(OwnKVProposer):
     OPTIONS = ("tree_width", "tree_nodes")
     needs_draft_model = True
     draft_is_head = True  # LLM loads `draft` with quickdraft.model.eagle3.load_eagle3
@@ -53,8 +53,7 @@ class Eagle3Proposer(Proposer):
             raise QuickdraftError("tree_nodes needs tree_width > 1 (a chain has k nodes)")
         self.tree_nodes = None if tree_nodes is None else check_int("tree_nodes", tree_nodes, 1, 1024)
         self._head = head  # what runs the head: the head, or its AOT packages (use_forward)
-        self.cache: KVCache | None = None
-        self.cached: list[int] = []  # per row: positions of the head's cache built from target states
+        super().__init__()  # the head's KV cache (OwnKVProposer), built from target states
         self.pending: list[list[torch.Tensor]] = []  # per row: target states not yet fed to the head
 
     @classmethod
@@ -78,37 +77,28 @@ class Eagle3Proposer(Proposer):
 
     # --- the engine's batch layout ------------------------------------------------------
 
+    def new_cache(self, max_slots: int, capacity: int) -> KVCache:
+        cfg = self.head.config
+        return KVCache(1, max_slots, cfg.num_key_value_heads, capacity, cfg.head_dim, self.head.dtype, self.head.device)
+
     def reserve(self, max_slots: int, capacity: int) -> None:
-        c = self.cache
-        if c is None or c.max_slots < max_slots or c.capacity < capacity:
-            self.cache = None
-            cfg = self.head.config
-            self.cache = KVCache(1, max_slots, cfg.num_key_value_heads, capacity, cfg.head_dim, self.head.dtype,
-                                 self.head.device)
-        self.cached = [0] * max_slots
+        super().reserve(max_slots, capacity)
         self.pending = [[] for _ in range(max_slots)]
 
     def resize(self, max_slots: int, capacity: int, keep: int) -> None:
-        if max_slots == 0:
-            self.cache, self.cached, self.pending = None, [], []
-        elif self.cache is None:
-            self.reserve(max_slots, capacity)
-        else:
-            self.cache.resize(max_slots, capacity, keep)
-            self.cached = (self.cached + [0] * max_slots)[:max_slots]
-            self.pending = (self.pending + [[] for _ in range(max_slots)])[:max_slots]
+        super().resize(max_slots, capacity, keep)
+        self.pending = (self.pending + [[] for _ in range(max_slots)])[:max_slots]
 
     def kv_token_bytes(self) -> int:
         cfg = self.head.config  # one decoder layer
         return 2 * cfg.num_key_value_heads * cfg.head_dim * self.head.dtype.itemsize
 
     def start(self, row: int, prompt: list[int]) -> None:
-        self.cached[row] = 0
+        super().start(row, prompt)
         self.pending[row] = []
 
     def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst, self.cached[src])
-        self.cached[dst] = self.cached[src]
+        super().move_row(src, dst)
         self.pending[dst], self.pending[src] = self.pending[src], []
 
     def finish(self, row: int, tokens: list[int], prompt_len: int) -> None:
@@ -118,14 +108,8 @@ class Eagle3Proposer(Proposer):
     # so it covers only blocks that carry the head's KV (acceptance on a hit is acceptance without).
     prefix_state = "required"
 
-    def state_cache(self) -> KVCache:
-        return self.cache
-
-    def state_length(self, row: int) -> int:
-        return self.cached[row]
-
     def loaded_state(self, row: int, length: int) -> None:
-        self.cached[row] = length
+        super().loaded_state(row, length)
         self.pending[row] = []
 
     def add_hidden(self, start: int, hidden: torch.Tensor, index: list[list[int]]) -> None:

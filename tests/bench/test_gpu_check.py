@@ -44,7 +44,7 @@ def test_gpu_check_small_on_cpu(tmp_path):
     assert all(f["identical_to_plain"] and "error" not in f for f in formats.values()), formats
     assert "int4" in formats["int4-eager"]["format"] and "dequantised per call" not in formats["int4-eager"]["format"]
     a = data["aot_cpu"]
-    assert a["identical"] and a["engine_step"] == "AOTStep" and a["build_s"] > 0
+    assert a["identical"] and a["engine_step"] == "AOTStep" and a["build_s"] > 0 and a["model"] == "bundled draft"
     assert all(x["identical_to_plain"] for x in data["compiled_pair"].values())
     v = data["verify"]
     assert v["batch_sizes"] == [1, 2, 4] and v["query_lengths"] == [1, 2, 3, 4]

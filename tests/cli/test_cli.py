@@ -103,15 +103,37 @@ def test_vocabulary_mismatch_and_bad_config(target_dir, ckpt_factory, tmp_path):
     assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.slow
-def test_compare_reports_speedup_and_identity(target_dir, draft_dir):
-    r = run("generate", "--target", target_dir, "--draft", draft_dir, "--max-tokens", 10, "--ignore-eos", "--compare",
-            "--temperature", 0, "--json", "def add(a, b):")
-    assert r.returncode == 0, r.stderr
-    cmp_ = json.loads(r.stdout)["compare"]
+def test_compare_runs_plain_decoding_in_the_same_weight_format(target_dir, draft_dir, monkeypatch):
+    """--compare reports the speedup and whether greedy output is plain decoding's; its plain
+    decoding is the target as the speculative run loads it (--quantization, compile): a speedup
+    over another format would not be a speedup, and greedy output is identical only to plain
+    decoding of the same weights. Without speculation --compare is a usage error."""
+    from typer.testing import CliRunner
+
+    import quickdraft.llm
+    from quickdraft.cli import app
+    from quickdraft.model.formats import Int8BlockedLinear, Int8TorchLinear
+
+    built = []
+
+    class Spy(quickdraft.llm.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append((kwargs, self))
+
+    monkeypatch.setattr(quickdraft.llm, "LLM", Spy)
+    r = CliRunner().invoke(app, ["generate", "--target", str(target_dir), "--draft", str(draft_dir), "-k", "3",
+                                 "--max-tokens", "8", "--ignore-eos", "--temperature", "0", "--policy", "fixed",
+                                 "--quantization", "int8", "--no-compile", "--compare", "--json", "def add(a, b):"])
+    assert r.exit_code == 0, r.output
+    assert [kw.get("method") for kw, _ in built] == [None, "none"]
+    for kw, llm in built:
+        assert kw["quantization"] == "int8" and kw["compile"] is False
+        assert any(isinstance(m, (Int8BlockedLinear, Int8TorchLinear)) for m in llm.target.modules())
+    cmp_ = json.loads(r.stdout.strip().splitlines()[-1])["compare"]
     assert cmp_["identical"] is True and cmp_["speedup"] > 0
-    r = run("generate", "--target", target_dir, "--compare", "hi")
-    assert r.returncode == 2 and "--compare needs" in r.stderr
+    r = CliRunner().invoke(app, ["generate", "--target", str(target_dir), "--compare", "hi"])
+    assert r.exit_code == 2 and "--compare needs" in r.output
 
 
 def test_model_source_commands_and_errors(tmp_path):

@@ -127,7 +127,8 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
     from quickdraft.model.eagle3 import new_head, save_eagle3
 
     model, _ = target_step
-    layers = (1, 1, 2)
+    # the layers the eagle3 engine below asks for: its package is this one, built once
+    layers = (1, 1, 0)
     aot.build(model, hidden_at=layers)
     step = aot.load(model, hidden_at=layers)
     assert step is not None and step.hidden_at == layers and step.path != aot.package_path(model)
@@ -147,7 +148,8 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
     # the bundled-style default head reads (2, L // 2, L - 3) clamped to this 2-layer target: (1, 1, 0)
     spec = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
                dtype="float32", policy="fixed")
-    assert isinstance(spec.engine._forward, aot.AOTStep) and spec.engine._forward.hidden_at == (1, 1, 0)
+    assert isinstance(spec.engine._forward, aot.AOTStep) and spec.engine._forward.hidden_at == layers
+    assert spec.engine._forward.path == step.path  # the package built above
     head_step = spec.engine.proposer._head  # the head's two packages: from target states, drafting
     assert isinstance(head_step, aot.HeadAOTStep) and len({p.name for p in head_step.paths}) == 2
     plain = LLM(target_dir, method="none", compile=False, dtype="float32")

@@ -171,3 +171,22 @@ def test_seeded_sampling_is_reproducible_with_cached_costs(target_dir, draft_dir
         auto._PRIOR.clear()
         runs.append([o.token_ids for o in LLM(target_dir, draft=draft_dir).generate(PROMPTS, params)])
     assert runs[0] == runs[1]
+
+
+def test_the_test_session_never_touches_the_users_cache():
+    """tests/conftest.py points QUICKDRAFT_CACHE at a folder of the session's own: calibrated costs,
+    AOT packages and GGUF folders are the session's (a user's cached costs would change the k the
+    tests' auto policies choose; the tests' calibrations would land in the user's cache)."""
+    import os
+    from pathlib import Path
+
+    from quickdraft import aot
+    from quickdraft.model.gguf import cache_dir as gguf_cache_dir
+    from quickdraft.paths import cache_dir
+
+    session = Path(os.environ["QUICKDRAFT_CACHE"])
+    assert session.name.startswith("quickdraft-test-cache-") and cache_dir() == gguf_cache_dir() == session
+    assert session != Path.home() / ".cache" / "quickdraft"
+    assert costs_path(KEY).parent == session / "costs" and not (session / "costs").is_symlink()
+    assert not (session / "aot").is_symlink() and not (session / "gguf").is_symlink()
+    assert not aot.aot_dir().resolve().is_relative_to((Path.home() / ".cache" / "quickdraft").resolve())

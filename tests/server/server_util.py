@@ -3,7 +3,9 @@ thread of the test process (for fault injection into the engine it serves)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,6 +34,37 @@ def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None
             pass
         time.sleep(0.2)
     raise RuntimeError(f"server at {url} not healthy after {timeout} s")
+
+
+def metric(server, name: str) -> float:
+    """The value of an unlabelled series on the server's /metrics."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_metrics_zero(server, names: tuple[str, ...], what: str, timeout: float = 30.0) -> None:
+    """Wait until every metric in `names` reads 0; else fail saying `what` is still held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(metric(server, n) == 0 for n in names):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what} after {timeout} s")
+
+
+def sse_events(text: str) -> list:
+    """The data payloads of an SSE body, JSON-decoded except the final [DONE]."""
+    events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", text[-300:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def speculating_args(target_dir, draft_dir, model: str) -> tuple[str, ...]:
+    """The `serve` arguments of the module servers that speculate with the test draft (k = 4, 8 rows)."""
+    return ("--target", str(target_dir), "--draft", str(draft_dir), "-k", "4", "--max-num-seqs", "8",
+            "--served-model-name", model)
 
 
 class ServerProcess:

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -19,7 +18,8 @@ import pytest
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.llm import default_model_dirs
-from server_util import ServerProcess, ThreadServer, wait_healthy
+from server_util import (ServerProcess, ThreadServer, metric, speculating_args, sse_events, wait_healthy,
+                         wait_metrics_zero)
 
 MODEL = "tiny"
 PROMPTS = [[0] + [(7 * i + 3 * j) % 360 + 2 for j in range(3 + i % 7)] for i in range(32)]
@@ -28,20 +28,10 @@ PROMPTS = [[0] + [(7 * i + 3 * j) % 360 + 2 for j in range(3 + i % 7)] for i in 
 @pytest.fixture(scope="module")
 def server(target_dir, draft_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    s = ServerProcess("--target", str(target_dir), "--draft", str(draft_dir), "-k", "4", "--max-num-seqs", "8",
-                      "--served-model-name", MODEL, "--policy", "fixed", log=log)  # speculation figures: k every step
+    # speculation figures: k every step
+    s = ServerProcess(*speculating_args(target_dir, draft_dir, MODEL), "--policy", "fixed", log=log)
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def plain(target_dir):
-    return LLM(target_dir, method="none")
 
 
 def greedy(max_tokens=16, **kw) -> SamplingParams:
@@ -53,20 +43,6 @@ def post(server, path: str, body, **kw) -> httpx.Response:
         return httpx.post(server.url + path, json=body, timeout=60, **kw)
     return httpx.post(server.url + path, content=body, timeout=60,
                       headers={"content-type": "application/json"}, **kw)
-
-
-def sse_events(text: str) -> list:
-    """The data payloads of an SSE body, JSON-decoded except the final [DONE]."""
-    events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", text[-300:]
-    return [json.loads(e) for e in events[:-1]]
-
-
-def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 # ---- endpoints -------------------------------------------------------------------------
@@ -534,13 +510,9 @@ def test_32_concurrent_greedy_requests_equal_one_at_a_time(server):
     assert together == alone
 
 
-def _wait_idle(server, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(server, "num_requests_running") == 0 and metric(server, "num_requests_waiting") == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("requests still held after their clients left")
+def _wait_idle(server):
+    wait_metrics_zero(server, ("num_requests_running", "num_requests_waiting"),
+                      "requests still held after their clients left")
 
 
 def test_disconnect_storm_then_a_normal_request(server, plain):

@@ -5,33 +5,19 @@ naming both numbers, and makes requests that do not fit now wait (no 429)."""
 from __future__ import annotations
 
 import asyncio
-import re
-import time
 
 import httpx
 import pytest
 
 from quickdraft import LLM, SamplingParams
-from server_util import ServerProcess
+from server_util import ServerProcess, metric, wait_metrics_zero
 
 TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # the tiny target's KV per token: 2 x layers x kv_heads x head_dim x float32
 BUDGET = TOKEN_BYTES * 201  # 199 tokens per request (+1 past the last token, +1 trash column), one at a time
 
 
-def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
-
-
-def wait_at_rest(server, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(server, "num_requests_running") == 0 and metric(server, "kv_cache_bytes") == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the server still holds KV memory at rest")
+def wait_at_rest(server) -> None:
+    wait_metrics_zero(server, ("num_requests_running", "kv_cache_bytes"), "the server still holds KV memory at rest")
 
 
 @pytest.fixture(scope="module")

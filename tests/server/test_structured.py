@@ -12,13 +12,12 @@ import time
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from quickdraft import LLM, SamplingParams
+from quickdraft import SamplingParams
 from quickdraft.server import tools as toolcalls
 from conftest import slow_schema
-from server_util import ServerProcess
+from server_util import ServerProcess, speculating_args
 
 MODEL = "tiny"
 SCHEMA = {"type": "object", "properties": {
@@ -43,21 +42,10 @@ TEMPLATE = ("{% if tools %}<|system|>{% for t in tools %}{{ t['function']['name'
 def server(target_dir, draft_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("structured")
     (folder / "template.jinja").write_text(TEMPLATE)
-    s = ServerProcess("--target", str(target_dir), "--draft", str(draft_dir), "-k", "4", "--max-num-seqs", "8",
-                      "--served-model-name", MODEL, "--chat-template", str(folder / "template.jinja"),
-                      log=folder / "server.log")
+    s = ServerProcess(*speculating_args(target_dir, draft_dir, MODEL), "--chat-template",
+                      str(folder / "template.jinja"), log=folder / "server.log")
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def plain(target_dir):
-    return LLM(target_dir, method="none", policy="fixed")
 
 
 def test_response_format_json_schema_on_chat(client):

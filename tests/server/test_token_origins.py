@@ -5,7 +5,6 @@ step without drafts) or the prefill gave it, and the counts agree with the respo
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -17,7 +16,7 @@ from quickdraft import LLM, SamplingParams
 from quickdraft.engine import DRAFT, ORIGINS, PREFILL, TARGET
 from quickdraft.server.app import ServerState, build_app
 from quickdraft.server.web import WEB_DIR
-from server_util import ThreadServer
+from server_util import ThreadServer, sse_events
 
 MODEL = "tiny"
 PROMPT = [0] + [(7 * j) % 300 + 2 for j in range(9)]
@@ -34,12 +33,6 @@ def server(target_dir, noisy_draft):
 
 def post(server, path: str, body: dict, **kw) -> httpx.Response:
     return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=60, **kw)
-
-
-def sse(text: str) -> list[dict]:
-    events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
 
 
 def check_counts(origins: list[str], usage: dict, choices: int = 1, cut: bool = False) -> None:
@@ -86,7 +79,7 @@ def test_non_streaming_origins_equal_the_speculation_figures(server):
 def test_streamed_origins_equal_the_non_streamed_ones_and_the_figures(server):
     body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_origins": True}
     whole = post(server, "/v1/completions", body).json()["choices"][0]
-    events = sse(post(server, "/v1/completions", {**body, "stream": True,
+    events = sse_events(post(server, "/v1/completions", {**body, "stream": True,
                                                  "stream_options": {"include_usage": True}}).text)
     origins, texts = [], []
     for e in events[:-1]:
@@ -103,7 +96,7 @@ def test_chat_with_n_choices_counts_over_the_choices(server):
                                               "max_tokens": 20, "temperature": 1.0, "seed": 5, "n": 3,
                                               "ignore_eos": True, "return_token_origins": True, "stream": True,
                                               "stream_options": {"include_usage": True}})
-    events = sse(r.text)
+    events = sse_events(r.text)
     origins: list[str] = []
     for e in events[:-1]:
         for c in e["choices"]:
