@@ -454,6 +454,11 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------
 
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """llguidance's view of the model's vocabulary for constraints (built on the first call, then
+        shared; the server builds it while loading)."""
+        return self._grammar.get()
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       num_speculative_tokens: int | None = None) -> list[int]:
         """Validate a request without touching engine state (safe from any thread);

@@ -51,6 +51,12 @@ class ServerState:
             if llm.tokenizer is not None:
                 llm.tokenizer.release_gil = True  # prompts are tokenized on worker threads
                 llm.tokenizer.max_token_chars  # computed once, now
+                # the grammar vocabulary (a Python loop over every token's bytes, 1-4 s holding the GIL
+                # for a 50k vocabulary) is built now, not at the first constrained request while others stream
+                try:
+                    llm.engine.grammar_vocabulary()
+                except QuickdraftError:  # e.g. no eos token: constrained requests get the error, with a 400
+                    pass
             engine = AsyncEngine(llm.engine, self.max_queue, on_step=self.metrics.step_time.observe)
             engine.on_dead = self.on_engine_dead
             engine.start(loop)

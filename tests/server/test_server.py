@@ -938,3 +938,19 @@ def test_openai_client_parses_streamed_logprobs(client):
         if chunk.choices[0].logprobs:
             tokens += chunk.choices[0].logprobs.tokens
     assert len(tokens) == 6
+
+
+def test_the_grammar_vocabulary_is_built_while_loading(target_dir):
+    """Building llguidance's vocabulary holds the GIL for seconds on a 50k vocabulary: the server does
+    it before it is ready, not at the first constrained request while other requests stream."""
+    from quickdraft.server.app import ServerState
+
+    ts = ThreadServer(ServerState(lambda: LLM(target_dir, method="none"), MODEL))
+    try:
+        assert ts.state.llm.engine._grammar._vocab is not None  # no request has been sent
+        body = {"model": MODEL, "prompt": "def f(", "max_tokens": 4, "temperature": 0,
+                "guided_choice": ["x)", "y)"]}
+        r = httpx.post(f"{ts.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("x)", "y)")
+    finally:
+        ts.stop()
