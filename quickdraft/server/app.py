@@ -340,6 +340,8 @@ def _subs(engine, req, prompts: list[list[int]], max_tokens: list[int],
     for i, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
         for j in range(req.n):
             params = _sampling(req, mt, j, constraint)
+            if constraint is not None:  # one Constraint for every choice and prompt: its grammar compiles once
+                constraint = (constraint[0], params.constraint)
             if j == 0:
                 _check(engine, req, prompt, params, constraint)
             subs.append(_Sub(i * req.n + j, prompt, params))

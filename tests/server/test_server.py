@@ -954,3 +954,23 @@ def test_the_grammar_vocabulary_is_built_while_loading(target_dir):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("x)", "y)")
     finally:
         ts.stop()
+
+
+def test_a_requests_choices_share_one_compiled_constraint(target_dir, monkeypatch):
+    """n choices (and several prompts) of one request compile its schema once, not once each."""
+    from quickdraft import constraints
+    from quickdraft.server.app import ServerState
+
+    compiles = []
+    real = constraints._compile_matcher
+    monkeypatch.setattr(constraints, "_compile_matcher", lambda *a, **kw: compiles.append(1) or real(*a, **kw))
+    ts = ThreadServer(ServerState(lambda: LLM(target_dir, method="none"), MODEL))
+    try:
+        body = {"model": MODEL, "prompt": ["def f(", "x = "], "max_tokens": 4, "temperature": 0.8, "n": 3,
+                "seed": 1, "guided_choice": ["a)", "b)"]}
+        r = httpx.post(f"{ts.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        assert len(r.json()["choices"]) == 6 and {c["text"] for c in r.json()["choices"]} <= {"a)", "b)"}
+        assert len(compiles) == 1
+    finally:
+        ts.stop()
