@@ -215,3 +215,21 @@ def slow_schema() -> dict:
         f"k{i}_{j}": {"type": "string", "pattern": f"^[a-z]{{{i % 50}}}x{j}$"} for j in range(25)},
         "required": [f"k{i}_{j}" for j in range(25)]} for i in range(600)]}
 
+
+# The server tests' fixtures beside a module's `server` fixture (here, not in tests/server/conftest.py:
+# a second conftest module would shadow this one for `from conftest import ...`, depending on the order).
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai client of the module's `server` fixture."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    """Plain decoding of the test target (the reference of greedy outputs)."""
+    from quickdraft import LLM
+
+    return LLM(target_dir, method="none", policy="fixed")

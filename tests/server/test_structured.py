@@ -12,6 +12,7 @@ import time
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from quickdraft import SamplingParams
