@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import os
 import socket
 import subprocess
@@ -122,8 +123,13 @@ def main(argv: list[str] | None = None) -> None:
         path = args.out_dir / f"{args.name}.json"
         result = json.loads(path.read_text())
         result["server_peak_rss_mib"] = dict(zip(("url", "compare_url"), peaks))
+        # the command that reproduces the result is this script's (bench-serve's own is kept beside it)
+        this = "python benchmarks/multi_turn.py " + shlex.join(sys.argv[1:])
+        result["provenance"]["bench_serve_command"] = result["provenance"]["command"]
+        result["provenance"]["command"] = this
         path.write_text(json.dumps(result, indent=1) + "\n")
         with (args.out_dir / f"{args.name}.md").open("a") as md:
+            md.write(f"Run by `{this}`.\n\n")
             md.write("Servers' peak resident memory (VmHWM): "
                      + ", ".join(f"{n} {v:.0f} MiB" for n, v in result["server_peak_rss_mib"].items()) + ".\n")
         ok = True

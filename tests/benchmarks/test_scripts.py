@@ -64,8 +64,20 @@ def _check_gpu_check(out: Path) -> None:
 
 
 def _check_multi_turn(data: dict) -> None:
-    assert data["identical"] is True and [t["turn"] for t in data["turns"]] == [1, 2]
-    assert data["turns"][1]["cached_tokens"][0] >= 32  # the second turn reuses the first one's KV
+    turns = data["servers"]["url"]["turns"]  # the server with prefix caching
+    assert [t["turn"] for t in turns] == [1, 2] and all(t["completed"] == 1 for t in turns)
+    assert turns[1]["cached_tokens"]["median"] >= 32  # the second turn reuses the first one's KV
+    assert [p["same_text"] for p in data["paired"]["turns"]] == [1, 1]  # the uncached server answered alike
+
+
+def _check_hybrid(data: dict) -> None:
+    rows = data["models"]["bundled"]["workloads"]["code"]["rows"]
+    assert set(rows) == {"plain", "suffix", "auto"} and all(r["identical"] for r in rows.values())
+
+
+def _check_chunked_prefill(data: dict) -> None:
+    (row,) = data["table"]
+    assert row["max_num_batched_tokens"] == 16 and row["num_window"] > 0 and row["long_ttft_s"] > 0
 
 
 def _check_structured(data: dict) -> None:
@@ -105,9 +117,16 @@ CASES: dict[str, Case] = {
                         ["llamacpp_bundled_cpu.json", "llamacpp_bundled_cpu.md"], marks=[pytest.mark.slow],
                         skip_run="builds llama.cpp from source: about 10 minutes on 2 cores (run it by hand)",
                         timeout=3600),
-    "multi_turn.py": Case(["--turns", "2", "--conversations", "1", "--system-tokens", "40", "--max-tokens", "4",
+    "multi_turn.py": Case(["--turns", "2", "--conversations", "1", "--system-words", "40", "--max-tokens", "4",
+                           "--chat-template", str(BENCH / "plain_chat_template.jinja"),
                            "--method", "draft", "--out-dir", "{out}", "--name", "mt"], ["mt.json", "mt.md"],
                           check=lambda out: _check_multi_turn(_json(out, "mt.json"))),
+    "hybrid.py": Case(["--models", "bundled", "--rows", "suffix", "auto", "--workloads", "code", "--prompts", "1",
+                       "--repeats", "1", "--new-tokens", "4", "-k", "2", "--cores", "0", "--out-dir", "{out}",
+                       "--name", "hy"], ["hy.json", "hy.md"], check=lambda out: _check_hybrid(_json(out, "hy.json"))),
+    "chunked_prefill.py": Case(["--sizes", "16", "--repeats", "1", "--streams", "1", "--stream-tokens", "400",
+                                "--long-tokens", "200", "--steady", "1", "--out-dir", "{out}", "--name", "cp"],
+                               ["cp.json", "cp.md"], check=lambda out: _check_chunked_prefill(_json(out, "cp.json"))),
     "openai_fields.py": Case(["--baseline", "", "--models", "bundled", "--prompts", "1", "--new-tokens", "4",
                               "--repeats", "1", "--compile", "eager", "--out-dir", "{out}"],
                              ["openai_fields_cpu.json", "openai_fields_cpu.md"]),
