@@ -19,10 +19,8 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,39 +28,16 @@ from pathlib import Path
 import httpx
 
 from quickdraft.bench.hardware import provenance, provenance_line
+from quickdraft.bench.serve_load.launch import served
 from quickdraft.bench.serve_load.stats import SSEDecoder, percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start(args, port: int, size: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(port), "--served-model-name", "model",
-           "--method", args.method, "--policy", "fixed", "--log-level", "warning", "--no-compile",
-           "--threads", str(args.threads), "--max-num-batched-tokens", str(size)]
-    if args.target:
-        cmd += ["--target", args.target]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not ready after {timeout} s")
+def server_args(args, size: int) -> list[str]:
+    out = ["--served-model-name", "model", "--method", args.method, "--policy", "fixed", "--log-level", "warning",
+           "--no-compile", "--threads", str(args.threads), "--max-num-batched-tokens", str(size)]
+    return out + (["--target", args.target] if args.target else [])
 
 
 async def stream(client, url: str, prompt, max_tokens: int, t0: float, seen: list[tuple[float, int]]) -> None:
@@ -146,15 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[int, list[dict]] = {s: [] for s in sizes}
     for rep in range(args.repeats):
         for size in (sizes if rep % 2 == 0 else sizes[::-1]):
-            port = free_port()
             log = args.out_dir / f"{args.name}.server.log"
-            proc = start(args, port, size, log)
-            try:
-                wait(f"http://127.0.0.1:{port}", proc)
-                r = asyncio.run(one_run(f"http://127.0.0.1:{port}", args))
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
+            with log.open("w") as f, served(server_args(args, size), log=f, threads=args.threads) as (url, _):
+                r = asyncio.run(one_run(url, args))
             r["loadavg_1m"] = os.getloadavg()[0]
             runs[size].append(r)
             print(size, json.dumps(r), flush=True)

@@ -22,51 +22,26 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from quickdraft.bench.serve_load.launch import free_port, start_server, stop_server, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start(args: argparse.Namespace, port: int, caching: bool, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(port), "--served-model-name", "model",
-           "--method", args.method, "--policy", "fixed", "--log-level", "warning",
+def server_args(args: argparse.Namespace, caching: bool) -> list[str]:
+    out = ["--served-model-name", "model", "--method", args.method, "--policy", "fixed", "--log-level", "warning",
            "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
     for flag, value in (("--target", args.target), ("--draft", args.draft), ("-k", args.k),
                         ("--threads", args.threads), ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--chat-template", args.chat_template)):
         if value is not None:
-            cmd += [flag, str(value)]
+            out += [flag, str(value)]
     if not args.compile:  # eager: no background AOT build competing with the measurement
-        cmd.append("--no-compile")
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"a server exited with {proc.returncode} (see its log)")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not ready after {timeout} s")
+        out.append("--no-compile")
+    return out
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -103,14 +78,14 @@ def main(argv: list[str] | None = None) -> None:
     ports = (free_port(), free_port())
     logs = [args.out_dir / f"{args.name}.{which}.log" for which in ("cached", "uncached")]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    procs = [start(args, ports[0], True, logs[0])]
-    if args.compare:
-        procs.append(start(args, ports[1], False, logs[1]))
+    files = [log.open("w") for log in logs[:1 + args.compare]]
+    procs = [start_server(server_args(args, caching), port, log=f, threads=args.threads or 1)
+             for caching, port, f in zip((True, False), ports, files)]
     ok = False
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for url, proc in zip(urls, procs):
-            wait(url, proc)
+            wait_ready(url, proc)
         compare = ["--compare-url", urls[1], "--compare-label", "prefix caching off"] if args.compare else []
         cmd = [sys.executable, "-m", "quickdraft.cli", "bench-serve", "--workload", "chat", "--url", urls[0],
                "--label", "prefix caching on", *compare, "--turns", str(args.turns),
@@ -135,9 +110,9 @@ def main(argv: list[str] | None = None) -> None:
         ok = True
     finally:
         for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+            stop_server(p)
+        for f in files:
+            f.close()
         for log in logs if ok else ():  # the servers' logs matter only when something failed
             log.unlink(missing_ok=True)
 

@@ -32,7 +32,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp  # noqa: E402
 
 from quickdraft import LLM, QuickdraftError, SamplingParams  # noqa: E402
-from quickdraft.bench.hardware import loadavg, provenance, provenance_line, steady_steps  # noqa: E402
+from quickdraft.bench.hardware import cpu_model, git_commit, loadavg, provenance, provenance_line, steady_steps  # noqa: E402
 from quickdraft.engine import Engine  # noqa: E402
 from quickdraft.server import tools as toolcalls  # noqa: E402
 
@@ -344,9 +343,8 @@ def main() -> None:
     clock = ConstraintClock()
     all_tasks = tasks(args.extraction, args.classification, args.tools)
     report = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=Path(__file__).parent).stdout.strip(),
-              "machine": {"cpu": _cpu(), "threads": args.threads, "load_before": os.getloadavg(),
+              "commit": git_commit(Path(__file__).parent),
+              "machine": {"cpu": cpu_model(), "threads": args.threads, "load_before": os.getloadavg(),
                           "torch": torch.__version__, "python": platform.python_version()},
               "k": args.k, "tasks": {w: sum(t.workload == w for t in all_tasks)
                                       for w in ("extraction", "classification", "tools")}, "models": {}}
@@ -415,16 +413,6 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def markdown(report: dict) -> str:

@@ -7,13 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
-import socket
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +17,7 @@ from typer.testing import CliRunner
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.bench.serve_load.client import base_url
+from quickdraft.bench.serve_load.launch import free_port, served
 from quickdraft.bench.serve_load.stats import (Chunk, RequestResult, SSEDecoder, aggregate, apportion, crossover,
                                                meets_slo, parse_prometheus, percentile, poisson_schedule,
                                                request_timings, spec_counters, spec_summary, summarize)
@@ -268,12 +264,6 @@ def _app():
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("args, needle", [
     (["--url", "http://127.0.0.1:{port}"], "not reachable"),
     (["--url", "localhost"], "--url"),
@@ -283,7 +273,7 @@ def _free_port() -> int:
     (["--url", "http://127.0.0.1:{port}", "--slo-tpot-ms", "-3"], "--slo-tpot-ms"),
 ])
 def test_errors_are_one_line_exit_2(args, needle, tmp_path):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     args = [a.format(port=port) for a in args]
     r = CliRunner().invoke(_app(), [*args, "--out-dir", str(tmp_path)])
     assert r.exit_code == 2, r.output
@@ -297,35 +287,8 @@ def test_errors_are_one_line_exit_2(args, needle, tmp_path):
 @contextlib.contextmanager
 def serve(*args, timeout: float = 240):
     """A real `quickdraft serve` process on a free port; yields its base URL."""
-    import httpx
-
-    port = _free_port()
-    log = open(os.devnull, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(port), *args],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited with {proc.returncode} before /health was ready")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not ready after {timeout} s")
-            time.sleep(0.5)
+    with served(list(args), timeout=timeout) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.mark.skipif(not (ROOT / "quickdraft" / "server" / "app.py").exists(),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -17,13 +16,8 @@ import torch
 import torch.distributed as dist
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.bench.serve_load.launch import free_port
 from quickdraft.parallel import group as tp_group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Payload:
@@ -49,7 +43,7 @@ def _pickling_rank(port: int, marker: str) -> None:
 
 def test_a_rank_that_sends_a_pickle_gets_an_error_and_runs_nothing(tmp_path):
     marker = tmp_path / "ran"
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     worker = ctx.Process(target=_pickling_rank, args=(port, str(marker)), daemon=True)
     worker.start()

@@ -6,34 +6,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from quickdraft.bench.serve_load.launch import free_port, start_server, wait_ready
 
 
 def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server at {url} not healthy after {timeout} s")
+    wait_ready(url, proc, timeout, poll=0.2)
 
 
 def metric(server, name: str) -> float:
@@ -79,9 +63,7 @@ class ServerProcess:
             # k as asked every step: the tests compare figures and outputs across requests, which the
             # default (auto: k from this machine's timed steps) would make depend on timing
             args = (*args, "--policy", "fixed")
-        self.proc = subprocess.Popen([sys.executable, "-m", "quickdraft.cli", "serve", "--port", str(self.port),
-                                      "--log-level", "warning", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = start_server(["--log-level", "warning", *args], self.port, log=self.log, env=env)
         try:
             wait_healthy(self.url, proc=self.proc)
         except BaseException:

@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...errors import QuickdraftError
-from .stats import Chunk, SSEDecoder, chunk_token_count, parse_prometheus, request_timings, spec_counters, \
+from .client import read_stream
+from .stats import Chunk, parse_prometheus, request_timings, spec_counters, \
     spec_summary, summarize
 
 CLIENTS = ("httpx", "openai")
@@ -133,27 +134,13 @@ async def _turn_httpx(client, url: str, cfg: ChatConfig, messages: list[dict], r
     import httpx
 
     body, extra = _body(cfg, messages, result.conversation, result.turn)
-    chunks, usage, done = [], None, False
     t0 = time.perf_counter()
     async with client.stream("POST", url + "/v1/chat/completions", json={**body, **extra},
                              headers={"Authorization": f"Bearer {cfg.api_key}"},
                              timeout=httpx.Timeout(cfg.timeout_s, connect=10.0)) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode('utf-8', 'replace')[:300]}")
-        sse = SSEDecoder()
-        async for text in resp.aiter_text():
-            now = time.perf_counter() - t0
-            for data in sse.feed(text):
-                if data.strip() == "[DONE]":
-                    done = True
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    raise RuntimeError(f"server error in stream: {json.dumps(event['error'])[:300]}")
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    chunks.append(Chunk(now, delta.get("content") or "", chunk_token_count(choice)))
+        chunks, usage, done = await read_stream(resp, t0, chat=True)
     return _finish(result, chunks, time.perf_counter() - t0, usage, done)
 
 

@@ -59,13 +59,33 @@ def _payload(cfg: LoadConfig, prompt, i: int) -> dict:
     return body
 
 
+async def read_stream(resp, t0: float, chat: bool = False) -> tuple[list[Chunk], dict | None, bool]:
+    """Read a streamed (SSE) completion: its chunks (arrival time from t0, text, tokens when the
+    chunk names them), the last usage sent, and whether `data: [DONE]` came. `chat`: the text is in
+    each choice's delta (chat completions). An error event raises RuntimeError."""
+    chunks: list[Chunk] = []
+    usage, done = None, False
+    sse = SSEDecoder()
+    async for text in resp.aiter_text():
+        now = time.perf_counter() - t0
+        for data in sse.feed(text):
+            if data.strip() == "[DONE]":
+                done = True
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"server error in stream: {json.dumps(event['error'])[:300]}")
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                chunks.append(Chunk(now, piece or "", chunk_token_count(choice)))
+    return chunks, usage, done
+
+
 async def send_request(client, cfg: LoadConfig, prompt, result: RequestResult) -> RequestResult:
     """One streamed completion; fills `result` (errors are recorded, never raised)."""
     import httpx
 
-    chunks: list[Chunk] = []
-    usage = None
-    done = False
     t0 = time.perf_counter()
     try:
         async with client.stream("POST", cfg.url + "/v1/completions", json=_payload(cfg, prompt, result.index),
@@ -74,20 +94,7 @@ async def send_request(client, cfg: LoadConfig, prompt, result: RequestResult) -
                 body = (await resp.aread()).decode("utf-8", "replace")
                 result.error = f"HTTP {resp.status_code}: {body[:300]}"
                 return result
-            sse = SSEDecoder()
-            async for text in resp.aiter_text():
-                now = time.perf_counter() - t0
-                for data in sse.feed(text):
-                    if data.strip() == "[DONE]":
-                        done = True
-                        continue
-                    event = json.loads(data)
-                    if "error" in event:
-                        raise RuntimeError(f"server error in stream: {json.dumps(event['error'])[:300]}")
-                    if event.get("usage"):
-                        usage = event["usage"]
-                    for choice in event.get("choices") or ():
-                        chunks.append(Chunk(now, choice.get("text") or "", chunk_token_count(choice)))
+            chunks, usage, done = await read_stream(resp, t0)
         end = time.perf_counter() - t0
         if not done:
             raise RuntimeError("stream ended without data: [DONE]")

@@ -1,0 +1,4 @@
+"""`python -m quickdraft ...` runs the `quickdraft` command."""
+from .cli import main
+
+main()
