@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "quickdraft"
 
 # The layers, top first; a module may import its own layer and everything below.
 LAYERS = [
-    {"cli"},
+    {"cli", "__main__"},  # __main__: `python -m quickdraft` runs the cli
     {"server", "bench", "train", "deploy"},
     {"__init__"},  # the package's public re-exports (LLM, Engine, SamplingParams, ...)
     {"llm"},
