@@ -336,6 +336,30 @@ struct MatArgs {
   int64_t n;
 };
 
+// The row groups every path's kernels of 4+ rows take (float32 / int8 / bfloat16 chunks on AVX-512,
+// int8 / bfloat16 on AVX2, int4 on AVX-512 and AVX2): f(MR, first row), MR a std::integral_constant,
+// for groups of at most 6 rows: 6s first, 7 left as 4 + 3 (a group of fewer than 4 rows leaves sums
+// waiting on the latency of their FMAs or dot products).
+template <typename F>
+void row_groups(int64_t rows, F&& f) {
+  using std::integral_constant;
+  int64_t m = 0;
+  for (; rows - m > 7; m += 6) f(integral_constant<int, 6>{}, m);
+  if (rows - m == 7) {
+    f(integral_constant<int, 4>{}, m);
+    m += 4;
+  }
+  switch (rows - m) {
+    case 6: f(integral_constant<int, 6>{}, m); break;
+    case 5: f(integral_constant<int, 5>{}, m); break;
+    case 4: f(integral_constant<int, 4>{}, m); break;
+    case 3: f(integral_constant<int, 3>{}, m); break;
+    case 2: f(integral_constant<int, 2>{}, m); break;
+    case 1: f(integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 #if QD_X86
 // Blocks [b0, b1): one row reads the whole block row (8 sums in registers, block_rows_avx2).
 // More rows take the block in chunks of CHUNK_BYTES (64 block rows of float32, 128 of bfloat16,
@@ -417,24 +441,10 @@ void panel_passes(int64_t rows, int64_t ncols, F&& f) {
     }
     return;
   }
-  auto group = [&](auto mr, auto v, int64_t m) {
-    for (int64_t c0 = 0; c0 < ncols; c0 += 8 * decltype(v)::value) f(mr, v, m, c0);
-  };
-  int64_t m = 0;
-  for (; rows - m > 7; m += 6) group(integral_constant<int, 6>{}, integral_constant<int, 2>{}, m);
-  if (rows - m == 7) {
-    group(integral_constant<int, 4>{}, integral_constant<int, 2>{}, m);
-    m += 4;
-  }
-  switch (rows - m) {
-    case 6: group(integral_constant<int, 6>{}, integral_constant<int, 2>{}, m); break;
-    case 5: group(integral_constant<int, 5>{}, integral_constant<int, 2>{}, m); break;
-    case 4: group(integral_constant<int, 4>{}, integral_constant<int, 2>{}, m); break;
-    case 3: group(integral_constant<int, 3>{}, integral_constant<int, 4>{}, m); break;
-    case 2: group(integral_constant<int, 2>{}, integral_constant<int, 4>{}, m); break;
-    case 1: group(integral_constant<int, 1>{}, integral_constant<int, 8>{}, m); break;
-    default: break;
-  }
+  row_groups(rows, [&](auto mr, int64_t m) {  // 4-6 rows over 16 outputs, 2-3 over 32, 1 over 64
+    constexpr int MR = decltype(mr)::value, V = MR >= 4 ? 2 : MR >= 2 ? 4 : 8;
+    for (int64_t c0 = 0; c0 < ncols; c0 += 8 * V) f(mr, integral_constant<int, V>{}, m, c0);
+  });
 }
 
 template <typename W>
@@ -520,27 +530,6 @@ __attribute__((target("avx512f"))) void chunk_rows_avx512(const float* x, int64_
     for (int r = 0; r < MR; ++r) _mm512_storeu_ps(sums + r * NB + 16 * j, acc[r][j]);
 }
 
-// The row groups of a panel of `rows` rows: f(MR, first row), MR a std::integral_constant.
-template <typename F>
-void panel_groups_avx512(int64_t rows, F&& f) {
-  using std::integral_constant;
-  int64_t m = 0;
-  for (; rows - m > 7; m += 6) f(integral_constant<int, 6>{}, m);
-  if (rows - m == 7) {
-    f(integral_constant<int, 4>{}, m);
-    m += 4;
-  }
-  switch (rows - m) {
-    case 6: f(integral_constant<int, 6>{}, m); break;
-    case 5: f(integral_constant<int, 5>{}, m); break;
-    case 4: f(integral_constant<int, 4>{}, m); break;
-    case 3: f(integral_constant<int, 3>{}, m); break;
-    case 2: f(integral_constant<int, 2>{}, m); break;
-    case 1: f(integral_constant<int, 1>{}, m); break;
-    default: break;
-  }
-}
-
 template <typename W>
 __attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   constexpr bool scaled = scaled_format<W>();
@@ -556,7 +545,7 @@ __attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int6
       const int64_t rows = std::min(PANEL, M - p0);
       const float* xp = a.x + p0 * a.ldx;
       int passes = 0;
-      panel_groups_avx512(rows, [&](auto, int64_t) { ++passes; });
+      row_groups(rows, [&](auto, int64_t) { ++passes; });
       for (int j = 0; j < 4; ++j) {  // the sums start from the bias (zeros past ncols)
         const __m512 b16 = (bias && !scaled) ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j)
                                              : _mm512_setzero_ps();
@@ -565,7 +554,7 @@ __attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int6
       for (int64_t k0 = 0; k0 < K; k0 += CR) {
         const int64_t kc = std::min(CR, K - k0);
         int pass = 0;
-        panel_groups_avx512(rows, [&](auto mr, int64_t m) {
+        row_groups(rows, [&](auto mr, int64_t m) {
           chunk_rows_avx512<W, decltype(mr)::value>(xp + m * a.ldx + k0, a.ldx, wb + k0 * NB, kc, sums + m * NB,
                                                      pass++, passes);
         });
@@ -862,21 +851,10 @@ void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias
     if (M == 1) block_rows_q4<1, N2, VNNI>(x, wb, bias, y, ldy, ncols);
     return;
   }
-  auto rows_from = [&](int64_t m) {
-    return Q4Act{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
-  };
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) block_rows_q4<6, 1, VNNI>(rows_from(m), wb, bias, y + m * ldy, ldy, ncols);
-  const Q4Act xm = rows_from(m);
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 5: block_rows_q4<5, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    case 4: block_rows_q4<4, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    case 3: block_rows_q4<3, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    case 2: block_rows_q4<2, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    case 1: block_rows_q4<1, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    default: break;
-  }
+  row_groups(M, [&](auto mr, int64_t m) {
+    const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
+    block_rows_q4<decltype(mr)::value, 1, VNNI>(xm, wb, bias, y + m * ldy, ldy, ncols);
+  });
 }
 
 template <bool VNNI>
@@ -931,17 +909,29 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
   const __m256i low = _mm256_set1_epi8(15);
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) {
-    __m256i av[MR];
+    if constexpr (MR * 2 * NH + MR + 3 <= 16) {  // the rows' activation quads kept, one half-chunk at a time
+      __m256i av[MR];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) av[r] = _mm256_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) av[r] = _mm256_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
-#pragma GCC unroll 4
-    for (int t = 0; t < NH; ++t) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 128 * c + 32 * (t0 + t)));
+      for (int t = 0; t < NH; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 128 * c + 32 * (t0 + t)));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+          acc[r][2 * t] = dot4x8<VNNI>(acc[r][2 * t], lo, av[r]);
+          acc[r][2 * t + 1] = dot4x8<VNNI>(acc[r][2 * t + 1], hi, av[r]);
+        }
+      }
+    } else {  // (5-6 rows, one half-chunk) the unpacked weights kept, one row's quad at a time: 12 sums in flight
+      static_assert(NH == 1, "one half-chunk");
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 128 * c + 32 * t0));
       const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int r = 0; r < MR; ++r) {
-        acc[r][2 * t] = dot4x8<VNNI>(acc[r][2 * t], lo, av[r]);
-        acc[r][2 * t + 1] = dot4x8<VNNI>(acc[r][2 * t + 1], hi, av[r]);
+        const __m256i av = _mm256_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
+        acc[r][0] = dot4x8<VNNI>(acc[r][0], lo, av);
+        acc[r][1] = dot4x8<VNNI>(acc[r][1], hi, av);
       }
     }
   }
@@ -973,8 +963,10 @@ void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* pi
 }
 
 // Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and half-chunk from L1),
-// the rows in as few passes as the 16 registers allow: 4 rows take one half-chunk at a time (8
-// sums), 3 rows one, 2 rows two, 1 row all four; more rows go as 4s first.
+// the rows in as few passes as the 16 registers allow (row_groups): 5-6 rows take one half-chunk
+// at a time with its unpacked weights kept (10-12 sums), 3-4 rows one with their activation quads
+// kept (6-8 sums), 2 rows two, 1 row all four. (Groups of 4 before: 6-row groups cut the passes
+// and their unpacking by a third and keep 12 dot products in flight.)
 template <bool VNNI>
 __attribute__((target("avx2,fma,f16c"))) void q4_avx2_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
@@ -989,14 +981,10 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2_blocks(const Q4Args& a, in
 #pragma GCC unroll 4
       for (int line = 0; line < int(QGB / 64); ++line)
         _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) group_q4_rows_avx2<4, 1, VNNI>(a, m, g, piece, y, ncols);
-      switch (M - m) {
-        case 3: group_q4_rows_avx2<3, 1, VNNI>(a, m, g, piece, y, ncols); break;
-        case 2: group_q4_rows_avx2<2, 2, VNNI>(a, m, g, piece, y, ncols); break;
-        case 1: group_q4_rows_avx2<1, 4, VNNI>(a, m, g, piece, y, ncols); break;
-        default: break;
-      }
+      row_groups(M, [&](auto mr, int64_t m) {  // 3-6 rows over one half-chunk, 2 over two, 1 over all four
+        constexpr int MR = decltype(mr)::value;
+        group_q4_rows_avx2<MR, MR >= 3 ? 1 : MR == 2 ? 2 : 4, VNNI>(a, m, g, piece, y, ncols);
+      });
     }
   }
 }
