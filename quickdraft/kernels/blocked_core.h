@@ -9,7 +9,9 @@
 // packed (N/64, K, 64), block j holding W[:, 64j : 64j + 64] row after row (zero-padded past N).
 // Each block is read once, contiguously, for all M rows (M <= 16 is the verify case; more rows
 // re-read the block from cache), so k + 1 rows stream the same bytes as one row: a GEMV-like
-// kernel for every small M, where a BLAS sgemm packs the whole weight again at each call.
+// kernel for every small M, where a BLAS sgemm packs the whole weight again at each call. (On
+// AVX2 and AVX-512, 2+ / 4+ rows take a block in 16 KB chunks, every row group's pass over a
+// chunk while it is in L1, the next chunk prefetched during those passes: blocks_avx2.)
 // bfloat16 weights use the same layout and are widened in registers (a 16-bit shift: exact), so
 // their result is the float32 kernel's on the widened weights, bit for bit, at half the bytes.
 //
