@@ -9,7 +9,9 @@
 // packed (N/64, K, 64), block j holding W[:, 64j : 64j + 64] row after row (zero-padded past N).
 // Each block is read once, contiguously, for all M rows (M <= 16 is the verify case; more rows
 // re-read the block from cache), so k + 1 rows stream the same bytes as one row: a GEMV-like
-// kernel for every small M, where a BLAS sgemm packs the whole weight again at each call.
+// kernel for every small M, where a BLAS sgemm packs the whole weight again at each call. (On
+// AVX2 and AVX-512, 2+ / 4+ rows take a block in 16 KB chunks, every row group's pass over a
+// chunk while it is in L1, the next chunk prefetched during those passes: blocks_avx2.)
 // bfloat16 weights use the same layout and are widened in registers (a 16-bit shift: exact), so
 // their result is the float32 kernel's on the widened weights, bit for bit, at half the bytes.
 //
@@ -207,7 +209,8 @@ bool four_streams() {
 }
 
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
-// M, six rows at a time). Only the combinations that fit the registers are instantiated.
+// M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead). Only the
+// combinations that fit the registers are instantiated.
 template <typename W, int NBLK>
 void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, const float* scale, const float* bias,
               float* y, int64_t ldy, int64_t ncols) {
@@ -335,70 +338,247 @@ struct MatArgs {
   int64_t n;
 };
 
+// The row groups every path's kernels of 4+ rows take (float32 / int8 / bfloat16 chunks on AVX-512,
+// int8 / bfloat16 on AVX2, int4 on AVX-512 and AVX2): f(MR, first row), MR a std::integral_constant,
+// for groups of at most 6 rows: 6s first, 7 left as 4 + 3 (a group of fewer than 4 rows leaves sums
+// waiting on the latency of their FMAs or dot products).
+template <typename F>
+void row_groups(int64_t rows, F&& f) {
+  using std::integral_constant;
+  int64_t m = 0;
+  for (; rows - m > 7; m += 6) f(integral_constant<int, 6>{}, m);
+  if (rows - m == 7) {
+    f(integral_constant<int, 4>{}, m);
+    m += 4;
+  }
+  switch (rows - m) {
+    case 6: f(integral_constant<int, 6>{}, m); break;
+    case 5: f(integral_constant<int, 5>{}, m); break;
+    case 4: f(integral_constant<int, 4>{}, m); break;
+    case 3: f(integral_constant<int, 3>{}, m); break;
+    case 2: f(integral_constant<int, 2>{}, m); break;
+    case 1: f(integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 #if QD_X86
-// Blocks [b0, b1): one row reads the whole block row (8 sums). For int8 and bfloat16, more rows go
-// in as few groups as the registers allow, each weight vector widened once per group: 4-6 rows
-// over 16 outputs at a time (the 2 weight vectors kept, 8-12 sums), 2-3 rows over 32 (the rows'
-// broadcasts kept, 8-12 sums); 7 rows as 4 + 3, more as 6s first (fewer than 8 sums wait on the
-// FMA latency): 4-20% less time than groups of 2-3 rows at 4-9 rows (AMD EPYC Zen 4, SmolLM2's
-// shapes). float32 has no widening to share and takes the block in halves of 32 outputs, 2-3 rows
-// at a time (four passes of 16 outputs cost its lm_head 6-25% more at 4-9 rows). Later pieces
-// and groups read the block from L2. (Pieces of 32-128 block rows with the sums kept in y
-// between them, to read each piece from L1, were measured slower: 1.2-1.7x on SmolLM2's lm_head
-// at 2-9 rows, AMD EPYC Zen 4.)
+// Blocks [b0, b1): one row reads the whole block row (8 sums in registers, block_rows_avx2).
+// More rows take the block in chunks of CHUNK_BYTES (64 block rows of float32, 128 of bfloat16,
+// 256 of int8), up to PANEL rows at a time: every pass of the panel (its row groups x column
+// pieces) runs over one chunk while the chunk is in L1, the sums of the panel's rows kept in a
+// 16 x 64 buffer between chunks (stored and loaded exactly: each output is still one chain of
+// FMAs in k order), and the passes spread software prefetches of the next chunk over their
+// iterations, so the weights stream from DRAM (or L3) once, overlapped with the FMAs, for up to 16
+// rows. (Before: each row group and column piece read the whole block in turn; the first pass
+// streamed it from DRAM with a fraction of the FMAs, the others from L2 with no DRAM traffic,
+// and a block of K = 8192 (2 MB) did not even fit L2: 6 rows cost 1.3-2.1x one row.)
+// Row groups: float32 has no widening to share: 2-3 rows over 32 outputs (the rows' broadcasts
+// kept, 8-12 sums). int8 and bfloat16 widen each weight vector once per group: 4-6 rows over
+// 16 outputs (the 2 weight vectors kept, 8-12 sums), 2-3 rows over 32; 7 rows as 4 + 3, more as
+// 6s first (fewer than 8 sums wait on the FMA latency).
+constexpr int64_t CHUNK_BYTES = 16384;
+constexpr int64_t PANEL = 16;  // rows per panel (sums: PANEL x 64 floats, 4 KB)
+
+// MR rows x outputs [c0, c0 + 8V) over block rows [0, kc) of a chunk (src: its first row), the
+// sums in sums[r * 64 + c0 ..] (loaded, updated, stored). Pass `pass` of `passes` over the chunk
+// prefetches the rows k of the next chunk with k % passes == pass into L2 (each line once per chunk;
+// into L1 measured slower: the fill buffers a DRAM line holds all its latency are few).
 template <typename W, int MR, int V>
-__attribute__((target("avx2,fma"))) void group_avx2(const MatArgs<W>& a, int64_t m, const W* wb, const float* s,
-                                                    const float* bias, float* y, int64_t ncols, bool first) {
-  for (int64_t c0 = 0; c0 < ncols; c0 += 8 * V)
-    block_rows_avx2<W, MR, V>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, first && c0 == 0);
+__attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t ldx, const W* src, int64_t kc,
+                                                         int64_t c0, float* sums, int pass, int passes) {
+  __m256 acc[MR][V];
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j)
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_loadu_ps(sums + r * NB + c0 + 8 * j);
+  const char* next = reinterpret_cast<const char*>(src + kc * NB);
+  int64_t ahead = pass;  // the next row to prefetch (a counter: a division per row costs more than its FMAs)
+  for (int64_t k = 0; k < kc; ++k) {
+    const W* wk = src + k * NB + c0;
+    if (k == ahead) {
+#pragma GCC unroll 4
+      for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(next + k * NB * sizeof(W) + line, _MM_HINT_T1);
+      ahead += passes;
+    }
+    if constexpr (MR * V + MR + 1 <= 16) {  // the rows' broadcasts kept, one weight vector at a time
+      __m256 xv[MR];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) {
+        const __m256 w = load8(wk + 8 * j);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
+      }
+    } else {  // the V weight vectors kept (widened once for all MR rows), one broadcast at a time
+      __m256 w[V];
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) w[j] = load8(wk + 8 * j);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+        for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j)
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(sums + r * NB + c0 + 8 * j, acc[r][j]);
+}
+
+// The passes of `rows` rows (rows <= PANEL) over the outputs [0, ncols) of one chunk, in order:
+// f(MR, V, first row, c0) with MR and V as std::integral_constant (the groups described above).
+template <typename W, typename F>
+void panel_passes(int64_t rows, int64_t ncols, F&& f) {
+  using std::integral_constant;
+  if constexpr (std::is_same<W, float>::value) {
+    for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
+      int64_t m = 0;
+      for (; m + 3 <= rows && rows - m != 4; m += 3) f(integral_constant<int, 3>{}, integral_constant<int, 4>{}, m, c0);
+      for (; m + 2 <= rows; m += 2) f(integral_constant<int, 2>{}, integral_constant<int, 4>{}, m, c0);
+      if (m < rows) f(integral_constant<int, 1>{}, integral_constant<int, 4>{}, m, c0);  // (a panel of 1 row)
+    }
+    return;
+  }
+  row_groups(rows, [&](auto mr, int64_t m) {  // 4-6 rows over 16 outputs, 2-3 over 32, 1 over 64
+    constexpr int MR = decltype(mr)::value, V = MR >= 4 ? 2 : MR >= 2 ? 4 : 8;
+    for (int64_t c0 = 0; c0 < ncols; c0 += 8 * V) f(mr, integral_constant<int, V>{}, m, c0);
+  });
 }
 
 template <typename W>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_t b0, int64_t b1) {
-  const int64_t M = a.M;
+  constexpr bool scaled = scaled_format<W>();
+  constexpr int64_t CR = CHUNK_BYTES / (NB * int64_t(sizeof(W)));  // block rows per chunk
+  const int64_t M = a.M, K = a.K;
+  alignas(32) float sums[PANEL * NB];
   for (int64_t b = b0; b < b1; ++b) {
-    const W* wb = a.w + b * a.K * NB;
+    const W* wb = a.w + b * K * NB;
     const float* s = a.scale ? a.scale + b * NB : nullptr;
     const float* bias = a.bias ? a.bias + b * NB : nullptr;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     if (M == 1) {
-      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, a.n, ncols, true);
+      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, K, 0, s, bias, y, a.n, ncols, true);
       continue;
     }
-    if constexpr (std::is_same<W, float>::value) {  // no widening to share: 2-3 rows over 32 outputs
-      for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
-        int64_t m = 0;
-        for (; m + 3 <= M && M - m != 4; m += 3)
-          block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
-        for (; m + 2 <= M; m += 2)
-          block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
+    for (int64_t p0 = 0; p0 < M; p0 += PANEL) {
+      const int64_t rows = std::min(PANEL, M - p0);
+      const float* xp = a.x + p0 * a.ldx;
+      int passes = 0;
+      panel_passes<W>(rows, ncols, [&](auto, auto, int64_t, int64_t) { ++passes; });
+      for (int64_t c = 0; c < NB; c += 8) {  // the sums start from the bias (zeros past ncols)
+        const __m256 b8 = (bias && !scaled) ? load_left(bias + c, ncols - c) : _mm256_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(sums + r * NB + c, b8);
       }
-      continue;
-    }
-    int64_t m = 0;
-    for (; M - m > 7; m += 6) group_avx2<W, 6, 2>(a, m, wb, s, bias, y, ncols, m == 0);
-    if (M - m == 7) {
-      group_avx2<W, 4, 2>(a, m, wb, s, bias, y, ncols, m == 0);
-      m += 4;
-    }
-    switch (M - m) {
-      case 6: group_avx2<W, 6, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      case 5: group_avx2<W, 5, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      case 4: group_avx2<W, 4, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      case 3: group_avx2<W, 3, 4>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      case 2: group_avx2<W, 2, 4>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      default: break;
+      for (int64_t k0 = 0; k0 < K; k0 += CR) {
+        const int64_t kc = std::min(CR, K - k0);
+        int pass = 0;
+        panel_passes<W>(rows, ncols, [&](auto mr, auto v, int64_t m, int64_t c0) {
+          chunk_rows_avx2<W, decltype(mr)::value, decltype(v)::value>(xp + m * a.ldx + k0, a.ldx, wb + k0 * NB, kc, c0,
+                                                                      sums + m * NB, pass++, passes);
+        });
+      }
+      for (int64_t r = 0; r < rows; ++r)  // int8: y = sum * scale + bias, one FMA
+        for (int64_t c = 0; c < ncols; c += 8) {
+          __m256 out = _mm256_loadu_ps(sums + r * NB + c);
+          if (scaled)
+            out = _mm256_fmadd_ps(out, load_left(s + c, ncols - c), bias ? load_left(bias + c, ncols - c) : _mm256_setzero_ps());
+          store_left(y + (p0 + r) * a.n + c, out, ncols - c);
+        }
     }
   }
 }
 
 // AVX-512: several blocks at a time: more read streams, more sums in flight (measured on
 // SmolLM2's and the bundled target's shapes: one row 4-8% faster with four streams than with two
-// on Intel, slower on AMD: four_streams; two streams for 2-3 rows; 4+ rows gain nothing from a second).
+// on Intel, slower on AMD: four_streams; two streams for 2-3 rows); 4+ rows: chunked_avx512.
+// 4+ rows: the chunks of blocks_avx2 (one block, its 64 outputs in one pass per row group of up
+// to 6: 24 sums, the 4 weight vectors kept; 7 rows as 4 + 3, more as 6s first), the sums of up to
+// PANEL rows kept between chunks; the next chunk prefetched over the passes.
+template <typename W, int MR>
+__attribute__((target("avx512f"))) void chunk_rows_avx512(const float* x, int64_t ldx, const W* src, int64_t kc,
+                                                          float* sums, int pass, int passes) {
+  __m512 acc[MR][4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_loadu_ps(sums + r * NB + 16 * j);
+  const char* next = reinterpret_cast<const char*>(src + kc * NB);
+  int64_t ahead = pass;  // (a counter, as chunk_rows_avx2)
+  for (int64_t k = 0; k < kc; ++k) {
+    const W* wk = src + k * NB;
+    if (k == ahead) {
+#pragma GCC unroll 4
+      for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(next + k * NB * sizeof(W) + line, _MM_HINT_T1);
+      ahead += passes;
+    }
+    __m512 w[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) w[j] = load16(wk + 16 * j);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(sums + r * NB + 16 * j, acc[r][j]);
+}
+
+template <typename W>
+__attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
+  constexpr bool scaled = scaled_format<W>();
+  constexpr int64_t CR = CHUNK_BYTES / (NB * int64_t(sizeof(W)));
+  const int64_t M = a.M, K = a.K;
+  alignas(64) float sums[PANEL * NB];
+  for (int64_t b = b0; b < b1; ++b) {
+    const W* wb = a.w + b * K * NB;
+    const float* s = a.scale ? a.scale + b * NB : nullptr;
+    const float* bias = a.bias ? a.bias + b * NB : nullptr;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    for (int64_t p0 = 0; p0 < M; p0 += PANEL) {
+      const int64_t rows = std::min(PANEL, M - p0);
+      const float* xp = a.x + p0 * a.ldx;
+      int passes = 0;
+      row_groups(rows, [&](auto, int64_t) { ++passes; });
+      for (int j = 0; j < 4; ++j) {  // the sums start from the bias (zeros past ncols)
+        const __m512 b16 = (bias && !scaled) ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j)
+                                             : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(sums + r * NB + 16 * j, b16);
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += CR) {
+        const int64_t kc = std::min(CR, K - k0);
+        int pass = 0;
+        row_groups(rows, [&](auto mr, int64_t m) {
+          chunk_rows_avx512<W, decltype(mr)::value>(xp + m * a.ldx + k0, a.ldx, wb + k0 * NB, kc, sums + m * NB,
+                                                     pass++, passes);
+        });
+      }
+      for (int j = 0; j < 4; ++j) {  // int8: y = sum * scale + bias, one FMA
+        const __mmask16 mask = tail_mask(ncols - 16 * j);
+        if (!mask) break;
+        const __m512 sc = scaled ? _mm512_maskz_loadu_ps(mask, s + 16 * j) : _mm512_setzero_ps();
+        const __m512 bs = (scaled && bias) ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 v = _mm512_loadu_ps(sums + r * NB + 16 * j);
+          _mm512_mask_storeu_ps(a.y + (p0 + r) * a.n + b * NB + 16 * j, mask, scaled ? _mm512_fmadd_ps(v, sc, bs) : v);
+        }
+      }
+    }
+  }
+}
+
 template <typename W>
 void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, K = a.K, n = a.n;
+  if (M >= 4) return chunked_avx512(a, b0, b1);
   auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
   int64_t b = b0;
   if (M == 1 && four_streams())
@@ -673,21 +853,10 @@ void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias
     if (M == 1) block_rows_q4<1, N2, VNNI>(x, wb, bias, y, ldy, ncols);
     return;
   }
-  auto rows_from = [&](int64_t m) {
-    return Q4Act{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
-  };
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) block_rows_q4<6, 1, VNNI>(rows_from(m), wb, bias, y + m * ldy, ldy, ncols);
-  const Q4Act xm = rows_from(m);
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 5: block_rows_q4<5, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    case 4: block_rows_q4<4, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    case 3: block_rows_q4<3, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    case 2: block_rows_q4<2, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    case 1: block_rows_q4<1, 1, VNNI>(xm, wb, bias, ym, ldy, ncols); break;
-    default: break;
-  }
+  row_groups(M, [&](auto mr, int64_t m) {
+    const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
+    block_rows_q4<decltype(mr)::value, 1, VNNI>(xm, wb, bias, y + m * ldy, ldy, ncols);
+  });
 }
 
 template <bool VNNI>
@@ -742,17 +911,29 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
   const __m256i low = _mm256_set1_epi8(15);
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) {
-    __m256i av[MR];
+    if constexpr (MR * 2 * NH + MR + 3 <= 16) {  // the rows' activation quads kept, one half-chunk at a time
+      __m256i av[MR];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) av[r] = _mm256_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) av[r] = _mm256_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
-#pragma GCC unroll 4
-    for (int t = 0; t < NH; ++t) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 128 * c + 32 * (t0 + t)));
+      for (int t = 0; t < NH; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 128 * c + 32 * (t0 + t)));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+          acc[r][2 * t] = dot4x8<VNNI>(acc[r][2 * t], lo, av[r]);
+          acc[r][2 * t + 1] = dot4x8<VNNI>(acc[r][2 * t + 1], hi, av[r]);
+        }
+      }
+    } else {  // (5-6 rows, one half-chunk) the unpacked weights kept, one row's quad at a time: 12 sums in flight
+      static_assert(NH == 1, "one half-chunk");
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 128 * c + 32 * t0));
       const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int r = 0; r < MR; ++r) {
-        acc[r][2 * t] = dot4x8<VNNI>(acc[r][2 * t], lo, av[r]);
-        acc[r][2 * t + 1] = dot4x8<VNNI>(acc[r][2 * t + 1], hi, av[r]);
+        const __m256i av = _mm256_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
+        acc[r][0] = dot4x8<VNNI>(acc[r][0], lo, av);
+        acc[r][1] = dot4x8<VNNI>(acc[r][1], hi, av);
       }
     }
   }
@@ -784,8 +965,10 @@ void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* pi
 }
 
 // Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and half-chunk from L1),
-// the rows in as few passes as the 16 registers allow: 4 rows take one half-chunk at a time (8
-// sums), 3 rows one, 2 rows two, 1 row all four; more rows go as 4s first.
+// the rows in as few passes as the 16 registers allow (row_groups): 5-6 rows take one half-chunk
+// at a time with its unpacked weights kept (10-12 sums), 3-4 rows one with their activation quads
+// kept (6-8 sums), 2 rows two, 1 row all four. (Groups of 4 before: 6-row groups cut the passes
+// and their unpacking by a third and keep 12 dot products in flight.)
 template <bool VNNI>
 __attribute__((target("avx2,fma,f16c"))) void q4_avx2_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
@@ -800,14 +983,10 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2_blocks(const Q4Args& a, in
 #pragma GCC unroll 4
       for (int line = 0; line < int(QGB / 64); ++line)
         _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) group_q4_rows_avx2<4, 1, VNNI>(a, m, g, piece, y, ncols);
-      switch (M - m) {
-        case 3: group_q4_rows_avx2<3, 1, VNNI>(a, m, g, piece, y, ncols); break;
-        case 2: group_q4_rows_avx2<2, 2, VNNI>(a, m, g, piece, y, ncols); break;
-        case 1: group_q4_rows_avx2<1, 4, VNNI>(a, m, g, piece, y, ncols); break;
-        default: break;
-      }
+      row_groups(M, [&](auto mr, int64_t m) {  // 3-6 rows over one half-chunk, 2 over two, 1 over all four
+        constexpr int MR = decltype(mr)::value;
+        group_q4_rows_avx2<MR, MR >= 3 ? 1 : MR == 2 ? 2 : 4, VNNI>(a, m, g, piece, y, ncols);
+      });
     }
   }
 }
