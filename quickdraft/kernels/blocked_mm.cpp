@@ -61,10 +61,40 @@ at::Tensor blocked_mm(const at::Tensor& x, const at::Tensor& packed, const c10::
   return run<float>(x, packed, c10::nullopt, bias, n, "blocked_mm");
 }
 
+// int8 weights on int8 activations (blocked_core.h's int8 section): the activations quantised
+// once (q4_quantize's formula, per row and group of 32, the row zero-padded to whole groups),
+// shared by every block.
 at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(packed.scalar_type() == at::kChar, "blocked_mm_int8: packed must be int8");
-  return run<int8_t>(x, packed, scale, bias, n, "blocked_mm_int8");
+  const char* name = "blocked_mm_int8";
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == 4 * NB &&
+                  packed.size(1) % 8 == 0, name, ": packed must be an int8 (N/64, 8 ceil(K/32), 256) tensor");
+  TORCH_CHECK(x.dim() == 2, name, ": x must be a 2-D float32 tensor");
+  const int64_t G = packed.size(1) / 8, K = x.size(1);
+  // (K's groups must be the packed ones: named as the weight's K where they are not)
+  const int64_t k_packed = (K + QG - 1) / QG == G ? K : G * QG;
+  const Checked c = check(x, packed, k_packed, scale, bias, n, name);
+  TORCH_CHECK(scale.defined(), name, ": scale is required");
+  const int64_t M = c.M, nblk = c.nblk;
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  at::Tensor xq = at::empty({M, G * QG}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({2, M, G}, x.options());
+  at::Tensor asum = at::empty({M, G}, x.options().dtype(at::kInt));
+  float* d = dx.data_ptr<float>();
+  int32_t* as = asum.data_ptr<int32_t>();
+  const float* xp = c.x.data_ptr<float>();
+  const int64_t ldx = c.x.stride(0);
+  int8_t* qp = xq.data_ptr<int8_t>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {  // (rows are independent: any split)
+    std::vector<float> pad(K == G * QG ? 0 : G * QG);
+    q8_quantize(xp + r0 * ldx, ldx, r1 - r0, K, G, qp + r0 * G * QG, d + r0 * G, as + r0 * G, d + M * G + r0 * G,
+                pad.data());
+  });
+  const Q8Args a{{qp, G * QG, d, as, G}, M, packed.data_ptr<int8_t>(), scale.data_ptr<float>(), data_or_null(bias),
+                 y.data_ptr<float>(), n};
+  matmul_q8(active_paths(), a, nblk, torch_threads);
+  return y;
 }
 
 // bfloat16 weights widened to float32 in registers: the float32 kernel's sums on the widened
