@@ -3,8 +3,8 @@
 `blocked_mm.cpp`: the matmul of small row counts that a verify step needs (k + 1 rows), over
 float32, bfloat16, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_bf16` (widened to
 float32 in registers, on every CPU), `blocked_mm_int8`, `blocked_mm_int4`),
-streaming each weight once for all rows, with float32 activations (int4: quantised to int8 per
-group of 32 inside the kernel, for integer dot products); PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
+streaming each weight once for all rows, with float32 activations (int8 and int4: quantised to
+int8 per group of 32 inside the kernel, for integer dot products); PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
 the layout and the numerics. And `attend`: attention over the cache for any number of query
 rows (decode, verify, tree and prefill steps), each kv head's keys read once for up to 4 query

@@ -95,6 +95,7 @@ CASES: dict[str, Case] = {
     "attention.py": Case(["--threads", "1", "--models", "bundled", "--keys", "16", "--rows", "1", "2", "--repeats", "1",
                           "--calls", "1", "--out", "{out}/attention.json"], ["attention.json"]),
     "blocked_rows.py": Case(["--tiny", "--out", "{out}/blocked_rows.txt"], ["blocked_rows.txt"]),
+    "perplexity.py": Case(["--tiny", "--out", "{out}/ppl.txt"], ["ppl.txt"]),
     "blocked_vs_dense_rows.py": Case(["1", "--tiny", "--out", "{out}/bvd.txt"], ["bvd.txt"]),
     "compiled.py": Case(["--configs", "plain-eager", "draft-eager", "int8-draft-eager", "--prompts", "1",
                          "--new-tokens", "4", "--repeats", "1", "-k", "2", "--out-dir", "{out}"],
