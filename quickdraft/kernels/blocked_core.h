@@ -16,9 +16,10 @@
 // Every output element is the bias plus x[m, k] * W[k, n] accumulated with FMAs in k order
 // 0..K-1, whatever M, however the rows are grouped and on any thread count (the portable path
 // too: std::fma rounds as the instruction does), so a row's result does not depend on the other
-// rows: a verify step's matmuls give a token the bits a decode step gives it. (int4 has its own
-// layout and numerics: its activations are quantised to int8 per group of 32 and its sums are
-// exact integer dot products, then one fixed float epilogue per group; see its section.)
+// rows: a verify step's matmuls give a token the bits a decode step gives it. (int8 and int4 have
+// their own layouts and numerics: their activations are quantised to int8 per group of 32 and
+// their sums are exact integer dot products, then one fixed float epilogue per group; see their
+// sections.)
 //
 // Four paths, one result: AVX-512 (16-float vectors), AVX2 + FMA (8-float vectors), NEON (4-float
 // vectors, vfmaq_f32) and portable C++ (scalar std::fma). Each output is the same chain of FMAs in
@@ -91,16 +92,12 @@ struct Bf16 {
   uint16_t bits;
 };
 inline float to_float(float w) { return w; }
-inline float to_float(int8_t w) { return float(w); }
 inline float to_float(Bf16 w) {
   const uint32_t u = uint32_t(w.bits) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-// int8 weights are scaled at the end (per output); float32 and bfloat16 ones are the weights.
-template <typename W>
-constexpr bool scaled_format() { return std::is_same<W, int8_t>::value; }
 #ifndef PF
 #define PF 4096  // bytes ahead of the read
 #endif
@@ -111,11 +108,8 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
-// Sixteen weights of a block row as floats: float32 as stored; int8 widened exactly.
+// Sixteen weights of a block row as floats: float32 as stored; bfloat16 widened exactly.
 __attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 __attribute__((target("avx512f"))) inline __m512 load16(const Bf16* p) {
   const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
@@ -124,19 +118,16 @@ __attribute__((target("avx512f"))) inline __m512 load16(const Bf16* p) {
 // MR rows over NBLK adjacent blocks at once (NBLK read streams, MR * 4 * NBLK running sums in
 // registers: at most 24 of AVX-512's 32). Prefetching PF bytes ahead keeps enough cache-line
 // reads in flight for one core to stream at its bandwidth.
-// float32 weights: y = bias + sum_k x w (the sums start from the bias).
-// int8 weights: y = (sum_k x q) * scale + bias (one FMA at the end), scale per output.
+// y = bias + sum_k x w (the sums start from the bias).
 template <typename W, int MR, int NBLK>
 __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, const W* wb, int64_t K,
-                                                   const float* scale, const float* bias, float* y, int64_t ldy,
-                                                   int64_t ncols) {
+                                                   const float* bias, float* y, int64_t ldy, int64_t ncols) {
   constexpr int V = 4 * NBLK;  // vectors per row
-  constexpr bool scaled = scaled_format<W>();
   __m512 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
     // (adjacent blocks' biases are adjacent; masked: the last block may be partial)
-    __m512 b = (bias && !scaled) ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j) : _mm512_setzero_ps();
+    __m512 b = bias ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
@@ -162,16 +153,8 @@ __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, 
   for (int j = 0; j < V; ++j) {
     if (ncols - 16 * j <= 0) break;
     const __mmask16 mask = tail_mask(ncols - 16 * j);
-    __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    if (scaled) {
-      s = _mm512_maskz_loadu_ps(mask, scale + 16 * j);
-      if (bias) b = _mm512_maskz_loadu_ps(mask, bias + 16 * j);
-    }
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      __m512 out = scaled ? _mm512_fmadd_ps(acc[r][j], s, b) : acc[r][j];
-      _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, out);
-    }
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, acc[r][j]);
   }
 }
 
@@ -179,19 +162,17 @@ __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, 
 
 // Portable path (no AVX-512): the same products in the same order, one row at a time.
 template <typename W>
-void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, int64_t K, const float* scale,
-                        const float* bias, float* y, int64_t ldy, int64_t ncols) {
-  constexpr bool scaled = scaled_format<W>();
+void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, int64_t K, const float* bias, float* y,
+                        int64_t ldy, int64_t ncols) {
   for (int64_t r = 0; r < rows; ++r) {
     float acc[NB];
-    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && !scaled && n < ncols) ? bias[n] : 0.f;
+    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && n < ncols) ? bias[n] : 0.f;
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[r * ldx + k];
       const W* w = wb + k * NB;
       for (int64_t n = 0; n < NB; ++n) acc[n] = std::fma(xv, to_float(w[n]), acc[n]);
     }
-    for (int64_t n = 0; n < ncols; ++n)
-      y[r * ldy + n] = scaled ? std::fma(acc[n], scale[n], bias ? bias[n] : 0.f) : acc[n];
+    for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] = acc[n];
   }
 }
 
@@ -209,24 +190,24 @@ bool four_streams() {
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
 // M, six rows at a time). Only the combinations that fit the registers are instantiated.
 template <typename W, int NBLK>
-void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, const float* scale, const float* bias,
-              float* y, int64_t ldy, int64_t ncols) {
+void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, const float* bias, float* y, int64_t ldy,
+              int64_t ncols) {
   int64_t m = 0;
   if (NBLK == 1)
-    for (; m + 6 <= M; m += 6) block_rows<W, 6, 1>(x + m * ldx, ldx, wb, K, scale, bias, y + m * ldy, ldy, ncols);
+    for (; m + 6 <= M; m += 6) block_rows<W, 6, 1>(x + m * ldx, ldx, wb, K, bias, y + m * ldy, ldy, ncols);
   const float* xm = x + m * ldx;
   float* ym = y + m * ldy;
   if (NBLK == 4) {
-    block_rows<W, 1, NBLK>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols);
+    block_rows<W, 1, NBLK>(xm, ldx, wb, K, bias, ym, ldy, ncols);
     return;
   }
   constexpr int N2 = NBLK == 4 ? 1 : NBLK;  // (never 4 below: keeps the unused instances small)
   switch (M - m) {
-    case 5: block_rows<W, 5, 1>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
-    case 4: block_rows<W, 4, 1>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
-    case 3: block_rows<W, 3, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
-    case 2: block_rows<W, 2, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
-    case 1: block_rows<W, 1, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
+    case 5: block_rows<W, 5, 1>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
+    case 4: block_rows<W, 4, 1>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
+    case 3: block_rows<W, 3, N2>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
+    case 2: block_rows<W, 2, N2>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
+    case 1: block_rows<W, 1, N2>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
     default: break;
   }
 }
@@ -239,11 +220,8 @@ __attribute__((target("avx2,fma"))) inline __m256i lanes_below(int64_t left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(l), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// Eight weights of a block row as floats (int8 widened exactly).
+// Eight weights of a block row as floats (bfloat16 widened exactly).
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 __attribute__((target("avx2,fma"))) inline __m256 load8(const Bf16* p) {
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
@@ -266,14 +244,13 @@ __attribute__((target("avx2,fma"))) inline void store_left(float* p, __m256 v, i
 // the 16 registers for (MR, V) = (1, 8), (3, 4), (2, 4).
 template <typename W, int MR, int V>
 __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t ldx, const W* wb, int64_t K,
-                                                         int64_t c0, const float* scale, const float* bias, float* y,
-                                                         int64_t ldy, int64_t ncols, bool prefetch) {
-  constexpr bool scaled = scaled_format<W>();
+                                                         int64_t c0, const float* bias, float* y, int64_t ldy,
+                                                         int64_t ncols, bool prefetch) {
   __m256 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 8 * j;
-    const __m256 b = (bias && !scaled) ? load_left(bias + o, ncols - o) : _mm256_setzero_ps();
+    const __m256 b = bias ? load_left(bias + o, ncols - o) : _mm256_setzero_ps();
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
@@ -310,14 +287,8 @@ __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 8 * j, left = ncols - o;
     if (left <= 0) break;
-    if (scaled) {
-      const __m256 s = load_left(scale + o, left), b = bias ? load_left(bias + o, left) : _mm256_setzero_ps();
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, _mm256_fmadd_ps(acc[r][j], s, b), left);
-    } else {
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, acc[r][j], left);
-    }
+    for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, acc[r][j], left);
   }
 }
 
@@ -330,14 +301,14 @@ struct MatArgs {
   int64_t ldx, M;
   const W* w;  // packed (nblk, K, 64)
   int64_t K;
-  const float *scale, *bias;  // (n,) or null
+  const float* bias;  // (n,) or null
   float* y;                   // (M, n)
   int64_t n;
 };
 
 #if QD_X86
-// Blocks [b0, b1): one row reads the whole block row (8 sums). For int8 and bfloat16, more rows go
-// in as few groups as the registers allow, each weight vector widened once per group: 4-6 rows
+// Blocks [b0, b1): one row reads the whole block row (8 sums). For bfloat16, more rows go in as
+// few groups as the registers allow, each weight vector widened once per group: 4-6 rows
 // over 16 outputs at a time (the 2 weight vectors kept, 8-12 sums), 2-3 rows over 32 (the rows'
 // broadcasts kept, 8-12 sums); 7 rows as 4 + 3, more as 6s first (fewer than 8 sums wait on the
 // FMA latency): 4-20% less time than groups of 2-3 rows at 4-9 rows (AMD EPYC Zen 4, SmolLM2's
@@ -347,10 +318,10 @@ struct MatArgs {
 // between them, to read each piece from L1, were measured slower: 1.2-1.7x on SmolLM2's lm_head
 // at 2-9 rows, AMD EPYC Zen 4.)
 template <typename W, int MR, int V>
-__attribute__((target("avx2,fma"))) void group_avx2(const MatArgs<W>& a, int64_t m, const W* wb, const float* s,
-                                                    const float* bias, float* y, int64_t ncols, bool first) {
+__attribute__((target("avx2,fma"))) void group_avx2(const MatArgs<W>& a, int64_t m, const W* wb, const float* bias,
+                                                    float* y, int64_t ncols, bool first) {
   for (int64_t c0 = 0; c0 < ncols; c0 += 8 * V)
-    block_rows_avx2<W, MR, V>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, first && c0 == 0);
+    block_rows_avx2<W, MR, V>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * a.n, a.n, ncols, first && c0 == 0);
 }
 
 template <typename W>
@@ -358,36 +329,35 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_
   const int64_t M = a.M;
   for (int64_t b = b0; b < b1; ++b) {
     const W* wb = a.w + b * a.K * NB;
-    const float* s = a.scale ? a.scale + b * NB : nullptr;
     const float* bias = a.bias ? a.bias + b * NB : nullptr;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     if (M == 1) {
-      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, s, bias, y, a.n, ncols, true);
+      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, a.K, 0, bias, y, a.n, ncols, true);
       continue;
     }
     if constexpr (std::is_same<W, float>::value) {  // no widening to share: 2-3 rows over 32 outputs
       for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
         int64_t m = 0;
         for (; m + 3 <= M && M - m != 4; m += 3)
-          block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
+          block_rows_avx2<W, 3, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
         for (; m + 2 <= M; m += 2)
-          block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
+          block_rows_avx2<W, 2, 4>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * a.n, a.n, ncols, c0 == 0 && m == 0);
       }
       continue;
     }
     int64_t m = 0;
-    for (; M - m > 7; m += 6) group_avx2<W, 6, 2>(a, m, wb, s, bias, y, ncols, m == 0);
+    for (; M - m > 7; m += 6) group_avx2<W, 6, 2>(a, m, wb, bias, y, ncols, m == 0);
     if (M - m == 7) {
-      group_avx2<W, 4, 2>(a, m, wb, s, bias, y, ncols, m == 0);
+      group_avx2<W, 4, 2>(a, m, wb, bias, y, ncols, m == 0);
       m += 4;
     }
     switch (M - m) {
-      case 6: group_avx2<W, 6, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      case 5: group_avx2<W, 5, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      case 4: group_avx2<W, 4, 2>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      case 3: group_avx2<W, 3, 4>(a, m, wb, s, bias, y, ncols, m == 0); break;
-      case 2: group_avx2<W, 2, 4>(a, m, wb, s, bias, y, ncols, m == 0); break;
+      case 6: group_avx2<W, 6, 2>(a, m, wb, bias, y, ncols, m == 0); break;
+      case 5: group_avx2<W, 5, 2>(a, m, wb, bias, y, ncols, m == 0); break;
+      case 4: group_avx2<W, 4, 2>(a, m, wb, bias, y, ncols, m == 0); break;
+      case 3: group_avx2<W, 3, 4>(a, m, wb, bias, y, ncols, m == 0); break;
+      case 2: group_avx2<W, 2, 4>(a, m, wb, bias, y, ncols, m == 0); break;
       default: break;
     }
   }
@@ -403,14 +373,14 @@ void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   int64_t b = b0;
   if (M == 1 && four_streams())
     for (; b + 3 < b1; b += 4)
-      run_rows<W, 4>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+      run_rows<W, 4>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                      std::min(4 * NB, n - b * NB));
   if (M <= 3)
     for (; b + 1 < b1; b += 2)
-      run_rows<W, 2>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+      run_rows<W, 2>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                      std::min(2 * NB, n - b * NB));
   for (; b < b1; ++b)
-    run_rows<W, 1>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+    run_rows<W, 1>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                    std::min(NB, n - b * NB));
 }
 
@@ -419,8 +389,8 @@ void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
 template <typename W>
 void blocks_portable(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b)
-    block_rows_generic<W>(a.x, a.ldx, a.M, a.w + b * a.K * NB, a.K, a.scale ? a.scale + b * NB : nullptr,
-                          a.bias ? a.bias + b * NB : nullptr, a.y + b * NB, a.n, std::min(NB, a.n - b * NB));
+    block_rows_generic<W>(a.x, a.ldx, a.M, a.w + b * a.K * NB, a.K, a.bias ? a.bias + b * NB : nullptr, a.y + b * NB,
+                          a.n, std::min(NB, a.n - b * NB));
 }
 
 // ---- int4: 4-bit weights in groups of 32 inputs, a scale and an offset per group and output,
@@ -926,7 +896,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i q8_dot16(_
     return _mm512_dpbusd_epi32(acc, w, a);
   } else {
     const __m512i sa = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(w), _mm512_setzero_si512(), a);
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sa), _mm512_set1_epi16(1)));
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sa), _mm512_set1_epi16(1)));
+    asm("" : "+v"(acc));  // (a chain, as vpdpbusd's: else GCC reassociates the adds and spills every product)
+    return acc;
   }
 }
 
@@ -1074,9 +1046,10 @@ void q8_avx512(const Q8Args& a, int64_t b0, int64_t b1) {
 template <bool VNNI>
 __attribute__((target("avx2,fma,avxvnni"))) inline __m256i q8_dot8(__m256i acc, __m256i w, __m256i a) {
   if constexpr (VNNI) return _mm256_dpbusd_avx_epi32(acc, w, a);
-  else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)),
-                                                   _mm256_set1_epi16(1)));
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)),
+                                                _mm256_set1_epi16(1)));
+  asm("" : "+x"(acc));  // (a chain, as vpdpbusd's: else GCC reassociates the adds and spills every product)
+  return acc;
 }
 
 // AVX2, one group of one block: MR rows x V vectors of 8 outputs from vector v0; the group's
@@ -1704,15 +1677,10 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
 // in the same k (key) order; reductions through the shared scalar trees (key_score16, sum_lanes16).
 #if QD_ARM
 
-// Eight weights of a block row as two 4-float vectors (int8 and bfloat16 widened exactly).
+// Eight weights of a block row as two 4-float vectors (bfloat16 widened exactly).
 inline void load8_neon(const float* p, float32x4_t& a, float32x4_t& b) {
   a = vld1q_f32(p);
   b = vld1q_f32(p + 4);
-}
-inline void load8_neon(const int8_t* p, float32x4_t& a, float32x4_t& b) {
-  const int16x8_t h = vmovl_s8(vld1_s8(p));
-  a = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
-  b = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
 }
 inline void load8_neon(const Bf16* p, float32x4_t& a, float32x4_t& b) {
   const uint16x8_t u = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
@@ -1739,13 +1707,12 @@ inline void store4_left(float* p, float32x4_t v, int64_t left) {
 
 // MR rows x outputs [c0, c0 + 4V) of one block (V even), as block_rows_avx2: MR * V sums in registers.
 template <typename W, int MR, int V>
-void block_rows_neon(const float* x, int64_t ldx, const W* wb, int64_t K, int64_t c0, const float* scale,
-                     const float* bias, float* y, int64_t ldy, int64_t ncols, bool prefetch) {
-  constexpr bool scaled = scaled_format<W>();
+void block_rows_neon(const float* x, int64_t ldx, const W* wb, int64_t K, int64_t c0, const float* bias, float* y,
+                     int64_t ldy, int64_t ncols, bool prefetch) {
   float32x4_t acc[MR][V];
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 4 * j;
-    const float32x4_t b = (bias && !scaled) ? load4_left(bias + o, ncols - o) : vdupq_n_f32(0.f);
+    const float32x4_t b = bias ? load4_left(bias + o, ncols - o) : vdupq_n_f32(0.f);
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
   for (int64_t k = 0; k < K; ++k) {
@@ -1770,12 +1737,7 @@ void block_rows_neon(const float* x, int64_t ldx, const W* wb, int64_t K, int64_
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 4 * j, left = ncols - o;
     if (left <= 0) break;
-    if (scaled) {
-      const float32x4_t s = load4_left(scale + o, left), b = bias ? load4_left(bias + o, left) : vdupq_n_f32(0.f);
-      for (int r = 0; r < MR; ++r) store4_left(y + r * ldy + o, vfmaq_f32(b, acc[r][j], s), left);
-    } else {
-      for (int r = 0; r < MR; ++r) store4_left(y + r * ldy + o, acc[r][j], left);
-    }
+    for (int r = 0; r < MR; ++r) store4_left(y + r * ldy + o, acc[r][j], left);
   }
 }
 
@@ -1786,22 +1748,21 @@ void blocks_neon(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
     const W* wb = a.w + b * a.K * NB;
-    const float* s = a.scale ? a.scale + b * NB : nullptr;
     const float* bias = a.bias ? a.bias + b * NB : nullptr;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     if (M == 1) {
-      block_rows_neon<W, 1, 16>(a.x, a.ldx, wb, a.K, 0, s, bias, y, ld, ncols, true);
+      block_rows_neon<W, 1, 16>(a.x, a.ldx, wb, a.K, 0, bias, y, ld, ncols, true);
       continue;
     }
     for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
       int64_t m = 0;
       for (; m + 3 <= M; m += 3)
-        block_rows_neon<W, 3, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+        block_rows_neon<W, 3, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
       for (; m + 2 <= M; m += 2)
-        block_rows_neon<W, 2, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+        block_rows_neon<W, 2, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
       if (m < M)
-        block_rows_neon<W, 1, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+        block_rows_neon<W, 1, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
     }
   }
 }

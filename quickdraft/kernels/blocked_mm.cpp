@@ -40,16 +40,15 @@ inline const float* data_or_null(const c10::optional<at::Tensor>& v) {
 }
 
 template <typename W>
-at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
-               const c10::optional<at::Tensor>& bias, int64_t n, const char* name) {
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
+               const char* name) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB, name, ": packed must be a (N/64, K, 64) tensor");
-  const Checked c = check(x, packed, packed.size(1), scale, bias, n, name);
+  const Checked c = check(x, packed, packed.size(1), c10::nullopt, bias, n, name);
   const int64_t M = c.M, K = c.K, nblk = c.nblk;
-  const float* sptr = data_or_null(scale);
   const float* bptr = data_or_null(bias);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  const MatArgs<W> a{c.x.data_ptr<float>(), c.x.stride(0), M, static_cast<const W*>(packed.const_data_ptr()), K, sptr, bptr,
+  const MatArgs<W> a{c.x.data_ptr<float>(), c.x.stride(0), M, static_cast<const W*>(packed.const_data_ptr()), K, bptr,
                      y.data_ptr<float>(), n};
   matmul(active_paths(), a, nblk, torch_threads);  // one path for the whole call
   return y;
@@ -58,7 +57,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optiona
 at::Tensor blocked_mm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t n) {
   TORCH_CHECK(packed.scalar_type() == at::kFloat, "blocked_mm: packed must be float32");
-  return run<float>(x, packed, c10::nullopt, bias, n, "blocked_mm");
+  return run<float>(x, packed, bias, n, "blocked_mm");
 }
 
 // int8 weights on int8 activations (blocked_core.h's int8 section): the activations quantised
@@ -102,7 +101,7 @@ at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const 
 at::Tensor blocked_mm_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            int64_t n) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "blocked_mm_bf16: packed must be bfloat16");
-  return run<Bf16>(x, packed, c10::nullopt, bias, n, "blocked_mm_bf16");
+  return run<Bf16>(x, packed, bias, n, "blocked_mm_bf16");
 }
 
 at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,

@@ -63,7 +63,7 @@ std::vector<float> run_matmul(Reader& in, const int64_t* d, const Paths& paths) 
   const W* w = in.take<W>(nblk * K * NB);
   const float* bias = d[3] ? in.take<float>(N) : nullptr;
   std::vector<float> y(M * N);
-  const MatArgs<W> a{x, K, M, w, K, nullptr, bias, y.data(), N};
+  const MatArgs<W> a{x, K, M, w, K, bias, y.data(), N};
   matmul(paths, a, nblk, Pieces{d[4]});
   return y;
 }
