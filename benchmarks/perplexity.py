@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.bench.hardware import loadavg, provenance, provenance_line
-from quickdraft.model.loader import load_model
+from quickdraft.model.loader import checkpoint_dir, load_model
 from quickdraft.model.quant import prepare
 from quickdraft.model.sources import BUNDLED_DIR, resolve_model
 from quickdraft.model.tokenizer import Tokenizer
@@ -45,7 +45,7 @@ def main() -> None:
         args.model, args.formats, args.tokens = str(BUNDLED_DIR / "draft"), "int8", 64
     torch.set_num_threads(1)
     load_before = loadavg()
-    path = resolve_model(args.model)
+    path = checkpoint_dir(resolve_model(args.model))  # (a GGUF: its folder, tokenizer included)
     text = "\n\n".join(f.read_text() for f in sorted((ROOT / "docs").glob("*.md")))
     ids = Tokenizer.from_dir(path).encode(text)[:args.tokens]
     lines = [f"# {args.model}: perplexity over the first {len(ids)} tokens of docs/*.md, one forward pass, 1 thread"]

@@ -77,14 +77,19 @@ at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const 
   const int64_t M = c.M, nblk = c.nblk;
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  at::Tensor xq = at::empty({M, G * QG}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({2, M, G}, x.options());
-  at::Tensor asum = at::empty({M, G}, x.options().dtype(at::kInt));
-  float* d = dx.data_ptr<float>();
-  int32_t* as = asum.data_ptr<int32_t>();
+  // the quantised rows in this thread's scratch (no allocation per call: a decode step makes ~100 of
+  // these calls of a few us each): q (M, G * 32), d and X (2, M, G), asum (M, G)
+  thread_local std::vector<int8_t> q_scratch;
+  thread_local std::vector<float> d_scratch;
+  thread_local std::vector<int32_t> sum_scratch;
+  if ((int64_t)q_scratch.size() < M * G * QG) q_scratch.resize(M * G * QG);
+  if ((int64_t)d_scratch.size() < 2 * M * G) d_scratch.resize(2 * M * G);
+  if ((int64_t)sum_scratch.size() < M * G) sum_scratch.resize(M * G);
+  int8_t* qp = q_scratch.data();
+  float* d = d_scratch.data();
+  int32_t* as = sum_scratch.data();
   const float* xp = c.x.data_ptr<float>();
   const int64_t ldx = c.x.stride(0);
-  int8_t* qp = xq.data_ptr<int8_t>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {  // (rows are independent: any split)
     std::vector<float> pad(K == G * QG ? 0 : G * QG);
     q8_quantize(xp + r0 * ldx, ldx, r1 - r0, K, G, qp + r0 * G * QG, d + r0 * G, as + r0 * G, d + M * G + r0 * G,
@@ -230,12 +235,12 @@ extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_attend(
 // FMA, 2 AVX-512, 3 NEON. quickdraft_set_isa returns 0, or -1 where the CPU lacks that ISA (unchanged).
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_isa() { return chosen_isa.load(); }
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_cpu_has(int32_t isa) { return cpu_has(isa); }
-// int4's integer dot-product instructions (AVX-512 VNNI, AVX-VNNI) on (1, where the CPU has them)
-// or off (0: maddubs + madd, the same bits); returns the previous setting.
+// int8's and int4's integer dot-product instructions (AVX-512 VNNI, AVX-VNNI, NEON's sdot) on (1,
+// where the CPU has them) or off (0: maddubs + madd, vmull: the same bits); returns the previous setting.
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_vnni(int32_t on) {
   return vnni_allowed.exchange(on != 0);
 }
-// Whether the chosen path's int4 kernel runs vpdpbusd (1) or not (0).
+// Whether the chosen path's int4 (and int8) kernel runs vpdpbusd / sdot (1) or not (0).
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_int4_vnni() {
   if (!vnni_allowed.load()) return 0;
 #if QD_X86
