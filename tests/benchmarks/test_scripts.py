@@ -44,6 +44,8 @@ def _check_cpu_kernels(out: Path) -> None:
     kernels = _json(out, "ck.json")["threads"]["1"]["kernels"]
     for name in ("f32 F.linear W[out,in]", "f32 quickdraft blocked_mm"):  # always there on x86 and ARM
         assert "error" not in kernels.get(name, {"error": "missing"}), (name, kernels.get(name))
+    for name in ("int8 quickdraft blocked_mm_int8, f32 x", "int4 g32 quickdraft blocked_mm_int4, f32 x"):
+        assert "error" not in kernels.get(name, {}), (name, kernels.get(name))  # (packed as the kernel wants)
 
 
 def _check_default_pair(out: Path) -> None:
