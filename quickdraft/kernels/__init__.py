@@ -153,7 +153,7 @@ def _set_isa(name: str, where: str) -> None:
 @functools.lru_cache(maxsize=1)
 def _apply_isa_variable() -> None:
     """QUICKDRAFT_ISA, read once (an error is raised again at each call until it is fixed)."""
-    if os.environ.get("QUICKDRAFT_VNNI", "1").strip() == "0":  # int4 without VNNI (the same bits)
+    if os.environ.get("QUICKDRAFT_VNNI", "1").strip() == "0":  # int8 and int4 without VNNI (the same bits)
         _lib().quickdraft_set_vnni(0)
     name = os.environ.get("QUICKDRAFT_ISA", "").strip().lower()
     if name:
