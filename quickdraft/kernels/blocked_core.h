@@ -983,17 +983,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
   }
 }
 
-// Rows [0, M) of NBLK adjacent blocks: NBLK = 4: one row; 2: two or three rows; 1: any, six rows
-// at a time, 7 as 4 + 3 (at most 24 integer sums in registers).
+// Rows [0, M) of NBLK adjacent blocks: NBLK = 2: one to three rows (two read streams: as fast as
+// one block at one row, a little faster at two and three; four blocks, the float kernel's choice
+// for one row on Intel, were slower here); 1: any, six rows at a time, 7 as 4 + 3 (at most 24
+// integer sums in registers: each weight vector serves six rows, faster than two passes of three).
+// (Measured with a standalone timing of these functions, SmolLM2's shapes, the Intel Xeon with VNNI.)
 template <int NBLK, bool VNNI>
 void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, const float* scale, const float* bias,
                  float* y, int64_t ldy, int64_t ncols) {
-  constexpr int N2 = NBLK == 4 ? 2 : NBLK;  // (keeps the instances that cannot occur small)
-  if (NBLK == 4) return block_rows_q8<1, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
   if (NBLK == 2) {
-    if (M == 3) block_rows_q8<3, N2, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
-    if (M == 2) block_rows_q8<2, N2, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
-    if (M == 1) block_rows_q8<1, N2, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    if (M == 3) block_rows_q8<3, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q8<2, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q8<1, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
     return;
   }
   int64_t m = 0;
@@ -1025,8 +1026,6 @@ void q8_avx512_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
                             n, std::min(NBLK * NB, n - b * NB));
   };
   int64_t b = b0;
-  if (M == 1 && four_streams())
-    for (; b + 3 < b1; b += 4) run(std::integral_constant<int, 4>{}, b);
   if (M <= 3)
     for (; b + 1 < b1; b += 2) run(std::integral_constant<int, 2>{}, b);
   for (; b < b1; ++b) run(std::integral_constant<int, 1>{}, b);
