@@ -42,7 +42,8 @@ def _operands(fmt: str, K: int, N: int):
         packed = kernels.pack_bf16(torch.randn(K, N, generator=g))
         return lambda x: kernels.blocked_mm_bf16(x, packed, None, N)
     if fmt == "int8":
-        packed = kernels.pack(torch.randint(-127, 128, (K, N), dtype=torch.int8, generator=g))
+        q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        packed = kernels.pack_int8(q) if hasattr(kernels, "pack_int8") else kernels.pack(q.t())  # (before its layout: A/B runs)
         scale = torch.rand(N, generator=g)
         return lambda x: kernels.blocked_mm_int8(x, packed, scale, None, N)
     if fmt == "int4":

@@ -111,7 +111,7 @@ def candidates():
         c["f32 quickdraft blocked_mm"] = (lambda w: (kernels.pack(w.t()), w.shape[0]),
                                           lambda x, p: kernels.blocked_mm(x, p[0], None, p[1]), torch.float32, 4)
         c["int8 quickdraft blocked_mm_int8, f32 x"] = (
-            lambda w: (lambda q, s: (kernels.pack(q.t()), s, w.shape[0]))(*_int8(w)),
+            lambda w: (lambda q, s: (kernels.pack_int8(q), s.float(), w.shape[0]))(*_int8(w)),
             lambda x, p: kernels.blocked_mm_int8(x, p[0], p[1], None, p[2]), torch.float32, 1)
         c["int4 g32 quickdraft blocked_mm_int4, f32 x"] = (
             q4, lambda x, p: kernels.blocked_mm_int4(x, p[0], None, p[1]), torch.float32, 0.5 + 4 / 32)

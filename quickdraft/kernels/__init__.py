@@ -3,8 +3,8 @@
 `blocked_mm.cpp`: the matmul of small row counts that a verify step needs (k + 1 rows), over
 float32, bfloat16, int8 or group-wise int4 weights (`blocked_mm`, `blocked_mm_bf16` (widened to
 float32 in registers, on every CPU), `blocked_mm_int8`, `blocked_mm_int4`),
-streaming each weight once for all rows, with float32 activations (int4: quantised to int8 per
-group of 32 inside the kernel, for integer dot products); PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
+streaming each weight once for all rows, with float32 activations (int8 and int4: quantised to
+int8 per group of 32 inside the kernel, for integer dot products); PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
 the layout and the numerics. And `attend`: attention over the cache for any number of query
 rows (decode, verify, tree and prefill steps), each kv head's keys read once for up to 4 query
@@ -153,7 +153,7 @@ def _set_isa(name: str, where: str) -> None:
 @functools.lru_cache(maxsize=1)
 def _apply_isa_variable() -> None:
     """QUICKDRAFT_ISA, read once (an error is raised again at each call until it is fixed)."""
-    if os.environ.get("QUICKDRAFT_VNNI", "1").strip() == "0":  # int4 without VNNI (the same bits)
+    if os.environ.get("QUICKDRAFT_VNNI", "1").strip() == "0":  # int8 and int4 without VNNI (the same bits)
         _lib().quickdraft_set_vnni(0)
     name = os.environ.get("QUICKDRAFT_ISA", "").strip().lower()
     if name:
@@ -308,10 +308,36 @@ def _register_fake() -> None:
         return q.new_empty((B, T, H, D)).transpose(1, 2)
 
 
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights q (out, in) in the int8 kernel's layout: int8 (ceil(out / 64), 8 ceil(in / 32), 256),
+    per 64-output block and quad c of 4 inputs (in zero-padded to whole groups of 32), bytes 4i .. 4i + 3
+    the inputs 4c .. 4c + 3 of output i (each 32-bit lane four inputs of one output, as integer
+    dot-product instructions take them); zero past `out` and `in`."""
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"int8 blocks are made from an int8 (out, in) tensor, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    blocks, kp = -(-n // BLOCK), -(-k // GROUP) * GROUP
+    padded = q.new_zeros(blocks * BLOCK, kp)
+    padded[:n, :k] = q
+    # (blocks, 64 out, quads, 4 in) -> (blocks, quads, 64 out, 4 in)
+    return padded.view(blocks, BLOCK, kp // 4, 4).transpose(1, 2).reshape(blocks, kp // 4, 4 * BLOCK).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `pack_int8`: q (n, k) int8."""
+    blocks, quads, _ = packed.shape
+    return packed.view(blocks, quads, BLOCK, 4).transpose(1, 2).reshape(blocks * BLOCK, 4 * quads)[:n, :k]
+
+
 def blocked_mm_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     n: int) -> torch.Tensor:
-    """x (M, in) float32 @ (Q * scale) + bias -> (M, n): Q int8 (in, out) given `pack`ed, scale (n,)
-    per output; the sums of x * Q are exact products accumulated in float32, scaled at the end."""
+    """x (M, in) float32 @ (Q * scale)^T + bias -> (M, n), Q int8 (n, in) given `pack_int8`ed, scale
+    (n,) per output. x is quantised per row and group of 32 inputs to int8 with one float32 scale d
+    (int4's formula: d = amax / 127, round to nearest even); per group, the exact integer sum of
+    the int8 activations times Q, times d, summed over the groups in order, then times the scale,
+    plus the bias: the dequantised weights times the dequantised activations (llama.cpp's Q8_0
+    numerics, one scale per output). blocked_core.h's int8 section has the formula and the order of
+    operations (the same bits on every path, at any row count)."""
     return torch.ops.quickdraft.blocked_mm_int8.default(x, packed, scale, bias, n)
 
 
@@ -406,9 +432,15 @@ def int4_uses_vnni() -> bool:
     return available() and bool(_lib().quickdraft_int4_vnni())
 
 
+def int8_uses_vnni() -> bool:
+    """Whether the int8 kernel runs the integer dot-product instruction here (vpdpbusd, NEON's sdot):
+    the int4 kernel's choice (the same CPU features and the same switch, `use_vnni`)."""
+    return int4_uses_vnni()
+
+
 @contextlib.contextmanager
 def use_vnni(on: bool) -> Iterator[None]:
-    """int4 with (True: where the CPU has them) or without (False: maddubs + madd) the integer
+    """int8 and int4 with (True: where the CPU has them) or without (False: maddubs + madd) the integer
     dot-product instructions (AVX-512 VNNI, AVX-VNNI) inside the block, process-wide; the bits are
     the same either way (exact integer sums). For tests and benchmarks; a user's switch is
     QUICKDRAFT_VNNI=0."""

@@ -18,9 +18,10 @@
 // Every output element is the bias plus x[m, k] * W[k, n] accumulated with FMAs in k order
 // 0..K-1, whatever M, however the rows are grouped and on any thread count (the portable path
 // too: std::fma rounds as the instruction does), so a row's result does not depend on the other
-// rows: a verify step's matmuls give a token the bits a decode step gives it. (int4 has its own
-// layout and numerics: its activations are quantised to int8 per group of 32 and its sums are
-// exact integer dot products, then one fixed float epilogue per group; see its section.)
+// rows: a verify step's matmuls give a token the bits a decode step gives it. (int8 and int4 have
+// their own layouts and numerics: their activations are quantised to int8 per group of 32 and
+// their sums are exact integer dot products, then one fixed float epilogue per group; see their
+// sections.)
 //
 // Four paths, one result: AVX-512 (16-float vectors), AVX2 + FMA (8-float vectors), NEON (4-float
 // vectors, vfmaq_f32) and portable C++ (scalar std::fma). Each output is the same chain of FMAs in
@@ -93,16 +94,12 @@ struct Bf16 {
   uint16_t bits;
 };
 inline float to_float(float w) { return w; }
-inline float to_float(int8_t w) { return float(w); }
 inline float to_float(Bf16 w) {
   const uint32_t u = uint32_t(w.bits) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-// int8 weights are scaled at the end (per output); float32 and bfloat16 ones are the weights.
-template <typename W>
-constexpr bool scaled_format() { return std::is_same<W, int8_t>::value; }
 #ifndef PF
 #define PF 4096  // bytes ahead of the read
 #endif
@@ -113,11 +110,8 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
-// Sixteen weights of a block row as floats: float32 as stored; int8 widened exactly.
+// Sixteen weights of a block row as floats: float32 as stored; bfloat16 widened exactly.
 __attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 __attribute__((target("avx512f"))) inline __m512 load16(const Bf16* p) {
   const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
@@ -126,19 +120,16 @@ __attribute__((target("avx512f"))) inline __m512 load16(const Bf16* p) {
 // MR rows over NBLK adjacent blocks at once (NBLK read streams, MR * 4 * NBLK running sums in
 // registers: at most 24 of AVX-512's 32). Prefetching PF bytes ahead keeps enough cache-line
 // reads in flight for one core to stream at its bandwidth.
-// float32 weights: y = bias + sum_k x w (the sums start from the bias).
-// int8 weights: y = (sum_k x q) * scale + bias (one FMA at the end), scale per output.
+// y = bias + sum_k x w (the sums start from the bias).
 template <typename W, int MR, int NBLK>
 __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, const W* wb, int64_t K,
-                                                   const float* scale, const float* bias, float* y, int64_t ldy,
-                                                   int64_t ncols) {
+                                                   const float* bias, float* y, int64_t ldy, int64_t ncols) {
   constexpr int V = 4 * NBLK;  // vectors per row
-  constexpr bool scaled = scaled_format<W>();
   __m512 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
     // (adjacent blocks' biases are adjacent; masked: the last block may be partial)
-    __m512 b = (bias && !scaled) ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j) : _mm512_setzero_ps();
+    __m512 b = bias ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
@@ -164,16 +155,8 @@ __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, 
   for (int j = 0; j < V; ++j) {
     if (ncols - 16 * j <= 0) break;
     const __mmask16 mask = tail_mask(ncols - 16 * j);
-    __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    if (scaled) {
-      s = _mm512_maskz_loadu_ps(mask, scale + 16 * j);
-      if (bias) b = _mm512_maskz_loadu_ps(mask, bias + 16 * j);
-    }
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      __m512 out = scaled ? _mm512_fmadd_ps(acc[r][j], s, b) : acc[r][j];
-      _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, out);
-    }
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, acc[r][j]);
   }
 }
 
@@ -181,19 +164,17 @@ __attribute__((target("avx512f"))) void block_rows(const float* x, int64_t ldx, 
 
 // Portable path (no AVX-512): the same products in the same order, one row at a time.
 template <typename W>
-void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, int64_t K, const float* scale,
-                        const float* bias, float* y, int64_t ldy, int64_t ncols) {
-  constexpr bool scaled = scaled_format<W>();
+void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, int64_t K, const float* bias, float* y,
+                        int64_t ldy, int64_t ncols) {
   for (int64_t r = 0; r < rows; ++r) {
     float acc[NB];
-    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && !scaled && n < ncols) ? bias[n] : 0.f;
+    for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && n < ncols) ? bias[n] : 0.f;
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[r * ldx + k];
       const W* w = wb + k * NB;
       for (int64_t n = 0; n < NB; ++n) acc[n] = std::fma(xv, to_float(w[n]), acc[n]);
     }
-    for (int64_t n = 0; n < ncols; ++n)
-      y[r * ldy + n] = scaled ? std::fma(acc[n], scale[n], bias ? bias[n] : 0.f) : acc[n];
+    for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] = acc[n];
   }
 }
 
@@ -212,24 +193,24 @@ bool four_streams() {
 // M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead). Only the
 // combinations that fit the registers are instantiated.
 template <typename W, int NBLK>
-void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, const float* scale, const float* bias,
-              float* y, int64_t ldy, int64_t ncols) {
+void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, const float* bias, float* y, int64_t ldy,
+              int64_t ncols) {
   int64_t m = 0;
   if (NBLK == 1)
-    for (; m + 6 <= M; m += 6) block_rows<W, 6, 1>(x + m * ldx, ldx, wb, K, scale, bias, y + m * ldy, ldy, ncols);
+    for (; m + 6 <= M; m += 6) block_rows<W, 6, 1>(x + m * ldx, ldx, wb, K, bias, y + m * ldy, ldy, ncols);
   const float* xm = x + m * ldx;
   float* ym = y + m * ldy;
   if (NBLK == 4) {
-    block_rows<W, 1, NBLK>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols);
+    block_rows<W, 1, NBLK>(xm, ldx, wb, K, bias, ym, ldy, ncols);
     return;
   }
   constexpr int N2 = NBLK == 4 ? 1 : NBLK;  // (never 4 below: keeps the unused instances small)
   switch (M - m) {
-    case 5: block_rows<W, 5, 1>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
-    case 4: block_rows<W, 4, 1>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
-    case 3: block_rows<W, 3, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
-    case 2: block_rows<W, 2, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
-    case 1: block_rows<W, 1, N2>(xm, ldx, wb, K, scale, bias, ym, ldy, ncols); break;
+    case 5: block_rows<W, 5, 1>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
+    case 4: block_rows<W, 4, 1>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
+    case 3: block_rows<W, 3, N2>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
+    case 2: block_rows<W, 2, N2>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
+    case 1: block_rows<W, 1, N2>(xm, ldx, wb, K, bias, ym, ldy, ncols); break;
     default: break;
   }
 }
@@ -242,11 +223,8 @@ __attribute__((target("avx2,fma"))) inline __m256i lanes_below(int64_t left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(l), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// Eight weights of a block row as floats (int8 widened exactly).
+// Eight weights of a block row as floats (bfloat16 widened exactly).
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 __attribute__((target("avx2,fma"))) inline __m256 load8(const Bf16* p) {
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
@@ -269,14 +247,13 @@ __attribute__((target("avx2,fma"))) inline void store_left(float* p, __m256 v, i
 // the 16 registers for (MR, V) = (1, 8), (3, 4), (2, 4).
 template <typename W, int MR, int V>
 __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t ldx, const W* wb, int64_t K,
-                                                         int64_t c0, const float* scale, const float* bias, float* y,
-                                                         int64_t ldy, int64_t ncols, bool prefetch) {
-  constexpr bool scaled = scaled_format<W>();
+                                                         int64_t c0, const float* bias, float* y, int64_t ldy,
+                                                         int64_t ncols, bool prefetch) {
   __m256 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 8 * j;
-    const __m256 b = (bias && !scaled) ? load_left(bias + o, ncols - o) : _mm256_setzero_ps();
+    const __m256 b = bias ? load_left(bias + o, ncols - o) : _mm256_setzero_ps();
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
@@ -313,33 +290,27 @@ __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 8 * j, left = ncols - o;
     if (left <= 0) break;
-    if (scaled) {
-      const __m256 s = load_left(scale + o, left), b = bias ? load_left(bias + o, left) : _mm256_setzero_ps();
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, _mm256_fmadd_ps(acc[r][j], s, b), left);
-    } else {
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, acc[r][j], left);
-    }
+    for (int r = 0; r < MR; ++r) store_left(y + r * ldy + o, acc[r][j], left);
   }
 }
 
 #endif  // QD_X86
 
-// The arguments of a float32 / int8 blocked matmul, for the paths' block loops.
+// The arguments of a float32 / bfloat16 blocked matmul, for the paths' block loops.
 template <typename W>
 struct MatArgs {
   const float* x;
   int64_t ldx, M;
   const W* w;  // packed (nblk, K, 64)
   int64_t K;
-  const float *scale, *bias;  // (n,) or null
+  const float* bias;  // (n,) or null
   float* y;                   // (M, n)
   int64_t n;
 };
 
-// The row groups every path's kernels of 4+ rows take (float32 / int8 / bfloat16 chunks on AVX-512,
-// int8 / bfloat16 on AVX2, int4 on AVX-512 and AVX2): f(MR, first row), MR a std::integral_constant,
+// The row groups every path's kernels of 4+ rows take (float32 / bfloat16 chunks on AVX-512,
+// bfloat16 on AVX2, int4 on AVX-512 and AVX2): f(MR, first row), MR a std::integral_constant,
 // for groups of at most 6 rows: 6s first, 7 left as 4 + 3 (a group of fewer than 4 rows leaves sums
 // waiting on the latency of their FMAs or dot products).
 template <typename F>
@@ -364,8 +335,8 @@ void row_groups(int64_t rows, F&& f) {
 
 #if QD_X86
 // Blocks [b0, b1): one row reads the whole block row (8 sums in registers, block_rows_avx2).
-// More rows take the block in chunks of CHUNK_BYTES (64 block rows of float32, 128 of bfloat16,
-// 256 of int8), up to PANEL rows at a time: every pass of the panel (its row groups x column
+// More rows take the block in chunks of CHUNK_BYTES (64 block rows of float32, 128 of bfloat16),
+// up to PANEL rows at a time: every pass of the panel (its row groups x column
 // pieces) runs over one chunk while the chunk is in L1, the sums of the panel's rows kept in a
 // 16 x 64 buffer between chunks (stored and loaded exactly: each output is still one chain of
 // FMAs in k order), and the passes spread software prefetches of the next chunk over their
@@ -374,7 +345,7 @@ void row_groups(int64_t rows, F&& f) {
 // streamed it from DRAM with a fraction of the FMAs, the others from L2 with no DRAM traffic,
 // and a block of K = 8192 (2 MB) did not even fit L2: 6 rows cost 1.3-2.1x one row.)
 // Row groups: float32 has no widening to share: 2-3 rows over 32 outputs (the rows' broadcasts
-// kept, 8-12 sums). int8 and bfloat16 widen each weight vector once per group: 4-6 rows over
+// kept, 8-12 sums). bfloat16 widens each weight vector once per group: 4-6 rows over
 // 16 outputs (the 2 weight vectors kept, 8-12 sums), 2-3 rows over 32; 7 rows as 4 + 3, more as
 // 6s first (fewer than 8 sums wait on the FMA latency).
 constexpr int64_t CHUNK_BYTES = 16384;
@@ -451,18 +422,16 @@ void panel_passes(int64_t rows, int64_t ncols, F&& f) {
 
 template <typename W>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_t b0, int64_t b1) {
-  constexpr bool scaled = scaled_format<W>();
   constexpr int64_t CR = CHUNK_BYTES / (NB * int64_t(sizeof(W)));  // block rows per chunk
   const int64_t M = a.M, K = a.K;
   alignas(32) float sums[PANEL * NB];
   for (int64_t b = b0; b < b1; ++b) {
     const W* wb = a.w + b * K * NB;
-    const float* s = a.scale ? a.scale + b * NB : nullptr;
     const float* bias = a.bias ? a.bias + b * NB : nullptr;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     if (M == 1) {
-      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, K, 0, s, bias, y, a.n, ncols, true);
+      block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, K, 0, bias, y, a.n, ncols, true);
       continue;
     }
     for (int64_t p0 = 0; p0 < M; p0 += PANEL) {
@@ -471,7 +440,7 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_
       int passes = 0;
       panel_passes<W>(rows, ncols, [&](auto, auto, int64_t, int64_t) { ++passes; });
       for (int64_t c = 0; c < NB; c += 8) {  // the sums start from the bias (zeros past ncols)
-        const __m256 b8 = (bias && !scaled) ? load_left(bias + c, ncols - c) : _mm256_setzero_ps();
+        const __m256 b8 = bias ? load_left(bias + c, ncols - c) : _mm256_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(sums + r * NB + c, b8);
       }
       for (int64_t k0 = 0; k0 < K; k0 += CR) {
@@ -482,13 +451,8 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_
                                                                       sums + m * NB, pass++, passes);
         });
       }
-      for (int64_t r = 0; r < rows; ++r)  // int8: y = sum * scale + bias, one FMA
-        for (int64_t c = 0; c < ncols; c += 8) {
-          __m256 out = _mm256_loadu_ps(sums + r * NB + c);
-          if (scaled)
-            out = _mm256_fmadd_ps(out, load_left(s + c, ncols - c), bias ? load_left(bias + c, ncols - c) : _mm256_setzero_ps());
-          store_left(y + (p0 + r) * a.n + c, out, ncols - c);
-        }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < ncols; c += 8) store_left(y + (p0 + r) * a.n + c, _mm256_loadu_ps(sums + r * NB + c), ncols - c);
     }
   }
 }
@@ -534,13 +498,11 @@ __attribute__((target("avx512f"))) void chunk_rows_avx512(const float* x, int64_
 
 template <typename W>
 __attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
-  constexpr bool scaled = scaled_format<W>();
   constexpr int64_t CR = CHUNK_BYTES / (NB * int64_t(sizeof(W)));
   const int64_t M = a.M, K = a.K;
   alignas(64) float sums[PANEL * NB];
   for (int64_t b = b0; b < b1; ++b) {
     const W* wb = a.w + b * K * NB;
-    const float* s = a.scale ? a.scale + b * NB : nullptr;
     const float* bias = a.bias ? a.bias + b * NB : nullptr;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     for (int64_t p0 = 0; p0 < M; p0 += PANEL) {
@@ -549,8 +511,7 @@ __attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int6
       int passes = 0;
       row_groups(rows, [&](auto, int64_t) { ++passes; });
       for (int j = 0; j < 4; ++j) {  // the sums start from the bias (zeros past ncols)
-        const __m512 b16 = (bias && !scaled) ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j)
-                                             : _mm512_setzero_ps();
+        const __m512 b16 = bias ? _mm512_maskz_loadu_ps(tail_mask(ncols - 16 * j), bias + 16 * j) : _mm512_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(sums + r * NB + 16 * j, b16);
       }
       for (int64_t k0 = 0; k0 < K; k0 += CR) {
@@ -561,15 +522,11 @@ __attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int6
                                                      pass++, passes);
         });
       }
-      for (int j = 0; j < 4; ++j) {  // int8: y = sum * scale + bias, one FMA
+      for (int j = 0; j < 4; ++j) {
         const __mmask16 mask = tail_mask(ncols - 16 * j);
         if (!mask) break;
-        const __m512 sc = scaled ? _mm512_maskz_loadu_ps(mask, s + 16 * j) : _mm512_setzero_ps();
-        const __m512 bs = (scaled && bias) ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 v = _mm512_loadu_ps(sums + r * NB + 16 * j);
-          _mm512_mask_storeu_ps(a.y + (p0 + r) * a.n + b * NB + 16 * j, mask, scaled ? _mm512_fmadd_ps(v, sc, bs) : v);
-        }
+        for (int64_t r = 0; r < rows; ++r)
+          _mm512_mask_storeu_ps(a.y + (p0 + r) * a.n + b * NB + 16 * j, mask, _mm512_loadu_ps(sums + r * NB + 16 * j));
       }
     }
   }
@@ -583,14 +540,14 @@ void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   int64_t b = b0;
   if (M == 1 && four_streams())
     for (; b + 3 < b1; b += 4)
-      run_rows<W, 4>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+      run_rows<W, 4>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                      std::min(4 * NB, n - b * NB));
   if (M <= 3)
     for (; b + 1 < b1; b += 2)
-      run_rows<W, 2>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+      run_rows<W, 2>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                      std::min(2 * NB, n - b * NB));
   for (; b < b1; ++b)
-    run_rows<W, 1>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB, n,
+    run_rows<W, 1>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                    std::min(NB, n - b * NB));
 }
 
@@ -599,8 +556,8 @@ void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
 template <typename W>
 void blocks_portable(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b)
-    block_rows_generic<W>(a.x, a.ldx, a.M, a.w + b * a.K * NB, a.K, a.scale ? a.scale + b * NB : nullptr,
-                          a.bias ? a.bias + b * NB : nullptr, a.y + b * NB, a.n, std::min(NB, a.n - b * NB));
+    block_rows_generic<W>(a.x, a.ldx, a.M, a.w + b * a.K * NB, a.K, a.bias ? a.bias + b * NB : nullptr, a.y + b * NB,
+                          a.n, std::min(NB, a.n - b * NB));
 }
 
 // ---- int4: 4-bit weights in groups of 32 inputs, a scale and an offset per group and output,
@@ -999,6 +956,459 @@ void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
 }
 
 #endif  // QD_X86
+
+// ---- int8: 8-bit weights with a scale per output, times int8 activations (integer dot products) ----
+//
+// Weights: q in [-127, 127] and a float32 scale s per output (w = q s; model/formats.py's
+// int8_quantize). Layout (int8): packed (N/64, Kq, 256), Kq = 8 ceil(K / 32) quads of four
+// inputs (K zero-padded to whole groups of 32): block b's quad c is 256 bytes, bytes 4n .. 4n + 3
+// the inputs 4c .. 4c + 3 of output 64b + n (zero past N and past K). Each 32-bit lane is four
+// consecutive inputs of one output, the operand of vpdpbusd (maddubs + madd, NEON's sdot or
+// vmull + vpadal) against four activation bytes broadcast to every lane; a vector of 16 (AVX-512),
+// 8 (AVX2) or 4 (NEON) lanes is 16, 8 or 4 adjacent outputs; a block's group of 32 inputs is one
+// contiguous 2 KB piece.
+//
+// Activations: the int4 section's q4_quantize, the same function (one activation quantisation in
+// the library, llama.cpp's Q8_0 formula): per row and group g of 32 inputs (of the row
+// zero-padded to 32 Kq / 8), int8 a_k and a float32 scale d_g (NaN for a group holding a NaN or
+// an infinity: its row's outputs are NaN).
+//
+// The spec. Per row and output, on every path, in this order (float32, one rounding per operation):
+//   acc = 0;  for g = 0 .. G-1:  acc = fma(float(I_g), d_g, acc);    y = fma(acc, s, bias (or 0))
+// with I_g = sum_{k in g} a_k q_k exact in int32 (|I_g| <= 32 * 127 * 127 < 2^24: float(I_g) is
+// exact too). So y = bias + s sum_g d_g I_g: the dequantised weights times the dequantised
+// activations (what llama.cpp's Q8_0 x Q8_0 computes, with one scale per output instead of per
+// block, rounded in its own order). The integer sums are exact in any order and the float
+// epilogue is fixed, so a row's result has the same bits on every path, at any row count, beside
+// any other rows and on any thread count (the int8 format's row-invariance, which keeps a verify
+// step's rows equal to decode rows).
+//
+// The integer sums per path: AVX-512 VNNI / AVX-VNNI's vpdpbusd multiplies unsigned by signed
+// bytes, so the weights go in as q xor 0x80 = q + 128 (unsigned) and each group's sums start
+// from -128 sum_k a_k (Q8Act::asum); without VNNI, maddubs(|q|, a with q's sign) (pairs of
+// products: at most 2 * 127 * 127 = 32258, never saturating), madd with ones into int32; NEON:
+// sdot (DotProd) or vmull_s8 + a pairwise add + vpadal. All exact.
+constexpr int64_t Q8B = QG * NB;  // bytes per (block, group): 2048
+
+// A call's quantised activations: q (M, ldq) int8, d and asum (M, G) (asum: sum_k a_k per group).
+struct Q8Act {
+  const int8_t* q;
+  int64_t ldq;
+  const float* d;
+  const int32_t* asum;
+  int64_t G;
+  Q8Act rows_from(int64_t m) const { return {q + m * ldq, ldq, d + m * G, asum + m * G, G}; }
+};
+
+// The arguments of an int8 blocked matmul, for the paths' block loops.
+struct Q8Args {
+  Q8Act x;
+  int64_t M;
+  const int8_t* w;  // packed (nblk, 8 G, 256)
+  const float *scale, *bias;  // scale (n,); bias (n,) or null
+  float* y;                   // (M, n)
+  int64_t n;
+};
+
+// The activations of rows [0, M) of x (M, K), zero-padded to G * 32 inputs: q (M, G * 32), d and
+// asum (M, G); `pad` is scratch of G * 32 floats (used where K is not whole groups).
+inline void q8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t G, int8_t* q, float* d,
+                        int32_t* asum, float* xs, float* pad) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* row = x + r * ldx;
+    if (K != G * QG) {
+      std::memcpy(pad, row, K * sizeof(float));
+      std::fill(pad + K, pad + G * QG, 0.f);
+      row = pad;
+    }
+    q4_quantize(row, G * QG, 1, G, q + r * G * QG, d + r * G, xs + r * G);
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < QG; ++k) s += q[r * G * QG + g * QG + k];
+      asum[r * G + g] = s;
+    }
+  }
+}
+
+// The portable path: the same integer sums and the same epilogue, one row at a time.
+void q8_portable(const Q8Args& a, int64_t b0, int64_t b1) {
+  const int64_t G = a.x.G;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* wb = a.w + b * G * Q8B;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    for (int64_t r = 0; r < a.M; ++r) {
+      const int8_t* ar = a.x.q + r * a.x.ldq;
+      for (int64_t n = 0; n < ncols; ++n) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t isum = 0;
+          for (int64_t k = 0; k < QG; ++k) isum += int32_t(ar[g * QG + k]) * int32_t(wb[g * Q8B + 256 * (k / 4) + 4 * n + k % 4]);
+          acc = std::fma(float(isum), a.x.d[r * G + g], acc);
+        }
+        const int64_t o = b * NB + n;
+        a.y[r * a.n + o] = std::fma(acc, a.scale[o], a.bias ? a.bias[o] : 0.f);
+      }
+    }
+  }
+}
+
+#if QD_X86
+// AVX-512: one quad's products of a weight vector (16 outputs) and a row's broadcast quad, added
+// into the int32 sums. VNNI: w is q xor 0x80 (the caller's), the sums started from -128 asum.
+// Without: maddubs(|q|, a negated where q < 0), madd with ones.
+template <bool VNNI>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i q8_dot16(__m512i acc, __m512i w, __m512i a) {
+  if constexpr (VNNI) {
+    return _mm512_dpbusd_epi32(acc, w, a);
+  } else {
+    const __m512i sa = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(w), _mm512_setzero_si512(), a);
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sa), _mm512_set1_epi16(1)));
+    asm("" : "+v"(acc));  // (a chain, as vpdpbusd's: else GCC reassociates the adds and spills every product)
+    return acc;
+  }
+}
+
+// MR rows over NBLK adjacent blocks (`stride` bytes apart), all groups: a group's integer sums in
+// registers (MR * 4 * NBLK), the running float sums in y itself (in L1), updated once per group;
+// each weight vector loaded once for all MR rows. Then y = fma(acc, s, bias).
+template <int MR, int NBLK, bool VNNI>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const Q8Act& x, const int8_t* wb,
+                                                                          int64_t stride, const float* scale,
+                                                                          const float* bias, float* y, int64_t ldy,
+                                                                          int64_t ncols) {
+  constexpr int V = 4 * NBLK;
+  const int64_t G = x.G;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+#pragma GCC unroll 16
+  for (int j = 0; j < V; ++j)
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, tail_mask(ncols - 16 * j), _mm512_setzero_ps());
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[MR][V];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512i init = VNNI ? _mm512_set1_epi32(-128 * x.asum[r * G + g]) : _mm512_setzero_si512();
+#pragma GCC unroll 16
+      for (int j = 0; j < V; ++j) acc[r][j] = init;
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 4
+      for (int blk = 0; blk < NBLK; ++blk) {  // the piece's 32 lines PF bytes ahead, 4 a quad
+        const char* ahead = reinterpret_cast<const char*>(wb + blk * stride + g * Q8B + 256 * c) + PF;
+#pragma GCC unroll 4
+        for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      }
+      if constexpr (MR * V + MR + 2 < 32) {  // the rows' broadcasts kept, one weight vector at a time
+        __m512i av[MR];
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) av[r] = _mm512_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
+#pragma GCC unroll 16
+        for (int j = 0; j < V; ++j) {
+          __m512i w = _mm512_loadu_si512(wb + (j / 4) * stride + g * Q8B + 256 * c + 64 * (j % 4));
+          if (VNNI) w = _mm512_xor_si512(w, flip);
+#pragma GCC unroll 6
+          for (int r = 0; r < MR; ++r) acc[r][j] = q8_dot16<VNNI>(acc[r][j], w, av[r]);
+        }
+      } else {  // the V weight vectors kept, one broadcast at a time
+        __m512i w[V];
+#pragma GCC unroll 16
+        for (int j = 0; j < V; ++j) {
+          w[j] = _mm512_loadu_si512(wb + (j / 4) * stride + g * Q8B + 256 * c + 64 * (j % 4));
+          if (VNNI) w[j] = _mm512_xor_si512(w[j], flip);
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+          const __m512i av = _mm512_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
+#pragma GCC unroll 16
+          for (int j = 0; j < V; ++j) acc[r][j] = q8_dot16<VNNI>(acc[r][j], w[j], av);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) {
+      const __mmask16 mask = tail_mask(ncols - 16 * j);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) {
+        float* yr = y + r * ldy + 16 * j;
+        const __m512 t = _mm512_cvtepi32_ps(acc[r][j]);
+        _mm512_mask_storeu_ps(yr, mask, _mm512_fmadd_ps(t, _mm512_set1_ps(x.d[r * G + g]), _mm512_maskz_loadu_ps(mask, yr)));
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < V; ++j) {
+    const __mmask16 mask = tail_mask(ncols - 16 * j);
+    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + 16 * j);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      float* yr = y + r * ldy + 16 * j;
+      _mm512_mask_storeu_ps(yr, mask, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, yr), s, b));
+    }
+  }
+}
+
+// Rows [0, M) of NBLK adjacent blocks: NBLK = 2: one to three rows (two read streams: as fast as
+// one block at one row, a little faster at two and three; four blocks, the float kernel's choice
+// for one row on Intel, were slower here); 1: any, six rows at a time, 7 as 4 + 3 (at most 24
+// integer sums in registers: each weight vector serves six rows, faster than two passes of three).
+// (Measured with a standalone timing of these functions, SmolLM2's shapes, the Intel Xeon with VNNI.)
+template <int NBLK, bool VNNI>
+void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, const float* scale, const float* bias,
+                 float* y, int64_t ldy, int64_t ncols) {
+  if (NBLK == 2) {
+    if (M == 3) block_rows_q8<3, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q8<2, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q8<1, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    return;
+  }
+  int64_t m = 0;
+  for (; M - m > 7; m += 6) block_rows_q8<6, 1, VNNI>(x.rows_from(m), wb, stride, scale, bias, y + m * ldy, ldy, ncols);
+  if (M - m == 7) {
+    block_rows_q8<4, 1, VNNI>(x.rows_from(m), wb, stride, scale, bias, y + m * ldy, ldy, ncols);
+    m += 4;
+  }
+  const Q8Act xm = x.rows_from(m);
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 6: block_rows_q8<6, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 5: block_rows_q8<5, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 4: block_rows_q8<4, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 3: block_rows_q8<3, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 2: block_rows_q8<2, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 1: block_rows_q8<1, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    default: break;
+  }
+}
+
+template <bool VNNI>
+void q8_avx512_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, n = a.n, stride = a.x.G * Q8B;  // bytes per block
+  auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
+  auto run = [&](auto nblk_tag, int64_t b) {
+    constexpr int NBLK = decltype(nblk_tag)::value;
+    run_rows_q8<NBLK, VNNI>(a.x, M, a.w + b * stride, stride, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB,
+                            n, std::min(NBLK * NB, n - b * NB));
+  };
+  int64_t b = b0;
+  if (M <= 3)
+    for (; b + 1 < b1; b += 2) run(std::integral_constant<int, 2>{}, b);
+  for (; b < b1; ++b) run(std::integral_constant<int, 1>{}, b);
+}
+
+void q8_avx2(const Q8Args& a, int64_t b0, int64_t b1);
+
+// AVX-512 VNNI; AVX-512 BW's maddubs + madd without it (or with vnni_allowed off); a CPU with
+// AVX-512F alone takes the AVX2 kernel (as int4).
+void q8_avx512(const Q8Args& a, int64_t b0, int64_t b1) {
+  if (cpu_avx512_vnni() && vnni_allowed.load(std::memory_order_relaxed)) return q8_avx512_blocks<true>(a, b0, b1);
+  if (cpu_avx512_bw()) return q8_avx512_blocks<false>(a, b0, b1);
+  q8_avx2(a, b0, b1);
+}
+
+// AVX2: q8_dot16 on 8 lanes (AVX-VNNI's vpdpbusd, or maddubs(|q|, sign(a, q)) + madd).
+template <bool VNNI>
+__attribute__((target("avx2,fma,avxvnni"))) inline __m256i q8_dot8(__m256i acc, __m256i w, __m256i a) {
+  if constexpr (VNNI) return _mm256_dpbusd_avx_epi32(acc, w, a);
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)),
+                                                _mm256_set1_epi16(1)));
+  asm("" : "+x"(acc));  // (a chain, as vpdpbusd's: else GCC reassociates the adds and spills every product)
+  return acc;
+}
+
+// AVX2, one group of one block: MR rows x V vectors of 8 outputs from vector v0; the group's
+// integer sums in registers (MR * V), the running float sums in y.
+template <int MR, int V, bool VNNI>
+__attribute__((target("avx2,fma,avxvnni"))) void group_q8_avx2(const Q8Act& x, int64_t g, const int8_t* piece, int v0,
+                                                              float* y, int64_t ldy, int64_t ncols) {
+  __m256i acc[MR][V];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    const __m256i init = VNNI ? _mm256_set1_epi32(-128 * x.asum[r * x.G + g]) : _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = init;
+  }
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    __m256i av[MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) av[r] = _mm256_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 256 * c + 32 * (v0 + v)));
+      if (VNNI) w = _mm256_xor_si256(w, flip);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) acc[r][v] = q8_dot8<VNNI>(acc[r][v], w, av[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < V; ++v) {
+    const int64_t o = 8 * (v0 + v);
+    if (o >= ncols) break;
+    const int64_t left = ncols - o;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      float* yr = y + r * ldy + o;
+      const __m256 t = _mm256_cvtepi32_ps(acc[r][v]);
+      store_left(yr, _mm256_fmadd_ps(t, _mm256_set1_ps(x.d[r * x.G + g]), load_left(yr, left)), left);
+    }
+  }
+}
+
+// Rows [m, m + MR) of one group of one block, V vectors (8 V outputs) at a time.
+template <int MR, int V, bool VNNI>
+void group_q8_rows_avx2(const Q8Args& a, int64_t m, int64_t g, const int8_t* piece, float* y, int64_t ncols) {
+  const Q8Act xm = a.x.rows_from(m);
+  for (int v0 = 0; v0 < 8 && 8 * v0 < ncols; v0 += V) group_q8_avx2<MR, V, VNNI>(xm, g, piece, v0, y + m * a.n, a.n, ncols);
+}
+
+// Blocks [b0, b1), group after group (a group's 2 KB serve every row and vector from L1), the
+// rows in as few passes as the 16 registers allow: 4 rows over 16 outputs at a time (8 sums),
+// 3 rows over 16, 2 rows over 32, 1 row over all 64; more rows go as 4s first.
+template <bool VNNI>
+__attribute__((target("avx2,fma"))) void q8_avx2_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, G = a.x.G, ld = a.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* wb = a.w + b * G * Q8B;
+    float* y = a.y + b * NB;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    for (int64_t r = 0; r < M; ++r)  // the running sums start from 0
+      for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* piece = wb + g * Q8B;
+#pragma GCC unroll 4
+      for (int line = 0; line < int(Q8B / 64); ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) group_q8_rows_avx2<4, 2, VNNI>(a, m, g, piece, y, ncols);
+      switch (M - m) {
+        case 3: group_q8_rows_avx2<3, 2, VNNI>(a, m, g, piece, y, ncols); break;
+        case 2: group_q8_rows_avx2<2, 4, VNNI>(a, m, g, piece, y, ncols); break;
+        case 1: group_q8_rows_avx2<1, 8, VNNI>(a, m, g, piece, y, ncols); break;
+        default: break;
+      }
+    }
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t o = 0; o < ncols; o += 8) {
+        const int64_t left = ncols - o;
+        float* yr = y + r * ld + o;
+        const __m256 s = load_left(a.scale + b * NB + o, left);
+        const __m256 bv = a.bias ? load_left(a.bias + b * NB + o, left) : _mm256_setzero_ps();
+        store_left(yr, _mm256_fmadd_ps(load_left(yr, left), s, bv), left);
+      }
+  }
+}
+
+// AVX-VNNI where the CPU has it and vnni_allowed; maddubs + madd elsewhere.
+void q8_avx2(const Q8Args& a, int64_t b0, int64_t b1) {
+  if (cpu_avx_vnni() && vnni_allowed.load(std::memory_order_relaxed)) return q8_avx2_blocks<true>(a, b0, b1);
+  q8_avx2_blocks<false>(a, b0, b1);
+}
+#endif  // QD_X86
+
+#if QD_ARM
+// NEON: four lanes; sdot (the dot-product extension, where vnni_allowed: as int4's dot4x4, in
+// assembly so the rest keeps the base instruction set) or vmull_s8 + pairwise add + vpadal.
+template <bool DOT>
+inline int32x4_t q8_dot4(int32x4_t acc, int8x16_t w, int8x16_t a) {
+  if constexpr (DOT) {
+    asm(".arch armv8.2-a+dotprod\n\tsdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(w), "w"(a));
+    return acc;
+  }
+  const int16x8_t p0 = vmull_s8(vget_low_s8(w), vget_low_s8(a)), p1 = vmull_high_s8(w, a);
+  return vpadalq_s16(acc, vpaddq_s16(p0, p1));
+}
+
+bool q8_arm_dotprod() {
+#if defined(__APPLE__)
+  return true;
+#elif defined(__linux__)
+  static const bool yes = (getauxval(AT_HWCAP) & (1ul << 20)) != 0;  // HWCAP_ASIMDDP
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// One group of one block: MR rows x V vectors of 4 outputs from vector v0; sums in registers
+// (MR * V), the running float sums in y.
+template <int MR, int V, bool DOT>
+void group_q8_neon(const Q8Act& x, int64_t g, const int8_t* piece, int v0, float* y, int64_t ldy, int64_t ncols) {
+  int32x4_t acc[MR][V];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vdupq_n_s32(0);
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    int8x16_t av[MR];
+    for (int r = 0; r < MR; ++r) av[r] = vreinterpretq_s8_s32(vdupq_n_s32(quad_at(x.q + r * x.ldq + g * QG + 4 * c)));
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) {
+      const int8x16_t w = vld1q_s8(piece + 256 * c + 16 * (v0 + v));
+      for (int r = 0; r < MR; ++r) acc[r][v] = q8_dot4<DOT>(acc[r][v], w, av[r]);
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int64_t o = 4 * (v0 + v);
+    if (o >= ncols) break;
+    const int64_t left = ncols - o;
+    for (int r = 0; r < MR; ++r) {
+      float* yr = y + r * ldy + o;
+      const float32x4_t t = vcvtq_f32_s32(acc[r][v]), dv = vdupq_n_f32(x.d[r * x.G + g]);
+      if (left >= 4) {
+        vst1q_f32(yr, vfmaq_f32(vld1q_f32(yr), t, dv));
+      } else {
+        float tt[4];
+        vst1q_f32(tt, t);
+        for (int64_t i = 0; i < left; ++i) yr[i] = std::fma(tt[i], x.d[r * x.G + g], yr[i]);
+      }
+    }
+  }
+}
+
+template <int MR, int V, bool DOT>
+void group_q8_rows_neon(const Q8Args& a, int64_t m, int64_t g, const int8_t* piece, float* y, int64_t ncols) {
+  const Q8Act xm = a.x.rows_from(m);
+  for (int v0 = 0; v0 < 16 && 4 * v0 < ncols; v0 += V) group_q8_neon<MR, V, DOT>(xm, g, piece, v0, y + m * a.n, a.n, ncols);
+}
+
+// Blocks [b0, b1), group after group: four rows over 16 outputs at a time (16 sums), the three,
+// two or one rows left over 16, 32 or 64.
+template <bool DOT>
+void q8_neon_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, G = a.x.G, ld = a.n;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* wb = a.w + b * G * Q8B;
+    float* y = a.y + b * NB;
+    const int64_t ncols = std::min(NB, a.n - b * NB);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* piece = wb + g * Q8B;
+      for (int line = 0; line < int(Q8B / 64); ++line) __builtin_prefetch(piece + PF + 64 * line);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) group_q8_rows_neon<4, 4, DOT>(a, m, g, piece, y, ncols);
+      switch (M - m) {
+        case 3: group_q8_rows_neon<3, 4, DOT>(a, m, g, piece, y, ncols); break;
+        case 2: group_q8_rows_neon<2, 8, DOT>(a, m, g, piece, y, ncols); break;
+        case 1: group_q8_rows_neon<1, 16, DOT>(a, m, g, piece, y, ncols); break;
+        default: break;
+      }
+    }
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < ncols; ++c) {
+        const int64_t o = b * NB + c;
+        y[r * ld + c] = std::fma(y[r * ld + c], a.scale[o], a.bias ? a.bias[o] : 0.f);
+      }
+  }
+}
+
+void q8_neon(const Q8Args& a, int64_t b0, int64_t b1) {
+  if (q8_arm_dotprod() && vnni_allowed.load(std::memory_order_relaxed)) return q8_neon_blocks<true>(a, b0, b1);
+  q8_neon_blocks<false>(a, b0, b1);
+}
+#endif  // QD_ARM
 
 // ---- Attention over the cache for a few query rows (decode and verify steps) -----------------
 // out (B, H, T, D) = softmax(q k^T * scale, keys where mask is true) v, per head; query head h
@@ -1432,15 +1842,10 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
 // in the same k (key) order; reductions through the shared scalar trees (key_score16, sum_lanes16).
 #if QD_ARM
 
-// Eight weights of a block row as two 4-float vectors (int8 and bfloat16 widened exactly).
+// Eight weights of a block row as two 4-float vectors (bfloat16 widened exactly).
 inline void load8_neon(const float* p, float32x4_t& a, float32x4_t& b) {
   a = vld1q_f32(p);
   b = vld1q_f32(p + 4);
-}
-inline void load8_neon(const int8_t* p, float32x4_t& a, float32x4_t& b) {
-  const int16x8_t h = vmovl_s8(vld1_s8(p));
-  a = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
-  b = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
 }
 inline void load8_neon(const Bf16* p, float32x4_t& a, float32x4_t& b) {
   const uint16x8_t u = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
@@ -1467,13 +1872,12 @@ inline void store4_left(float* p, float32x4_t v, int64_t left) {
 
 // MR rows x outputs [c0, c0 + 4V) of one block (V even), as block_rows_avx2: MR * V sums in registers.
 template <typename W, int MR, int V>
-void block_rows_neon(const float* x, int64_t ldx, const W* wb, int64_t K, int64_t c0, const float* scale,
-                     const float* bias, float* y, int64_t ldy, int64_t ncols, bool prefetch) {
-  constexpr bool scaled = scaled_format<W>();
+void block_rows_neon(const float* x, int64_t ldx, const W* wb, int64_t K, int64_t c0, const float* bias, float* y,
+                     int64_t ldy, int64_t ncols, bool prefetch) {
   float32x4_t acc[MR][V];
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 4 * j;
-    const float32x4_t b = (bias && !scaled) ? load4_left(bias + o, ncols - o) : vdupq_n_f32(0.f);
+    const float32x4_t b = bias ? load4_left(bias + o, ncols - o) : vdupq_n_f32(0.f);
     for (int r = 0; r < MR; ++r) acc[r][j] = b;
   }
   for (int64_t k = 0; k < K; ++k) {
@@ -1498,12 +1902,7 @@ void block_rows_neon(const float* x, int64_t ldx, const W* wb, int64_t K, int64_
   for (int j = 0; j < V; ++j) {
     const int64_t o = c0 + 4 * j, left = ncols - o;
     if (left <= 0) break;
-    if (scaled) {
-      const float32x4_t s = load4_left(scale + o, left), b = bias ? load4_left(bias + o, left) : vdupq_n_f32(0.f);
-      for (int r = 0; r < MR; ++r) store4_left(y + r * ldy + o, vfmaq_f32(b, acc[r][j], s), left);
-    } else {
-      for (int r = 0; r < MR; ++r) store4_left(y + r * ldy + o, acc[r][j], left);
-    }
+    for (int r = 0; r < MR; ++r) store4_left(y + r * ldy + o, acc[r][j], left);
   }
 }
 
@@ -1514,22 +1913,21 @@ void blocks_neon(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
     const W* wb = a.w + b * a.K * NB;
-    const float* s = a.scale ? a.scale + b * NB : nullptr;
     const float* bias = a.bias ? a.bias + b * NB : nullptr;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     if (M == 1) {
-      block_rows_neon<W, 1, 16>(a.x, a.ldx, wb, a.K, 0, s, bias, y, ld, ncols, true);
+      block_rows_neon<W, 1, 16>(a.x, a.ldx, wb, a.K, 0, bias, y, ld, ncols, true);
       continue;
     }
     for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
       int64_t m = 0;
       for (; m + 3 <= M; m += 3)
-        block_rows_neon<W, 3, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+        block_rows_neon<W, 3, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
       for (; m + 2 <= M; m += 2)
-        block_rows_neon<W, 2, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+        block_rows_neon<W, 2, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
       if (m < M)
-        block_rows_neon<W, 1, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, s, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
+        block_rows_neon<W, 1, 8>(a.x + m * a.ldx, a.ldx, wb, a.K, c0, bias, y + m * ld, ld, ncols, c0 == 0 && m == 0);
     }
   }
 }
@@ -1749,7 +2147,7 @@ void attend_neon(AttendPass& p) {
 // ---- the paths: every kernel per instruction set (the one place that dispatches) ----
 struct Paths {
   void (*f32)(const MatArgs<float>&, int64_t, int64_t);
-  void (*i8)(const MatArgs<int8_t>&, int64_t, int64_t);
+  void (*i8)(const Q8Args&, int64_t, int64_t);
   void (*bf16)(const MatArgs<Bf16>&, int64_t, int64_t);
   void (*q4)(const Q4Args&, int64_t, int64_t);
   void (*attend)(AttendPass&);
@@ -1757,15 +2155,15 @@ struct Paths {
 
 // By enum Isa; a path this architecture cannot have is empty (cpu_has is false for it: never chosen).
 const Paths PATHS[ISA_COUNT] = {
-    {blocks_portable<float>, blocks_portable<int8_t>, blocks_portable<Bf16>, q4_portable, attend_portable},
+    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable},
 #if QD_X86
-    {blocks_avx2<float>, blocks_avx2<int8_t>, blocks_avx2<Bf16>, q4_avx2, attend_avx2},
-    {blocks_avx512<float>, blocks_avx512<int8_t>, blocks_avx512<Bf16>, q4_avx512, attend_avx512},
+    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2},
+    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512},
 #else
     {}, {},
 #endif
 #if QD_ARM
-    {blocks_neon<float>, blocks_neon<int8_t>, blocks_neon<Bf16>, q4_neon, attend_neon},
+    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon},
 #else
     {},
 #endif
@@ -1776,8 +2174,7 @@ const Paths& active_paths() { return PATHS[chosen_isa.load(std::memory_order_rel
 template <typename W>
 auto path_of(const Paths& p) {
   if constexpr (std::is_same<W, float>::value) return p.f32;
-  else if constexpr (std::is_same<W, Bf16>::value) return p.bf16;
-  else return p.i8;
+  else return p.bf16;
 }
 
 // ---- the drivers' torch-free parts (blocked_mm.cpp adds the checks and PyTorch's threads) ----
@@ -1788,6 +2185,11 @@ template <typename W, typename For>
 void matmul(const Paths& paths, const MatArgs<W>& a, int64_t nblk, For&& parallel_for) {
   const auto path = path_of<W>(paths);
   parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { path(a, b0, b1); });
+}
+
+template <typename For>
+void matmul_q8(const Paths& paths, const Q8Args& a, int64_t nblk, For&& parallel_for) {
+  parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { paths.i8(a, b0, b1); });
 }
 
 template <typename For>

@@ -40,16 +40,15 @@ inline const float* data_or_null(const c10::optional<at::Tensor>& v) {
 }
 
 template <typename W>
-at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
-               const c10::optional<at::Tensor>& bias, int64_t n, const char* name) {
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
+               const char* name) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB, name, ": packed must be a (N/64, K, 64) tensor");
-  const Checked c = check(x, packed, packed.size(1), scale, bias, n, name);
+  const Checked c = check(x, packed, packed.size(1), c10::nullopt, bias, n, name);
   const int64_t M = c.M, K = c.K, nblk = c.nblk;
-  const float* sptr = data_or_null(scale);
   const float* bptr = data_or_null(bias);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  const MatArgs<W> a{c.x.data_ptr<float>(), c.x.stride(0), M, static_cast<const W*>(packed.const_data_ptr()), K, sptr, bptr,
+  const MatArgs<W> a{c.x.data_ptr<float>(), c.x.stride(0), M, static_cast<const W*>(packed.const_data_ptr()), K, bptr,
                      y.data_ptr<float>(), n};
   matmul(active_paths(), a, nblk, torch_threads);  // one path for the whole call
   return y;
@@ -58,13 +57,48 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const c10::optiona
 at::Tensor blocked_mm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t n) {
   TORCH_CHECK(packed.scalar_type() == at::kFloat, "blocked_mm: packed must be float32");
-  return run<float>(x, packed, c10::nullopt, bias, n, "blocked_mm");
+  return run<float>(x, packed, bias, n, "blocked_mm");
 }
 
+// int8 weights on int8 activations (blocked_core.h's int8 section): the activations quantised
+// once (q4_quantize's formula, per row and group of 32, the row zero-padded to whole groups),
+// shared by every block.
 at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(packed.scalar_type() == at::kChar, "blocked_mm_int8: packed must be int8");
-  return run<int8_t>(x, packed, scale, bias, n, "blocked_mm_int8");
+  const char* name = "blocked_mm_int8";
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == 4 * NB &&
+                  packed.size(1) % 8 == 0, name, ": packed must be an int8 (N/64, 8 ceil(K/32), 256) tensor");
+  TORCH_CHECK(x.dim() == 2, name, ": x must be a 2-D float32 tensor");
+  const int64_t G = packed.size(1) / 8, K = x.size(1);
+  // (K's groups must be the packed ones: named as the weight's K where they are not)
+  const int64_t k_packed = (K + QG - 1) / QG == G ? K : G * QG;
+  const Checked c = check(x, packed, k_packed, scale, bias, n, name);
+  TORCH_CHECK(scale.defined(), name, ": scale is required");
+  const int64_t M = c.M, nblk = c.nblk;
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  // the quantised rows in this thread's scratch (no allocation per call: a decode step makes ~100 of
+  // these calls of a few us each): q (M, G * 32), d and X (2, M, G), asum (M, G)
+  thread_local std::vector<int8_t> q_scratch;
+  thread_local std::vector<float> d_scratch;
+  thread_local std::vector<int32_t> sum_scratch;
+  if ((int64_t)q_scratch.size() < M * G * QG) q_scratch.resize(M * G * QG);
+  if ((int64_t)d_scratch.size() < 2 * M * G) d_scratch.resize(2 * M * G);
+  if ((int64_t)sum_scratch.size() < M * G) sum_scratch.resize(M * G);
+  int8_t* qp = q_scratch.data();
+  float* d = d_scratch.data();
+  int32_t* as = sum_scratch.data();
+  const float* xp = c.x.data_ptr<float>();
+  const int64_t ldx = c.x.stride(0);
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {  // (rows are independent: any split)
+    std::vector<float> pad(K == G * QG ? 0 : G * QG);
+    q8_quantize(xp + r0 * ldx, ldx, r1 - r0, K, G, qp + r0 * G * QG, d + r0 * G, as + r0 * G, d + M * G + r0 * G,
+                pad.data());
+  });
+  const Q8Args a{{qp, G * QG, d, as, G}, M, packed.data_ptr<int8_t>(), scale.data_ptr<float>(), data_or_null(bias),
+                 y.data_ptr<float>(), n};
+  matmul_q8(active_paths(), a, nblk, torch_threads);
+  return y;
 }
 
 // bfloat16 weights widened to float32 in registers: the float32 kernel's sums on the widened
@@ -72,7 +106,7 @@ at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const 
 at::Tensor blocked_mm_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            int64_t n) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "blocked_mm_bf16: packed must be bfloat16");
-  return run<Bf16>(x, packed, c10::nullopt, bias, n, "blocked_mm_bf16");
+  return run<Bf16>(x, packed, bias, n, "blocked_mm_bf16");
 }
 
 at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -201,12 +235,12 @@ extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_attend(
 // FMA, 2 AVX-512, 3 NEON. quickdraft_set_isa returns 0, or -1 where the CPU lacks that ISA (unchanged).
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_isa() { return chosen_isa.load(); }
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_cpu_has(int32_t isa) { return cpu_has(isa); }
-// int4's integer dot-product instructions (AVX-512 VNNI, AVX-VNNI) on (1, where the CPU has them)
-// or off (0: maddubs + madd, the same bits); returns the previous setting.
+// int8's and int4's integer dot-product instructions (AVX-512 VNNI, AVX-VNNI, NEON's sdot) on (1,
+// where the CPU has them) or off (0: maddubs + madd, vmull: the same bits); returns the previous setting.
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_vnni(int32_t on) {
   return vnni_allowed.exchange(on != 0);
 }
-// Whether the chosen path's int4 kernel runs vpdpbusd (1) or not (0).
+// Whether the chosen path's int4 (and int8) kernel runs vpdpbusd / sdot (1) or not (0).
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_int4_vnni() {
   if (!vnni_allowed.load()) return 0;
 #if QD_X86

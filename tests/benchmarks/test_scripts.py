@@ -44,6 +44,8 @@ def _check_cpu_kernels(out: Path) -> None:
     kernels = _json(out, "ck.json")["threads"]["1"]["kernels"]
     for name in ("f32 F.linear W[out,in]", "f32 quickdraft blocked_mm"):  # always there on x86 and ARM
         assert "error" not in kernels.get(name, {"error": "missing"}), (name, kernels.get(name))
+    for name in ("int8 quickdraft blocked_mm_int8, f32 x", "int4 g32 quickdraft blocked_mm_int4, f32 x"):
+        assert "error" not in kernels.get(name, {}), (name, kernels.get(name))  # (packed as the kernel wants)
 
 
 def _check_default_pair(out: Path) -> None:
@@ -95,6 +97,7 @@ CASES: dict[str, Case] = {
     "attention.py": Case(["--threads", "1", "--models", "bundled", "--keys", "16", "--rows", "1", "2", "--repeats", "1",
                           "--calls", "1", "--out", "{out}/attention.json"], ["attention.json"]),
     "blocked_rows.py": Case(["--tiny", "--out", "{out}/blocked_rows.txt"], ["blocked_rows.txt"]),
+    "perplexity.py": Case(["--tiny", "--out", "{out}/ppl.txt"], ["ppl.txt"]),
     "blocked_vs_dense_rows.py": Case(["1", "--tiny", "--out", "{out}/bvd.txt"], ["bvd.txt"]),
     "compiled.py": Case(["--configs", "plain-eager", "draft-eager", "int8-draft-eager", "--prompts", "1",
                          "--new-tokens", "4", "--repeats", "1", "-k", "2", "--out-dir", "{out}"],

@@ -6,11 +6,13 @@
 //   neon_harness PATH KERNEL IN OUT
 //
 // PATH: portable | avx2 | avx512 | neon (an error where this build or CPU lacks it), with
-// "-novnni" after it: int4 without the integer dot-product instructions. KERNEL: f32,
+// "-novnni" after it: int8 and int4 without the integer dot-product instructions. KERNEL: f32,
 // bf16, int8, int4 or attend. IN: 8 little-endian int64 dims, one float64, then the operands
 // (float32 unless said, C order):
-//   f32 / bf16 / int8: dims M, K, N, has_bias, pieces; x (M, K), packed (ceil(N/64), K, 64) of
-//     float32 / bfloat16 / int8, [int8: scale (N)], [bias (N)]
+//   f32 / bf16: dims M, K, N, has_bias, pieces; x (M, K), packed (ceil(N/64), K, 64) of
+//     float32 / bfloat16, [bias (N)]
+//   int8: dims M, K, N, has_bias, pieces; x (M, K), packed int8 (ceil(N/64), 8 ceil(K/32), 256),
+//     scale (N), [bias (N)]
 //   int4: dims M, K, N, has_bias, pieces; x (M, K), packed uint8 (ceil(N/64), K/32, 1280), [bias (N)]
 //   attend: dims B, H, Hkv, T, L, D, mask_rows (B or 1), pieces; the float64: scale; q (B, H, T, D),
 //     k and v (B, Hkv, L, D), mask bytes (mask_rows, T, L)
@@ -59,11 +61,25 @@ std::vector<float> run_matmul(Reader& in, const int64_t* d, const Paths& paths) 
   const int64_t M = d[0], K = d[1], N = d[2], nblk = (N + NB - 1) / NB;
   const float* x = in.take<float>(M * K);
   const W* w = in.take<W>(nblk * K * NB);
-  const float* scale = scaled_format<W>() ? in.take<float>(N) : nullptr;
   const float* bias = d[3] ? in.take<float>(N) : nullptr;
   std::vector<float> y(M * N);
-  const MatArgs<W> a{x, K, M, w, K, scale, bias, y.data(), N};
+  const MatArgs<W> a{x, K, M, w, K, bias, y.data(), N};
   matmul(paths, a, nblk, Pieces{d[4]});
+  return y;
+}
+
+std::vector<float> run_int8(Reader& in, const int64_t* d, const Paths& paths) {
+  const int64_t M = d[0], K = d[1], N = d[2], nblk = (N + NB - 1) / NB, G = (K + QG - 1) / QG;
+  const float* x = in.take<float>(M * K);
+  const int8_t* w = in.take<int8_t>(nblk * G * Q8B);
+  const float* scale = in.take<float>(N);
+  const float* bias = d[3] ? in.take<float>(N) : nullptr;
+  std::vector<int8_t> xq(M * G * QG);
+  std::vector<float> dx(2 * M * G), pad(G * QG), y(M * N);
+  std::vector<int32_t> asum(M * G);
+  q8_quantize(x, K, M, K, G, xq.data(), dx.data(), asum.data(), dx.data() + M * G, pad.data());
+  const Q8Args a{{xq.data(), G * QG, dx.data(), asum.data(), G}, M, w, scale, bias, y.data(), N};
+  matmul_q8(paths, a, nblk, Pieces{d[4]});
   return y;
 }
 
@@ -96,7 +112,7 @@ std::vector<float> run_attend(Reader& in, const int64_t* d, double scale, const 
   return out;
 }
 
-// PATH may end in "-novnni": int4 without the integer dot-product instructions (maddubs + madd).
+// PATH may end in "-novnni": int8 and int4 without the integer dot-product instructions (maddubs + madd).
 int path_index(std::string name) {
   const std::string suffix = "-novnni";
   if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
@@ -127,7 +143,7 @@ int main(int argc, char** argv) {
     std::vector<float> y;
     if (kernel == "f32") y = run_matmul<float>(in, d, paths);
     else if (kernel == "bf16") y = run_matmul<Bf16>(in, d, paths);
-    else if (kernel == "int8") y = run_matmul<int8_t>(in, d, paths);
+    else if (kernel == "int8") y = run_int8(in, d, paths);
     else if (kernel == "int4") y = run_int4(in, d, paths);
     else if (kernel == "attend") y = run_attend(in, d, scale, paths);
     else throw std::runtime_error("unknown kernel " + kernel + " (f32, bf16, int8, int4, attend)");

@@ -73,16 +73,15 @@ def test_float32_and_int8_matmuls_are_the_same_bits_on_every_path(k, n, threads)
     g = torch.Generator().manual_seed(k * n)
     w = torch.randn(k, n, generator=g) / k ** 0.5
     packed = kernels.pack(w)
-    qpacked = kernels.pack(torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=g))
+    qpacked = kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
     scale, bias = torch.rand(n, generator=g) / 100, torch.randn(n, generator=g)
     for m in ROWS:
         x = _x(m, k, m)
         assert_all_equal(on_every_path(lambda: kernels.blocked_mm(x, packed, bias, n), threads), f"float32 m={m}")
         assert_all_equal(on_every_path(lambda: kernels.blocked_mm(x, packed, None, n), threads), f"float32 m={m}")
-        assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int8(x, qpacked, scale, bias, n), threads),
-                         f"int8 m={m}")
-        assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int8(x, qpacked, scale, None, n), threads),
-                         f"int8 m={m}")
+        for b in (bias, None):  # (with and without the integer dot-product instructions)
+            assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int8(x, qpacked, scale, b, n), threads,
+                                           (True, False)), f"int8 m={m}")
 
 
 @pytest.mark.parametrize("k,n", [(32, 70), (96, 323), (576, 200), (64, 1)])
@@ -100,12 +99,13 @@ def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, threads):
 
 
 def test_int4_uses_vnni_where_the_cpu_has_it():
-    """vpdpbusd runs where the CPU has it (so the comparisons above cover both instructions)."""
+    """vpdpbusd runs where the CPU has it (so the comparisons above cover both instructions; int8
+    makes int4's choice)."""
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     for isa, flag in (("avx512", "avx512_vnni"), ("avx2", "avx_vnni")):
         if isa in PATHS:
             with kernels.use_isa(isa):
-                assert kernels.int4_uses_vnni() == (flag in flags), isa
+                assert kernels.int4_uses_vnni() == kernels.int8_uses_vnni() == (flag in flags), isa
                 with kernels.use_vnni(False):
                     assert not kernels.int4_uses_vnni()
     with kernels.use_isa("portable"):

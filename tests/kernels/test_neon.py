@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).with_name("neon_harness.cpp")
 FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", f"-I{ROOT}"]  # (-ffp-contract=off: as the library)
 CROSS, QEMU, SYSROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-linux-gnu"
-ROWS = [1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 65]  # NEON: 1 row; groups of 3 and 2 (+1); int4: 4s, then 3, 2, 1
+ROWS = [1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 65]  # NEON: 1 row; groups of 3 and 2 (+1); int8 / int4: 4s, then 3, 2, 1
 
 
 def _build(compiler: str, out: Path) -> Path:
@@ -95,7 +95,7 @@ def _matmul_cases(kernel: str, k: int, n: int):
         packed = kernels.pack_bf16(torch.randn(k, n, generator=g) / k ** 0.5)
         lib, extra = lambda x, b: kernels.blocked_mm_bf16(x, packed, b, n), []
     elif kernel == "int8":
-        packed = kernels.pack(torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=g))
+        packed = kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
         scale = torch.rand(n, generator=g) / 100
         lib, extra = lambda x, b: kernels.blocked_mm_int8(x, packed, scale, b, n), [scale]
     else:
@@ -112,14 +112,14 @@ def _matmul_cases(kernel: str, k: int, n: int):
 
 
 MATMULS = [("f32", 33, 200), ("f32", 577, 323), ("f32", 1, 5), ("bf16", 33, 200), ("bf16", 577, 323), ("bf16", 2, 64),
-           ("int8", 33, 200), ("int8", 577, 323), ("int8", 64, 1), ("int4", 32, 70), ("int4", 96, 323),
+           ("int8", 33, 200), ("int8", 577, 323), ("int8", 64, 1), ("int8", 576, 130), ("int4", 32, 70), ("int4", 96, 323),
            ("int4", 576, 200), ("int4", 64, 1), ("int4", 2048, 130)]
 
 
 @pytest.mark.parametrize("kernel,k,n", MATMULS)
 def test_neon_matmuls_are_the_x86_librarys_bits(kernel, k, n, neon, tmp_path):
-    # int4: with sdot (qemu's CPU has the dot-product extension) and without (vmull + vpadal)
-    for path in ("neon", "neon-novnni") if kernel == "int4" else ("neon",):
+    # int8 and int4: with sdot (qemu's CPU has the dot-product extension) and without (vmull + vpadal)
+    for path in ("neon", "neon-novnni") if kernel in ("int8", "int4") else ("neon",):
         for what, want, dims, arrays in _matmul_cases(kernel, k, n):
             got = _harness(lambda *a: neon(*a, path=path), tmp_path, kernel, dims, 0.0, arrays, tuple(want.shape))
             _same_bits(got, want, f"{path} {what}")
@@ -161,8 +161,8 @@ def test_neon_attend_is_the_x86_librarys_bits(B, H, Hkv, T, L, D, neon, tmp_path
 @pytest.mark.parametrize("kernel,k,n", MATMULS[::2])
 def test_the_native_harness_gives_the_librarys_bits_on_every_x86_path(kernel, k, n, native, tmp_path):
     """The harness's reading, splitting and writing, checked where no emulator is involved."""
-    paths = kernels.cpu_isas() + tuple(f"{p}-novnni" for p in kernels.cpu_isas() if kernel == "int4")
-    for path in paths:  # (int4 with and without the integer dot-product instructions)
+    paths = kernels.cpu_isas() + tuple(f"{p}-novnni" for p in kernels.cpu_isas() if kernel in ("int8", "int4"))
+    for path in paths:  # (int8 and int4 with and without the integer dot-product instructions)
         for what, want, dims, arrays in _matmul_cases(kernel, k, n):
             _same_bits(_harness(native, tmp_path, kernel, dims, 0.0, arrays, tuple(want.shape), path), want,
                        f"{path} {what}")
