@@ -344,8 +344,8 @@ class EngineConfig:
     # Debug: on every prefix cache hit, prefill the cached prefix from scratch too and compare the KV, bit for bit
     # where the kernels are row-invariant (check_prefix_cache_check: False, True, "raise"); costs a prefill per hit
     prefix_cache_check: bool | str = False
-    # Chunked prefill: prompt tokens one step prefills at most, between decode steps of the running requests
-    # (None: a whole batch of prompts in one step)
+    # Chunked prefill: tokens one step computes at most, the running requests' verify positions and a prompt
+    # chunk together (mixed steps; None: a whole batch of prompts in one step)
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # seconds a request's constraint may take to compile (off the step loop); past it the request is refused
     constraint_compile_timeout: float = DEFAULT_CONSTRAINT_COMPILE_TIMEOUT

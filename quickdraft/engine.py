@@ -551,10 +551,13 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests that fit; then prefill up to max_num_batched_tokens prompt tokens
-        of the admitted ones, or run one speculative step for the running batch (the two
-        alternate while both have work, so running streams keep flowing while a long prompt is
-        computed). Returns an output (with deltas) per request touched."""
+        """Admit waiting requests that fit; then run one speculative step for the running batch
+        with a chunk of the admitted prompts in the same forward (a mixed step: the budget
+        max_num_batched_tokens counts both), or, where steps cannot mix (mixes_prefill) or the
+        running rows leave the chunk under half the budget, prefill up to max_num_batched_tokens
+        prompt tokens or run the speculative step alone, the two alternating while both have
+        work: running streams keep flowing while a long prompt is computed. Returns an output
+        (with deltas) per request touched."""
         if self._pending_build is not None:  # between steps: the only place the forwards may change
             self._switch_if_built()
         admitted = self._admit()
