@@ -575,9 +575,11 @@ class Engine:
             self._mixing = _Mixing()
             try:
                 touched = self._decode()
-                mixed = self._mixing.done is not None
+                done = self._mixing.done
+                mixed = done is not None
                 if mixed:
-                    touched += self._finish_prefill(*self._mixing.done)
+                    touched += self._finish_prefill(done.requests, done.chunks, done.starts, done.logits,
+                                                    done.hidden_rows)
             finally:
                 self._mixing = None
             self._prefilled_last, self._mix_declined = mixed, not mixed
@@ -947,12 +949,12 @@ class Engine:
         hidden_at = self._prefill_hidden_at(requests)
         out = self.target.forward_packed(blocks, self.cache.rows(0, first + len(requests)), hidden_at)
         (logits, hidden), rest = out[0], out[1:]
-        if hidden is not None:
-            hidden = hidden[..., :len(self._hidden_layers) * self.target.config.hidden_size] \
-                if self._hidden_layers is not None else None
-        chunk_logits = torch.cat([lg[:, 0] for lg, _ in rest])  # (P, V): after each chunk's last token
-        hidden_rows = None if hidden_at is None else [h[0] for _, h in rest]
-        self._mixing.done = (requests, chunks, starts, chunk_logits, hidden_rows)
+        if self._hidden_layers is None:
+            hidden = None  # (states taken for prompt logprobs only)
+        elif hidden is not None:
+            hidden = hidden[..., :len(self._hidden_layers) * self.target.config.hidden_size]
+        self._mixing.done = _Chunks(requests, chunks, starts, torch.cat([lg[:, 0] for lg, _ in rest]),
+                                    None if hidden_at is None else [h[0] for _, h in rest])
         return logits, hidden
 
     def _verify_chain(self, draft, last, lengths, sampling, rnd: StepRandom) -> StepOutcome:
@@ -1148,11 +1150,21 @@ class Engine:
         self.prefilling = kept
 
 
+@dataclass(frozen=True)
+class _Chunks:
+    """Prompt chunks a forward computed, for _finish_prefill."""
+    requests: list[_Request]
+    chunks: list[list[int]]  # each request's tokens computed
+    starts: list[int]  # each chunk's first position
+    logits: torch.Tensor  # (P, V) after each chunk's last token
+    hidden_rows: list[torch.Tensor] | None  # per chunk (T_i, ...): the states _prefill_hidden_at asked for
+
+
 @dataclass
 class _Mixing:
-    """A mixed step's prefill part: what _mixed_forward computed, for _finish_prefill (None: the
-    budget had no room for a chunk this step)."""
-    done: tuple | None = None
+    """A mixed step's prefill part: what _mixed_forward computed (None: the budget had no room
+    for a chunk this step)."""
+    done: _Chunks | None = None
 
 
 def _pow2(n: int) -> int:

@@ -230,3 +230,26 @@ def test_compiled_steps_alternate(target_dir):
     eng.add_request(prompt(40, 2), params)
     fed = [running in {o.request_id for o in eng.step()} for _ in range(6)]
     assert not calls and fed == [True, False, True, False, True, False]  # a decode step, a chunk, ...
+
+
+@pytest.mark.parametrize("case", ["none", "eagle3"])
+def test_prompt_logprobs_of_a_prompt_prefilled_in_mixed_steps(target_dir, noisy_draft, head_dir, case):
+    """Prompt logprobs read every chunk position's final states from the mixed forward (with the
+    head's states beside them for EAGLE-3): the same as a whole prefill's."""
+    llm = _llm(target_dir, noisy_draft, head_dir, case, max_num_batched_tokens=24)
+    exact_or_skip(llm)
+    eng = llm.engine
+    calls = spy_packed(eng)
+    eng.add_request(prompt(10, 1), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    eng.step()
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+    rid = eng.add_request(prompt(60, 2), params)
+    outs = {}
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert len(calls) >= 3
+    ref = _llm(target_dir, noisy_draft, head_dir, case, max_num_batched_tokens=None).engine.generate(
+        [(prompt(60, 2), params)])[0]
+    got = outs[rid]
+    assert got.prompt_logprobs == ref.prompt_logprobs and len(got.prompt_logprobs) == 60
+    assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
