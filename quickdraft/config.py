@@ -179,13 +179,13 @@ _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10*
 SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
 DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
 # tokens one step computes at most (chunked prefill): the running requests' verify positions and a prompt chunk in
-# one forward (mixed steps, quickdraft.engine). 32 from benchmarks/results/chunked_prefill_mixed_cpu.md (SmolLM2,
-# one thread, 4 streams, a 4,000-token prompt arriving, a 2-core Xeon at load 7-10): the streams' median gap
-# while it was prefilled was 1.5-2.3x their steady median (a 28-token chunk keeps a step within ~2x a decode
-# step), against 3.4-5.0x with the alternation at 64, and the prompt's first token came about as soon (77-104 s,
-# 57-76 s); 20 gave 1.7-1.9x for 121-128 s. Speculative batches need more: rows x (k + 1) must leave half of it
-# for the chunk, else chunks and decode steps alternate (the bundled pair, 4 streams at k = 5: 64)
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 32
+# one forward (mixed steps, quickdraft.engine). 20 from benchmarks/results/chunked_prefill_mixed_cpu.md (SmolLM2,
+# one thread, 4 streams, a 4,000-token prompt arriving, a 2-core Xeon at load 2.3-9.4): with 4 streams a 16-token
+# chunk keeps a step within ~2x a decode step (the streams' median gap while the prompt was prefilled 1.6-1.9x
+# their steady median, p99 3.3-6.5x), against 4.3-5.0x and 11-15x with the old alternation at 64, whose first
+# token came 1.6-2.3x sooner (27-76 s against 60-128 s); 32 gave 3.3x at load 2.7. Speculative batches need
+# more: rows x (k + 1) must leave half of it for the chunk, else chunks and decode steps alternate
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 20
 # the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
 # falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
 DEFAULT_POLICY = "auto"
