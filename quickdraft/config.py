@@ -178,12 +178,14 @@ _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10*
                  "t": 2**40}
 SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
 DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
-# prompt tokens one prefill step computes at most (chunked prefill): what a running stream may wait between two
-# tokens while a long prompt arrives. 64 from benchmarks/results/chunked_prefill_smollm2_cpu.md (SmolLM2, one
-# thread, a loaded 2-core Xeon): while a 4,000-token prompt was prefilled, the running streams' median gap was
-# 3.2-4.7x their steady median at 64 (3.5-3.9x at 32), 24-25x at 512; the long prompt's first token came
-# 1.8x later than at 512 (75 s against 42 s), 32 cost 2.1x
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 64
+# tokens one step computes at most (chunked prefill): the running requests' verify positions and a prompt chunk in
+# one forward (mixed steps, quickdraft.engine). 20 from benchmarks/results/chunked_prefill_mixed_cpu.md (SmolLM2,
+# one thread, 4 streams, a 4,000-token prompt arriving, a 2-core Xeon at load 2.3-9.4): with 4 streams a 16-token
+# chunk keeps a step within ~2x a decode step (the streams' median gap while the prompt was prefilled 1.6-1.9x
+# their steady median, p99 3.3-6.5x), against 4.3-5.0x and 11-15x with the old alternation at 64, whose first
+# token came 1.6-2.3x sooner (27-76 s against 60-128 s); 32 gave 3.3x at load 2.7. Speculative batches need
+# more: rows x (k + 1) must leave half of it for the chunk, else chunks and decode steps alternate
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 20
 # the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
 # falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
 DEFAULT_POLICY = "auto"
@@ -344,8 +346,8 @@ class EngineConfig:
     # Debug: on every prefix cache hit, prefill the cached prefix from scratch too and compare the KV, bit for bit
     # where the kernels are row-invariant (check_prefix_cache_check: False, True, "raise"); costs a prefill per hit
     prefix_cache_check: bool | str = False
-    # Chunked prefill: prompt tokens one step prefills at most, between decode steps of the running requests
-    # (None: a whole batch of prompts in one step)
+    # Chunked prefill: tokens one step computes at most, the running requests' verify positions and a prompt
+    # chunk together (mixed steps; None: a whole batch of prompts in one step)
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # seconds a request's constraint may take to compile (off the step loop); past it the request is refused
     constraint_compile_timeout: float = DEFAULT_CONSTRAINT_COMPILE_TIMEOUT

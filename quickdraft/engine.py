@@ -32,7 +32,7 @@ from .metrics import SpecStats
 from .prefix_cache import PrefixCache
 from .model.quant import row_invariant
 from .model.tokenizer import Detokenizer, Tokenizer
-from .model.transformer import Transformer, forward_chunks
+from .model.transformer import Block, Transformer, forward_chunks
 from .proposers import get as get_proposer
 from .proposers.base import Draft, ProposeBatch, Proposer, VerifyResult
 from .sampling import (BatchSampling, PenaltyState, SamplingParams, StepRandom, Stream, chain_ancestors,
@@ -229,6 +229,13 @@ class Engine:
         # admitted, prompt not fully computed yet (chunked prefill), in the rows after the running ones, in order
         self.prefilling: list[_Request] = []
         self._prefilled_last = False  # the last step prefilled: the next one decodes (streams keep flowing)
+        # Mixed steps: a prefill chunk rides in the running batch's verify forward (Transformer.forward_packed),
+        # so the weights are read once for both. Only where a row's bits cannot depend on the rows beside it
+        # (row-invariant linear layers) and the step is the eager model: a compiled or AOT step has shapes
+        # and fused code of its own, and a tensor-parallel target its own forward; those alternate.
+        self._packs = isinstance(target, Transformer) and row_invariant(target)
+        self._mixing: _Mixing | None = None  # the current step's prefill part, while it mixes
+        self._mix_declined = False  # the last step could not take a chunk: the next one prefills alone
         self.cache: KVCache | None = None
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
@@ -544,10 +551,13 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests that fit; then prefill up to max_num_batched_tokens prompt tokens
-        of the admitted ones, or run one speculative step for the running batch (the two
-        alternate while both have work, so running streams keep flowing while a long prompt is
-        computed). Returns an output (with deltas) per request touched."""
+        """Admit waiting requests that fit; then run one speculative step for the running batch
+        with a chunk of the admitted prompts in the same forward (a mixed step: the budget
+        max_num_batched_tokens counts both), or, where steps cannot mix (mixes_prefill) or the
+        running rows leave the chunk under half the budget, prefill up to max_num_batched_tokens
+        prompt tokens or run the speculative step alone, the two alternating while both have
+        work: running streams keep flowing while a long prompt is computed. Returns an output
+        (with deltas) per request touched."""
         if self._pending_build is not None:  # between steps: the only place the forwards may change
             self._switch_if_built()
         admitted = self._admit()
@@ -555,10 +565,24 @@ class Engine:
             self._stepping = self.prefilling + admitted
             self._start_prefill(admitted)
             self._stepping = []
-        if self.prefilling and not (self.running and self._prefilled_last):
+        mix = bool(self.running and self.prefilling) and self.mixes_prefill() and not self._mix_declined
+        if self.prefilling and not (self.running and (self._prefilled_last or mix)):
             self._stepping = list(self.prefilling)
             touched = self._prefill()
-            self._prefilled_last = True
+            self._prefilled_last, self._mix_declined = True, False
+        elif mix:
+            self._stepping = list(self.prefilling)  # a failure is blamed on them (recover_failed_step)
+            self._mixing = _Mixing()
+            try:
+                touched = self._decode()
+                done = self._mixing.done
+                mixed = done is not None
+                if mixed:
+                    touched += self._finish_prefill(done.requests, done.chunks, done.starts, done.logits,
+                                                    done.hidden_rows)
+            finally:
+                self._mixing = None
+            self._prefilled_last, self._mix_declined = mixed, not mixed
         else:
             touched = self._decode() if self.running else []
             self._prefilled_last = False
@@ -567,6 +591,10 @@ class Engine:
         if any(r.finished for r in self.running + self.prefilling):
             self._release_finished()
         return outputs
+
+    def mixes_prefill(self) -> bool:
+        """Whether a prefill chunk rides in the running batch's step now (else the two alternate)."""
+        return self._packs and self._forward is self.target
 
     def _capacity_needed(self, r: _Request) -> int:
         return len(r.prompt) + r.params.max_tokens + self._draft_room + 1  # + room for drafts past the end
@@ -601,6 +629,7 @@ class Engine:
         reset, and return them with True; else return the running batch with False (whose
         rows the caller should abort: which one broke the step cannot be told)."""
         admitted, self._stepping = self._stepping, []
+        self._mix_declined = True  # a mixed step may have failed: the retry prefills alone
         if not admitted:
             return list(self.running), False
         ids = {r.id for r in admitted}
@@ -707,7 +736,21 @@ class Engine:
         chunk); the requests whose prompt is complete sample their first token and join the
         running batch. A row's bits do not depend on how its prompt is cut (row-invariant
         kernels), so chunks and cache hits give the tokens a whole prefill gives."""
-        budget = self.config.max_num_batched_tokens
+        requests, chunks, starts = self._plan_prefill(self.config.max_num_batched_tokens)
+        start = len(self.running)
+        view = self.cache.rows(start, start + len(requests))
+        hidden_at = self._prefill_hidden_at(requests)
+        hidden_rows = None
+        if hidden_at is not None:
+            logits, hidden = forward_chunks(self.target, chunks, starts, view, hidden_at=hidden_at)
+            hidden_rows = [hidden[i, :len(c)] for i, c in enumerate(chunks)]
+        else:
+            logits = forward_chunks(self.target, chunks, starts, view)
+        return self._finish_prefill(requests, chunks, starts, logits, hidden_rows)
+
+    def _plan_prefill(self, budget: int | None) -> tuple[list[_Request], list[list[int]], list[int]]:
+        """The prefilling requests a step computes prompt tokens of, in row order, their chunks
+        (at most `budget` tokens in all; None: whole prompts) and where each chunk starts."""
         requests, chunks = [], []
         for r in self.prefilling:
             n = len(r.prompt) - r.num_computed
@@ -718,24 +761,31 @@ class Engine:
                 budget -= n
             requests.append(r)
             chunks.append(r.prompt[r.num_computed:r.num_computed + n])
-        start = len(self.running)
-        starts = [r.num_computed for r in requests]
-        view = self.cache.rows(start, start + len(requests))
-        # prompt logprobs read the final hidden states of every prompt position (the layer count's index)
-        want_prompt = [i for i, r in enumerate(requests) if r.params.prompt_logprobs is not None]
+        return requests, chunks, [r.num_computed for r in requests]
+
+    def _prefill_hidden_at(self, requests: list[_Request]) -> tuple[int, ...] | None:
+        """The target layers whose states a prefill returns: the proposer's, and the final ones
+        (the layer count's index) when a request wants prompt logprobs."""
         hidden_at = self._hidden_layers
-        if want_prompt:
+        if any(r.params.prompt_logprobs is not None for r in requests):
             hidden_at = (hidden_at or ()) + (self.target.config.num_hidden_layers,)
-        if hidden_at is not None:
-            logits, hidden = forward_chunks(self.target, chunks, starts, view, hidden_at=hidden_at)
+        return hidden_at
+
+    def _finish_prefill(self, requests: list[_Request], chunks: list[list[int]], starts: list[int],
+                        logits: torch.Tensor, hidden_rows: list[torch.Tensor] | None) -> list[_Request]:
+        """After a forward over the chunks (rows from len(self.running) on): the proposer's states and
+        prompt logprobs from the states (T_i, ...) of each chunk, and the requests whose prompt is
+        complete sample their first token from logits (P, V) and join the running batch."""
+        start = len(self.running)
+        if hidden_rows is not None:
             H = self.target.config.hidden_size
             if self._hidden_layers is not None:
-                self.proposer.add_hidden(start, hidden[..., :len(self._hidden_layers) * H],
-                                         [list(range(len(c))) for c in chunks])
-            for i in want_prompt:
-                self._prompt_logprobs(requests[i], hidden[i, :len(chunks[i]), -H:], starts[i])
-        else:
-            logits = forward_chunks(self.target, chunks, starts, view)
+                width = len(self._hidden_layers) * H
+                for i, h in enumerate(hidden_rows):
+                    self.proposer.add_hidden(start + i, h[None, :, :width], [list(range(h.shape[0]))])
+            for i, r in enumerate(requests):
+                if r.params.prompt_logprobs is not None:
+                    self._prompt_logprobs(r, hidden_rows[i][:, -H:], starts[i])
         for r, c in zip(requests, chunks):
             r.num_computed += len(c)
         done = [r for r in requests if r.num_computed == len(r.prompt)]  # the first rows (the budget went in order)
@@ -859,18 +909,53 @@ class Engine:
             kind = FORCED if forced and forced[b] else DRAFT
             self._append(r, toks[: n + 1], None if result.logprobs is None else result.logprobs[b],
                          origins=(kind,) * n + (TARGET,))
-        if self.policy is not None:
-            self.policy.observe_step(len(rows), k, time.perf_counter() - started)
+        if self.policy is not None and (self._mixing is None or self._mixing.done is None):
+            self.policy.observe_step(len(rows), k, time.perf_counter() - started)  # (a mixed step is no decode step's cost)
         return list(rows)
 
     def _verify_forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The verify forward: (logits, None), or with the proposer's hidden_layers (logits,
         states): from the AOT package that returns them, else the eager model (torch.compile'd
-        steps return logits only)."""
+        steps return logits only). In a mixed step, with a prefill chunk (_mixed_forward)."""
+        if self._mixing is not None:
+            mixed = self._mixed_forward(*args, **kwargs)
+            if mixed is not None:
+                return mixed
         if self._hidden_layers is None:
             return self._forward(*args, **kwargs), None
         forward = self.target if self.config.compile is True else self._forward  # an AOT step or the model
         return forward.forward_hidden(*args, **kwargs, hidden_at=self._hidden_layers)
+
+    def _mixed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, view, *, kv_len: int, slots=None,
+                       attn_mask=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The verify forward (same arguments and results) of a mixed step: with the prefill chunk
+        the token budget has room for, in one forward (Transformer.forward_packed: the weights are read
+        once for both, and each row keeps the bits its own forward gives it). The budget
+        (max_num_batched_tokens) counts the verify positions (rows x (1 + drafts)) and the chunk's;
+        when it leaves less than half of itself for the chunk (what a step of the alternation
+        prefilled on average), None: the step verifies alone and the next one prefills."""
+        B, T = tokens.shape
+        budget = self.config.max_num_batched_tokens
+        left = None if budget is None else budget - B * T
+        if left is not None and 2 * left < budget:
+            return None
+        requests, chunks, starts = self._plan_prefill(left)
+        first = len(self.running)
+        blocks = [Block(tokens, positions, 0, kv_len, slots, attn_mask)]
+        for i, (c, s0) in enumerate(zip(chunks, starts)):
+            ids = to_device([c], self.device)
+            blocks.append(Block(ids, to_device([list(range(s0, s0 + len(c)))], self.device), first + i,
+                                s0 + len(c), logits_at=to_device([[len(c) - 1]], self.device)))
+        hidden_at = self._prefill_hidden_at(requests)
+        out = self.target.forward_packed(blocks, self.cache.rows(0, first + len(requests)), hidden_at)
+        (logits, hidden), rest = out[0], out[1:]
+        if self._hidden_layers is None:
+            hidden = None  # (states taken for prompt logprobs only)
+        elif hidden is not None:
+            hidden = hidden[..., :len(self._hidden_layers) * self.target.config.hidden_size]
+        self._mixing.done = _Chunks(requests, chunks, starts, torch.cat([lg[:, 0] for lg, _ in rest]),
+                                    None if hidden_at is None else [h[0] for _, h in rest])
+        return logits, hidden
 
     def _verify_chain(self, draft, last, lengths, sampling, rnd: StepRandom) -> StepOutcome:
         """Target forward over [last, d_1..d_k] at positions L-1..L-1+k, then verify."""
@@ -1063,6 +1148,23 @@ class Engine:
                     self.proposer.move_row(row, dst)
             kept.append(r)
         self.prefilling = kept
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """Prompt chunks a forward computed, for _finish_prefill."""
+    requests: list[_Request]
+    chunks: list[list[int]]  # each request's tokens computed
+    starts: list[int]  # each chunk's first position
+    logits: torch.Tensor  # (P, V) after each chunk's last token
+    hidden_rows: list[torch.Tensor] | None  # per chunk (T_i, ...): the states _prefill_hidden_at asked for
+
+
+@dataclass
+class _Mixing:
+    """A mixed step's prefill part: what _mixed_forward computed (None: the budget had no room
+    for a chunk this step)."""
+    done: _Chunks | None = None
 
 
 def _pow2(n: int) -> int:

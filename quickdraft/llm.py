@@ -113,8 +113,8 @@ class LLM:
         prefix from scratch too and compare the KV (bit for bit with row-invariant kernels); a
         mismatch is logged, counted and repaired (True) or raises ("raise"); None (default): the
         environment variable QUICKDRAFT_PREFIX_CACHE_CHECK where prefix caching is on, else off.
-        max_num_batched_tokens: prompt tokens one prefill step computes at most (chunked prefill;
-        None: whole prompts).
+        max_num_batched_tokens: tokens one step computes at most: the running requests' verify
+        positions and a chunk of the prompts being prefilled (chunked prefill; None: whole prompts).
         constraint_compile_timeout: seconds a request's constraint (SamplingParams.constraint) may
         take to compile for the model's vocabulary (off the step loop); past it the request is a
         QuickdraftError naming the constraint."""

@@ -201,8 +201,9 @@ KV_CACHE_MEMORY = typer.Option(None, "--kv-cache-memory", help="KV memory budget
                                "--max-num-seqs requests of the model's context use).",
                                callback=checked(check_kv_cache_memory))
 MAX_NUM_BATCHED_TOKENS = typer.Option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens",
-                                      help="Prompt tokens one prefill step computes at most: a longer prompt is "
-                                      "prefilled in chunks between decode steps of the running requests.",
+                                      help="Tokens one step computes at most: the running requests' verify positions "
+                                      "and a chunk of a prompt being prefilled (a longer prompt is prefilled in "
+                                      "chunks, within the running requests' steps).",
                                       callback=checked(check_max_num_batched_tokens))
 ENABLE_PREFIX_CACHING = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching",
                                      help="Keep the KV of computed tokens and reuse it for later prompts with the "

@@ -17,6 +17,7 @@ forward(input_ids, positions, cache, logits_at) is the only entry point:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,34 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, write_pos, kv: tuple[torch.Tensor, torch.Tensor] | None, kv_len: int):
         """kv: this layer's cache tensors (k, v), each (rows, H_kv, slots, D), or None."""
         B, T, _ = x.shape
+        q, k, v = self._project(x, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        if kv is not None:
+            ck, cv = kv
+            ck[write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D) at (row, :, position)
+            cv[write_pos] = v.transpose(1, 2)
+            # the view may hold more rows than the batch (static-shape steps pass the whole cache)
+            k, v = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
+        out = attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def forward_packed(self, x, cos, sin, write_pos, kv: tuple[torch.Tensor, torch.Tensor], groups: list[_Group]):
+        """Forward_packed's layer: x (1, N, d) holds every block's tokens, one after the other; the
+        projections run on the N tokens together, attention per block over its own rows of the cache."""
+        q, k, v = self._project(x, cos, sin)  # (1, N, heads, D)
+        ck, cv = kv
+        ck[write_pos] = k[0]  # (N, H_kv, D) at (row, :, slot) each
+        cv[write_pos] = v[0]
+        outs = []
+        for g in groups:
+            qg = q[0, g.start:g.stop].unflatten(0, (g.rows, -1)).transpose(1, 2)  # (rows, H, T, D)
+            kg, vg = ck[g.row:g.row + g.rows, :, :g.kv_len], cv[g.row:g.row + g.rows, :, :g.kv_len]
+            outs.append(attention(qg, kg, vg, g.mask).transpose(1, 2).reshape(g.stop - g.start, -1))
+        return self.o_proj(torch.cat(outs)[None])
+
+    def _project(self, x, cos, sin):
+        """q, k, v (B, T, heads, D) of x (B, T, d), q and k rotated."""
+        B, T, _ = x.shape
         H, H_kv, D = self.n_heads, self.n_kv, self.head_dim
         if self.qkv_proj is not None and self.q_norm is None:
             # fused: one rotation over the q and k heads together
@@ -109,15 +138,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        if kv is not None:
-            ck, cv = kv
-            ck[write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D) at (row, :, position)
-            cv[write_pos] = v.transpose(1, 2)
-            # the view may hold more rows than the batch (static-shape steps pass the whole cache)
-            k, v = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
-        out = attention(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return q, k, v
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -252,6 +273,78 @@ class Transformer(nn.Module):
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(self.model.norm(x))
         return logits, (hidden if hidden_at is not None else None)
+
+    def forward_packed(self, blocks: list[Block], cache: CacheView,
+                       hidden_at: tuple[int, ...] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several forwards over the cache in one: each block is what `forward` would be given
+        (its tokens on its own rows of `cache`), and every block's tokens go through the linear
+        layers together, as one (N, hidden) matrix of valid tokens (no padding: a 1-token row
+        beside a 64-token chunk computes 65 positions, not 128), so the weights are read once for
+        all; attention runs per block, on the block's rows of the cache. lm_head runs only where a
+        block wants logits. Returns per block (logits (b, n, V) at its `logits_at`, or (b, T, V);
+        hidden (b, T, ...) as forward_hidden gives them, or None without `hidden_at`). With
+        row-invariant linear layers (quant.row_invariant) and quickdraft's attention kernel, each
+        block gets the bits its own forward gives it, whatever blocks share the call."""
+        window = self.config.sliding_window
+        cos, sin, rows, slots, groups, picks, start = [], [], [], [], [], [], 0
+        for blk in blocks:
+            b, T = blk.input_ids.shape
+            c, s, mask, write_pos, kv_len = attention_inputs(self.inv_freq, self.dtype, blk.positions, cache,
+                                                             blk.kv_len, blk.slots, blk.attn_mask, window)
+            cos.append(c.flatten(0, 1))
+            sin.append(s.flatten(0, 1))
+            rows.append((write_pos[0] + blk.row).flatten())
+            slots.append(write_pos[2].flatten())
+            groups.append(_Group(start, start + b * T, blk.row, b, mask, kv_len))
+            at = torch.arange(T, device=blk.input_ids.device).expand(b, T) if blk.logits_at is None else blk.logits_at
+            picks.append((start + T * torch.arange(b, device=at.device)[:, None] + at).flatten())
+            start += b * T
+        cos, sin = torch.cat(cos)[None], torch.cat(sin)[None]  # (1, N, 1, D)
+        write_pos = (torch.cat(rows), slice(None), torch.cat(slots))
+        x = self.model.embed_tokens(torch.cat([blk.input_ids.flatten() for blk in blocks])[None])  # (1, N, d)
+        captured = []
+        for i, layer in enumerate(self.model.layers):  # DecoderLayer.forward, attention per block
+            if hidden_at is not None and i in hidden_at:
+                captured.append((i, x))
+            x = x + layer.self_attn.forward_packed(layer.input_layernorm(x), cos, sin, write_pos,
+                                                   (cache.k[i], cache.v[i]), groups)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = None
+        if hidden_at is not None:
+            captured.append((len(self.model.layers), x))
+            by_layer = dict(captured)
+            hidden = torch.cat([by_layer[i] for i in hidden_at], dim=-1)[0]  # (N, ...)
+        sizes = [len(p) for p in picks]
+        logits = self.lm_head(self.model.norm(x[0, torch.cat(picks)])).split(sizes)  # (n_i, V) per block
+        out = []
+        for blk, g, lg in zip(blocks, groups, logits):
+            h = None if hidden is None else hidden[g.start:g.stop].unflatten(0, (g.rows, -1))
+            out.append((lg.unflatten(0, (g.rows, -1)), h))
+        return out
+
+
+@dataclass(frozen=True)
+class Block:
+    """One forward's worth of forward_packed: input_ids / positions (b, T) on cache rows row ..
+    row + b - 1, and forward's kv_len, slots, attn_mask and logits_at ((b, n); None: every position)."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    row: int = 0
+    kv_len: int | None = None
+    slots: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+    logits_at: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A block's tokens [start, stop) in a packed forward, its cache rows and attention inputs."""
+    start: int
+    stop: int
+    row: int
+    rows: int
+    mask: torch.Tensor  # (rows, 1, T, kv_len)
+    kv_len: int
 
 
 def attention_inputs(inv_freq: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor, cache: CacheView | None,

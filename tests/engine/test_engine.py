@@ -297,15 +297,16 @@ def test_a_failed_prefill_is_retried_one_request_at_a_time(target_dir, draft_dir
     """What the server does when a step raises: the requests being prefilled come back out,
     are retried singly, and only the one that fails alone is lost."""
     engine = _engine(target_dir, draft_dir)
-    prefill = engine._prefill
+    plan = engine._plan_prefill
     poison = [0, 333]
 
-    def faulty():  # a prefill step over the prefilling requests (all of them: short prompts)
-        if any(r.prompt == poison for r in engine.prefilling):
+    def faulty(budget):  # the prefill (alone, or in a mixed step) of chunks of the prefilling requests
+        requests, chunks, starts = plan(budget)
+        if any(r.prompt == poison for r in requests):
             raise RuntimeError("injected")
-        return prefill()
+        return requests, chunks, starts
 
-    engine._prefill = faulty
+    engine._plan_prefill = faulty
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in (PROMPTS[0], poison, PROMPTS[1], PROMPTS[2])]
     failures = []

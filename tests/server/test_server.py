@@ -610,19 +610,20 @@ def faulty_server(target_dir, draft_dir):
     def load():
         llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
         engine = llm.engine
-        prefill, decode = engine._prefill, engine._decode
+        plan, decode = engine._plan_prefill, engine._decode
 
-        def bad_prefill():  # a prefill step over the prefilling requests (all of them: short prompts)
-            if any(POISON_PREFILL in r.prompt for r in engine.prefilling):
+        def bad_prefill(budget):  # the chunks a prefill (alone, or in a mixed step) computes
+            requests, chunks, starts = plan(budget)
+            if any(POISON_PREFILL in r.prompt for r in requests):
                 raise ValueError("injected prefill fault")
-            return prefill()
+            return requests, chunks, starts
 
         def bad_decode():
             if any(POISON_DECODE in r.prompt and len(r.output) >= 3 for r in engine.running):
                 raise RuntimeError("injected decode fault")
             return decode()
 
-        engine._prefill, engine._decode = bad_prefill, bad_decode
+        engine._plan_prefill, engine._decode = bad_prefill, bad_decode
         return llm
 
     ts = ThreadServer(ServerState(load, MODEL))
