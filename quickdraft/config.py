@@ -185,7 +185,13 @@ DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_
 # their steady median, p99 3.3-6.5x), against 4.3-5.0x and 11-15x with the old alternation at 64, whose first
 # token came 1.6-2.3x sooner (27-76 s against 60-128 s); 32 gave 3.3x at load 2.7. Speculative batches need
 # more: rows x (k + 1) must leave half of it for the chunk, else chunks and decode steps alternate
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 20
+DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # AUTO_BATCHED_TOKENS: 20 while requests decode, 512 when none does
+# "auto"'s budgets: (while requests are decoding, while none is). With nothing decoding there is no stream to keep
+# flowing and a small budget only costs time to first token: a 2,690-token prompt alone took 15.5 s to its first
+# token at 20, 10.5 s at 64, 8.8 s at 512 (SmolLM2 float32, one thread, the same 2-core Xeon; int4: 10.2 / 7.4 /
+# 6.8 s), so a lone prompt prefills in chunks of 512 (the activations of a whole long prompt at once would
+# not be bounded), and a prompt arriving while others decode in chunks within 20 tokens a step
+AUTO_BATCHED_TOKENS = (20, 512)
 # the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
 # falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
 DEFAULT_POLICY = "auto"
@@ -257,11 +263,17 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def check_max_num_batched_tokens(value: Any) -> int | None:
-    """The prefill's per-step token budget: None (no chunking) or an integer >= 1 (LLM, EngineConfig,
-    --max-num-batched-tokens)."""
-    if value is not None and (not _is_int(value) or value < 1):
-        raise QuickdraftError(f"max_num_batched_tokens must be an integer >= 1, got {value!r}")
+def check_max_num_batched_tokens(value: Any) -> int | str | None:
+    """The per-step token budget (LLM, EngineConfig, --max-num-batched-tokens): "auto" (the default:
+    AUTO_BATCHED_TOKENS, small while requests decode, larger when none does), an integer >= 1 (every
+    step, text such as "64" too), or None (no chunking: whole prompts). Returns "auto", an int or None."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if not _is_int(value) or value < 1:
+        raise QuickdraftError(f"max_num_batched_tokens must be 'auto' or an integer >= 1, got {value!r}",
+                              field="max_num_batched_tokens")
     return value
 
 
@@ -347,8 +359,8 @@ class EngineConfig:
     # where the kernels are row-invariant (check_prefix_cache_check: False, True, "raise"); costs a prefill per hit
     prefix_cache_check: bool | str = False
     # Chunked prefill: tokens one step computes at most, the running requests' verify positions and a prompt
-    # chunk together (mixed steps; None: a whole batch of prompts in one step)
-    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # chunk together (mixed steps; "auto": AUTO_BATCHED_TOKENS; None: a whole batch of prompts in one step)
+    max_num_batched_tokens: int | str | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # seconds a request's constraint may take to compile (off the step loop); past it the request is refused
     constraint_compile_timeout: float = DEFAULT_CONSTRAINT_COMPILE_TIMEOUT
 
@@ -357,7 +369,7 @@ class EngineConfig:
         object.__setattr__(self, "constraint_compile_timeout",
                            check_constraint_compile_timeout(self.constraint_compile_timeout))
         object.__setattr__(self, "kv_cache_memory", check_kv_cache_memory(self.kv_cache_memory))
-        check_max_num_batched_tokens(self.max_num_batched_tokens)
+        object.__setattr__(self, "max_num_batched_tokens", check_max_num_batched_tokens(self.max_num_batched_tokens))
         check_prefix_cache_bytes(self.prefix_cache_bytes)
         object.__setattr__(self, "prefix_cache_check", check_prefix_cache_check(self.prefix_cache_check))
         if self.prefix_cache_check and not self.enable_prefix_caching:

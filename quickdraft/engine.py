@@ -24,7 +24,7 @@ import torch
 
 from . import kernels
 from .cache import KVBudget, KVCache, available_memory, return_freed_memory, row_bytes, to_device
-from .config import (DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
+from .config import (AUTO_BATCHED_TOKENS, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
                      format_bytes)
 from .constraints import GrammarVocabulary, Vocabularies, batch_masks
 from .errors import ContextLengthError, PrefixCacheMismatch, QuickdraftError
@@ -592,6 +592,14 @@ class Engine:
             self._release_finished()
         return outputs
 
+    def _token_budget(self, idle: bool = False) -> int | None:
+        """Tokens this step may compute (max_num_batched_tokens; "auto": AUTO_BATCHED_TOKENS' first
+        while requests are decoding, its second when none is or `idle`)."""
+        budget = self.config.max_num_batched_tokens
+        if budget != "auto":
+            return budget
+        return AUTO_BATCHED_TOKENS[0 if self.running and not idle else 1]
+
     def mixes_prefill(self) -> bool:
         """Whether a prefill chunk rides in the running batch's step now (else the two alternate)."""
         return self._packs and self._forward is self.target
@@ -717,7 +725,7 @@ class Engine:
         if with_state:
             proposer.loaded_state(row, with_state)
         if r.num_cached and self.config.prefix_cache_check:  # debug: recompute the prefix and compare
-            bad = pc.check(self.target, self.cache, row, r.prompt, r.num_cached, self.config.max_num_batched_tokens,
+            bad = pc.check(self.target, self.cache, row, r.prompt, r.num_cached, self._token_budget(idle=True),
                            self._check_exact)
             if bad is not None and self.config.prefix_cache_check == "raise":
                 raise PrefixCacheMismatch(f"request {r.id}: {bad}")
@@ -736,7 +744,7 @@ class Engine:
         chunk); the requests whose prompt is complete sample their first token and join the
         running batch. A row's bits do not depend on how its prompt is cut (row-invariant
         kernels), so chunks and cache hits give the tokens a whole prefill gives."""
-        requests, chunks, starts = self._plan_prefill(self.config.max_num_batched_tokens)
+        requests, chunks, starts = self._plan_prefill(self._token_budget())
         start = len(self.running)
         view = self.cache.rows(start, start + len(requests))
         hidden_at = self._prefill_hidden_at(requests)
@@ -935,7 +943,7 @@ class Engine:
         when it leaves less than half of itself for the chunk (what a step of the alternation
         prefilled on average), None: the step verifies alone and the next one prefills."""
         B, T = tokens.shape
-        budget = self.config.max_num_batched_tokens
+        budget = self._token_budget()
         left = None if budget is None else budget - B * T
         if left is not None and 2 * left < budget:
             return None

@@ -74,7 +74,7 @@ class LLM:
                  tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None,
                  kv_cache_memory: int | float | str | None = None,
                  enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None,
-                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 max_num_batched_tokens: int | str | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  prefix_cache_check: bool | str | None = None,
                  constraint_compile_timeout: float = DEFAULT_CONSTRAINT_COMPILE_TIMEOUT):
         """compile: True: torch.compile the decode / verify / draft steps; "aot": on CPU,
@@ -114,7 +114,8 @@ class LLM:
         mismatch is logged, counted and repaired (True) or raises ("raise"); None (default): the
         environment variable QUICKDRAFT_PREFIX_CACHE_CHECK where prefix caching is on, else off.
         max_num_batched_tokens: tokens one step computes at most: the running requests' verify
-        positions and a chunk of the prompts being prefilled (chunked prefill; None: whole prompts).
+        positions and a chunk of the prompts being prefilled (chunked prefill; "auto", the default:
+        config.AUTO_BATCHED_TOKENS, 20 while requests decode and 512 when none does; None: whole prompts).
         constraint_compile_timeout: seconds a request's constraint (SamplingParams.constraint) may
         take to compile for the model's vocabulary (off the step loop); past it the request is a
         QuickdraftError naming the constraint."""

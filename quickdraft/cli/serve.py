@@ -28,7 +28,7 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     max_num_seqs: int = opts.MAX_NUM_SEQS,
-    max_num_batched_tokens: int = opts.MAX_NUM_BATCHED_TOKENS,
+    max_num_batched_tokens: str = opts.MAX_NUM_BATCHED_TOKENS,
     enable_prefix_caching: Optional[bool] = opts.ENABLE_PREFIX_CACHING,
     prefix_cache_check: Optional[bool] = opts.PREFIX_CACHE_CHECK,
     max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting for a slot at most (then 429)."),

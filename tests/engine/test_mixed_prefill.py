@@ -172,6 +172,53 @@ def test_the_budget_counts_the_verify_positions_and_the_chunk(target_dir, noisy_
     assert len(eng.running) == 5 and all(not r.finished for r in eng.running)
 
 
+def test_auto_budget_prefills_a_lone_prompt_in_large_chunks_and_a_late_one_in_small(target_dir, monkeypatch):
+    """max_num_batched_tokens="auto" (the default): with nothing decoding a prompt is prefilled in
+    chunks of AUTO_BATCHED_TOKENS[1] (no stream to keep flowing; small chunks only cost time to the
+    first token), and one arriving while a request decodes rides in its steps within
+    AUTO_BATCHED_TOKENS[0] tokens; outputs are the same as with whole prompts."""
+    from quickdraft.config import AUTO_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    assert DEFAULT_MAX_NUM_BATCHED_TOKENS == "auto" and AUTO_BATCHED_TOKENS[0] < AUTO_BATCHED_TOKENS[1]
+    busy, idle = 12, 100  # the test model's context is short: the same rule at a smaller scale
+    monkeypatch.setattr("quickdraft.engine.AUTO_BATCHED_TOKENS", (busy, idle))
+    llm = LLM(target_dir, method="none", compile=False, policy="fixed")
+    exact_or_skip(llm)
+    eng = llm.engine
+    calls = spy_packed(eng)
+    chunks = []
+    real = eng._prefill
+    eng._prefill = lambda: chunks.append(eng._token_budget()) or real()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = prompt(idle + 30, 1)
+    a = eng.add_request(first, params)
+    eng.step()
+    assert chunks == [idle] and not calls  # a prefill step of `idle` tokens, nothing running
+    while eng.prefilling:
+        eng.step()
+    assert chunks == [idle, idle]  # the rest (30 tokens) in a second prefill step
+    late = prompt(3 * busy, 2)
+    b = eng.add_request(late, params)
+    outs = {}
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert calls and all(sum(r * t for r, t in c) <= busy for c in calls)  # mixed steps within `busy` tokens
+    whole = LLM(target_dir, method="none", compile=False, policy="fixed", max_num_batched_tokens=None).engine
+    assert [outs[a].token_ids, outs[b].token_ids] == [o.token_ids for o in whole.generate([(first, params),
+                                                                                           (late, params)])]
+
+
+def test_max_num_batched_tokens_values():
+    from quickdraft.config import EngineConfig, check_max_num_batched_tokens
+    from quickdraft.errors import QuickdraftError
+
+    assert [check_max_num_batched_tokens(v) for v in ("auto", None, 64, "64")] == ["auto", None, 64, 64]
+    assert EngineConfig(max_num_batched_tokens="32").max_num_batched_tokens == 32
+    for bad in (0, -3, "many", 2.5, "0"):
+        with pytest.raises(QuickdraftError, match="max_num_batched_tokens"):
+            check_max_num_batched_tokens(bad)
+
+
 def test_whole_prompts_ride_in_a_step_without_a_budget(target_dir):
     llm = LLM(target_dir, method="none", compile=False, policy="fixed", max_num_batched_tokens=None)
     exact_or_skip(llm)
