@@ -185,13 +185,16 @@ DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_
 # their steady median, p99 3.3-6.5x), against 4.3-5.0x and 11-15x with the old alternation at 64, whose first
 # token came 1.6-2.3x sooner (27-76 s against 60-128 s); 32 gave 3.3x at load 2.7. Speculative batches need
 # more: rows x (k + 1) must leave half of it for the chunk, else chunks and decode steps alternate
-DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # AUTO_BATCHED_TOKENS: 20 while requests decode, 512 when none does
+DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # CPU: 20 while requests decode, 512 when none does; GPU: 2048
 # "auto"'s budgets: (while requests are decoding, while none is). With nothing decoding there is no stream to keep
 # flowing and a small budget only costs time to first token: a 2,690-token prompt alone took 15.5 s to its first
 # token at 20, 10.5 s at 64, 8.8 s at 512 (SmolLM2 float32, one thread, the same 2-core Xeon; int4: 10.2 / 7.4 /
 # 6.8 s), so a lone prompt prefills in chunks of 512 (the activations of a whole long prompt at once would
 # not be bounded), and a prompt arriving while others decode in chunks within 20 tokens a step
 AUTO_BATCHED_TOKENS = (20, 512)
+# on a GPU (steps alternate there: its GEMMs are not row-invariant, so no mixed steps) a chunk of hundreds of
+# tokens costs about a decode step: "auto" is vLLM's online-serving default there
+AUTO_BATCHED_TOKENS_GPU = 2048
 # the speculation-length policy: "auto" follows this machine's measured step costs (quickdraft.policy.auto),
 # falling back to a smaller k or plain decoding where speculation cannot pay; "fixed" drafts k every step
 DEFAULT_POLICY = "auto"

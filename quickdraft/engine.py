@@ -24,7 +24,7 @@ import torch
 
 from . import kernels
 from .cache import KVBudget, KVCache, available_memory, return_freed_memory, row_bytes, to_device
-from .config import (AUTO_BATCHED_TOKENS, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
+from .config import (AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
                      format_bytes)
 from .constraints import GrammarVocabulary, Vocabularies, batch_masks
 from .errors import ContextLengthError, PrefixCacheMismatch, QuickdraftError
@@ -593,11 +593,14 @@ class Engine:
         return outputs
 
     def _token_budget(self, idle: bool = False) -> int | None:
-        """Tokens this step may compute (max_num_batched_tokens; "auto": AUTO_BATCHED_TOKENS' first
-        while requests are decoding, its second when none is or `idle`)."""
+        """Tokens this step may compute (max_num_batched_tokens; "auto": on a CPU AUTO_BATCHED_TOKENS'
+        first while requests are decoding, its second when none is or `idle`; AUTO_BATCHED_TOKENS_GPU
+        elsewhere)."""
         budget = self.config.max_num_batched_tokens
         if budget != "auto":
             return budget
+        if self.target.device.type != "cpu":
+            return AUTO_BATCHED_TOKENS_GPU
         return AUTO_BATCHED_TOKENS[0 if self.running and not idle else 1]
 
     def mixes_prefill(self) -> bool:

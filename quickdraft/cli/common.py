@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU,
-                      AUTO_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                      AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
                       DEFAULT_POLICY, MAX_NUM_SPECULATIVE_TOKENS, check_constraint_compile_timeout,
                       check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
                       check_num_speculative_tokens)
@@ -203,9 +203,9 @@ KV_CACHE_MEMORY = typer.Option(None, "--kv-cache-memory", help="KV memory budget
 MAX_NUM_BATCHED_TOKENS = typer.Option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens",
                                       help="Tokens one step computes at most: the running requests' verify positions "
                                       "and a chunk of a prompt being prefilled (a longer prompt is prefilled in "
-                                      "chunks, within the running requests' steps). auto (the default): "
+                                      "chunks, within the running requests' steps). auto (the default): on a CPU "
                                       f"{AUTO_BATCHED_TOKENS[0]} while requests are decoding, {AUTO_BATCHED_TOKENS[1]} "
-                                      "when none is; or a number for every step.",
+                                      f"when none is, {AUTO_BATCHED_TOKENS_GPU} on a GPU; or a number for every step.",
                                       callback=checked(check_max_num_batched_tokens))
 ENABLE_PREFIX_CACHING = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching",
                                      help="Keep the KV of computed tokens and reuse it for later prompts with the "
