@@ -205,7 +205,7 @@ def select(config: SelectConfig, progress: Callable[[str, float], None] | None =
 
     from ..llm import named_default_draft, default_model_dirs
     from ..model.loader import checkpoint_dir, resolve_device
-    from ..model.sources import resolve_model
+    from ..model.sources import BUNDLED_TARGET, resolve_model
     from ..model.tokenizer import Tokenizer
     from ..policy.costs import Choice, MethodProfile, Profile, solve_alpha
     from .compare import run_bench
@@ -213,7 +213,7 @@ def select(config: SelectConfig, progress: Callable[[str, float], None] | None =
     from .tune import check_plot, now, write_profile
 
     check_plot(config.plot)
-    if config.target is None:
+    if config.target is None or config.target == BUNDLED_TARGET:
         target_path, bundled_draft = default_model_dirs()
         automatic = str(bundled_draft) if bundled_draft.exists() else None
         target_name = str(target_path)
