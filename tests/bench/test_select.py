@@ -120,3 +120,24 @@ def test_choice_json_is_checked(tmp_path, target_dir):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(QuickdraftError, match="choice: k must be 0 exactly when method is 'none'"):
         load_profile(tmp_path / "bad.json")
+
+
+def test_every_prompt_is_measured_at_batch_1(target_dir, monkeypatch):
+    """select (and bench) time the whole workload: at batch 1 each prompt in turn, not the first alone."""
+    from quickdraft.bench.compare import run_bench
+
+    seen = []
+    original = LLM.generate
+
+    def spy(self, prompts, params=None, *a, **kw):
+        if self.engine.proposer is None and not isinstance(params, type(None)) and \
+                (params[0] if isinstance(params, list) else params).max_tokens == 3:
+            seen.extend(tuple(p) for p in prompts)
+        return original(self, prompts, params, *a, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    prompts = [[0, 5, 6, 7], [0, 9, 9], [0, 4, 4, 4, 4]]
+    res = run_bench(str(target_dir), None, ["ngram"], {}, [1, 2], [2], [0.0], prompts, 3, 1, 1)
+    assert len(res["runs"]) == 2
+    # batch 1: the three prompts; batch 2: [p0, p1] then [p2, p0]
+    assert seen == [tuple(p) for p in prompts] + [tuple(p) for p in (prompts + prompts[:1])]
