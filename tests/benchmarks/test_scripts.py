@@ -75,6 +75,11 @@ def _check_hybrid(data: dict) -> None:
     assert set(rows) == {"plain", "suffix", "auto"} and all(r["identical"] for r in rows.values())
 
 
+def _check_self_draft(data: dict) -> None:
+    (row,) = data["bundled"]["formats"]["int4"]["rows"]
+    assert row["k"] == 2 and row["identical"] and row["c"] > 0 and row["tokens_per_step"] >= 1
+
+
 def _check_chunked_prefill(data: dict) -> None:
     (row,) = data["table"]
     assert row["max_num_batched_tokens"] == 16 and row["num_window"] > 0 and row["long_ttft_s"] > 0
@@ -124,6 +129,9 @@ CASES: dict[str, Case] = {
     "hybrid.py": Case(["--models", "bundled", "--rows", "suffix", "auto", "--workloads", "code", "--prompts", "1",
                        "--repeats", "1", "--new-tokens", "4", "-k", "2", "--cores", "0", "--out-dir", "{out}",
                        "--name", "hy"], ["hy.json", "hy.md"], check=lambda out: _check_hybrid(_json(out, "hy.json"))),
+    "self_draft.py": Case(["--model", "bundled", "--formats", "int4", "--ks", "2", "--prompts", "1", "--new-tokens",
+                           "4", "--repeats", "1", "--iters", "1", "--cores", "0", "--out-dir", "{out}", "--name", "sd"],
+                          ["sd.json", "sd.md"], check=lambda out: _check_self_draft(_json(out, "sd.json"))),
     "chunked_prefill.py": Case(["--sizes", "16", "--repeats", "1", "--streams", "1", "--stream-tokens", "400",
                                 "--long-tokens", "200", "--steady", "1", "--out-dir", "{out}", "--name", "cp"],
                                ["cp.json", "cp.md"], check=lambda out: _check_chunked_prefill(_json(out, "cp.json"))),
