@@ -80,6 +80,12 @@ def _check_self_draft(data: dict) -> None:
     assert row["k"] == 2 and row["identical"] and row["c"] > 0 and row["tokens_per_step"] >= 1
 
 
+def _check_select_check(data: dict) -> None:
+    rows = data["check"]["rows"]
+    assert rows[0]["config"] == "plain" and len(rows) >= 2 and all(r["identical"] for r in rows)
+    assert 0 < data["check"]["choice_over_best"] <= 1
+
+
 def _check_chunked_prefill(data: dict) -> None:
     (row,) = data["table"]
     assert row["max_num_batched_tokens"] == 16 and row["num_window"] > 0 and row["long_ttft_s"] > 0
@@ -132,6 +138,10 @@ CASES: dict[str, Case] = {
     "self_draft.py": Case(["--model", "bundled", "--formats", "int4", "--ks", "2", "--prompts", "1", "--new-tokens",
                            "4", "--repeats", "1", "--iters", "1", "--cores", "0", "--out-dir", "{out}", "--name", "sd"],
                           ["sd.json", "sd.md"], check=lambda out: _check_self_draft(_json(out, "sd.json"))),
+    "select_check.py": Case(["--target", "bundled", "--workload", "code", "--prompts", "1", "--max-tokens", "6",
+                             "--ks", "2", "--select-repeats", "1", "--repeats", "1", "--top", "1", "--cores", "0",
+                             "--out-dir", "{out}", "--name", "sc"], ["sc.json", "sc.md"],
+                            check=lambda out: _check_select_check(_json(out, "sc.json"))),
     "chunked_prefill.py": Case(["--sizes", "16", "--repeats", "1", "--streams", "1", "--stream-tokens", "400",
                                 "--long-tokens", "200", "--steady", "1", "--out-dir", "{out}", "--name", "cp"],
                                ["cp.json", "cp.md"], check=lambda out: _check_chunked_prefill(_json(out, "cp.json"))),
