@@ -86,6 +86,11 @@ def _check_select_check(data: dict) -> None:
     assert 0 < data["check"]["choice_over_best"] <= 1
 
 
+def _check_first_command(data: dict) -> None:
+    (run,) = data["runs"]
+    assert run["example"] == "code" and run["identical"] and run["tokens"] == 4 and run["speedup"] > 0
+
+
 def _check_chunked_prefill(data: dict) -> None:
     (row,) = data["table"]
     assert row["max_num_batched_tokens"] == 16 and row["num_window"] > 0 and row["long_ttft_s"] > 0
@@ -142,6 +147,9 @@ CASES: dict[str, Case] = {
                              "--ks", "2", "--select-repeats", "1", "--repeats", "1", "--top", "1", "--cores", "0",
                              "--out-dir", "{out}", "--name", "sc"], ["sc.json", "sc.md"],
                             check=lambda out: _check_select_check(_json(out, "sc.json"))),
+    "first_command.py": Case(["--target", "bundled", "--method", "ngram", "--examples", "code", "--runs", "1",
+                              "--max-tokens", "4", "--cores", "0", "--out-dir", "{out}", "--name", "fc"],
+                             ["fc.json", "fc.md"], check=lambda out: _check_first_command(_json(out, "fc.json"))),
     "chunked_prefill.py": Case(["--sizes", "16", "--repeats", "1", "--streams", "1", "--stream-tokens", "400",
                                 "--long-tokens", "200", "--steady", "1", "--out-dir", "{out}", "--name", "cp"],
                                ["cp.json", "cp.md"], check=lambda out: _check_chunked_prefill(_json(out, "cp.json"))),
