@@ -101,6 +101,10 @@ def generate(
         if llm.engine.proposer is None:
             fail("--compare needs speculative decoding: give a draft or a --method (or use the bundled pair)")
         plain = LLM(method="none", **target_args)
+        if llm.aot_build is not None or plain.aot_build is not None:  # both timed on the same kind of steps
+            err.print("[dim]waiting for the compiled steps (built once per model shape) before comparing[/]")
+            llm.wait_for_aot()
+            plain.wait_for_aot()
         warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
         for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
             m.generate([m.encode(prompt_in, chat=chat)], warm)
