@@ -137,7 +137,11 @@ def test_unknown_name_lists_the_catalogue(cache):
 def test_the_bundled_target_by_name():
     from quickdraft.llm import default_model_dirs
 
+    from quickdraft import LLM
+
     assert sources.check_spec("bundled") == "bundled" and resolve_model("bundled") == default_model_dirs()[0]
+    llm = LLM("bundled", compile=False)  # the bundled pair, as with no target: its draft comes along
+    assert llm.engine.config.spec.method == "draft" and llm.draft is not None
 
 
 def test_catalogue_listing(cache, wheel, monkeypatch):
