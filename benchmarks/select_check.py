@@ -59,6 +59,8 @@ def remeasure(args, configs: list[tuple[str, str | None, int]], prompts: list[li
     for r in range(args.repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
+            if llms[n].engine.proposer is not None:  # each run sees the prompts as new
+                llms[n].engine.proposer.forget_requests()
             t0 = time.perf_counter()
             outs = [llms[n].generate([p], params)[0].token_ids for p in prompts]
             times[n].append(time.perf_counter() - t0)

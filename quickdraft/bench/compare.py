@@ -69,6 +69,8 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
                 for n in order:
                     llm = plain if n[0] == "none" else llms[n]
                     llm.stats = type(llm.stats)()
+                    if llm.engine.proposer is not None:  # each run sees the prompts as new (no outputs of the last run)
+                        llm.engine.proposer.forget_requests()
                     t0 = time.perf_counter()
                     outs = [o for batch in batches for o in llm.generate(batch, params)]
                     secs[n] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.stats)

@@ -109,6 +109,7 @@ def generate(
         for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
             m.generate([m.encode(prompt_in, chat=chat)], warm)
         llm.stats = type(llm.stats)()
+        llm.engine.proposer.forget_requests()  # (the warm-up's output of this prompt is no draft source)
     final = None
     for o in llm.stream(prompt_in, params, chat=chat):
         if not as_json and o.new_text:

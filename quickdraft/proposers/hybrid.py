@@ -290,6 +290,13 @@ class HybridProposer(Proposer):
         for m in self.members.values():
             m.finish(row, tokens, prompt_len)
 
+    def forget_requests(self) -> None:
+        """The members' memories of finished requests, and the acceptance prior over requests
+        (the measured costs stay: they are the machine's)."""
+        for m in self.members.values():
+            m.forget_requests()
+        self.prior = {n: _Stat(1.0, 1.0, 2.0) for n in self.MEMBERS}
+
     def state_cache(self):
         return None if self.model is None else self.model.state_cache()
 

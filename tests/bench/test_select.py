@@ -141,3 +141,24 @@ def test_every_prompt_is_measured_at_batch_1(target_dir, monkeypatch):
     assert len(res["runs"]) == 2
     # batch 1: the three prompts; batch 2: [p0, p1] then [p2, p0]
     assert seen == [tuple(p) for p in prompts] + [tuple(p) for p in (prompts + prompts[:1])]
+
+
+def test_each_timed_run_forgets_the_last_runs_outputs(target_dir, monkeypatch):
+    """Suffix decoding remembers finished requests' outputs: a repeat of the same prompts would
+    draft the last repeat's answers and measure a speedup no new prompt gets (select chose suffix
+    decoding on the bundled pair for it). Every timed run starts from a proposer that forgot them."""
+    from quickdraft.bench.compare import run_bench
+    from quickdraft.proposers.suffix import SuffixProposer
+
+    held_at_start = []
+    original = LLM.generate
+
+    def spy(self, prompts, params=None, *a, **kw):
+        p = self.engine.proposer
+        if isinstance(p, SuffixProposer) and (params[0] if isinstance(params, list) else params).max_tokens == 6:
+            held_at_start.append(p.held_tokens)
+        return original(self, prompts, params, *a, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    run_bench(str(target_dir), None, ["suffix"], {}, [1], [2], [0.0], [[0, 5, 6, 7]], 6, 3, 1)
+    assert held_at_start == [0, 0, 0]  # one timed run per repeat, each from an empty memory
