@@ -4,7 +4,7 @@ Fixed texts, shipped with the package (not drawn from the installed Python's fil
 benchmark workloads are), so the same command gives the same prompt on every machine. Each
 names the workload it stands for, so the speedup it prints can be read for what it is:
 
-- `edit`: an editing request (rename an identifier in a 26-line file, reply with the whole
+- `edit`: an editing request (rename an identifier in a 29-line file, reply with the whole
   file): most of a good answer repeats the prompt, the case suffix decoding and prompt lookup
   are built for. Chat template.
 - `chat`: an open question: the answer repeats nothing, and free proposers gain little.
@@ -61,7 +61,7 @@ def receipt(cart, percent=0):
 ```'''
 
 EXAMPLES: dict[str, Example] = {e.name: e for e in (
-    Example("edit", "editing: rename an identifier in a 26-line file and return the whole file",
+    Example("edit", "editing: rename an identifier in a 29-line file and return the whole file",
             _CART + "\n\nIn the file above, rename `total` to `subtotal`. Reply with the full file.",
             chat=True, max_tokens=256),
     Example("chat", "open chat: a question whose answer repeats nothing of the prompt",
