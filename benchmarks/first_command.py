@@ -71,7 +71,7 @@ def markdown(result: dict) -> str:
     lines += ["", "The text each example printed (first run, its start):", ""]
     for ex in result["summary"]:
         r = next(r for r in result["runs"] if r["example"] == ex)
-        lines += [f"{ex}:", "", "```", r["text_start"], "```", ""]
+        lines += [f"{ex}:", "", "~~~", r["text_start"], "~~~", ""]
     return "\n".join(lines)
 
 
