@@ -27,6 +27,10 @@ def test_choose_never_picks_a_slower_method_or_a_noisy_non_speculating_one():
     # one token per step cannot beat plain decoding: its 1.3x is noise; the 1.2x that speculated wins
     assert choose([row("ngram", 3, 1.3, 1.0), row("draft", 4, 1.2, 2.5), row("draft", 2, 1.1, 1.8)])["k"] == 4
     assert choose([]) is None
+    # a speedup above the tokens per step is impossible (each step costs a plain step at least): counted as
+    # the tokens per step, 2.14x at 1.62 tokens/step loses to 1.88x at 3.23
+    assert choose([row("ngram", 2, 2.14, 1.62), row("draft", 5, 1.88, 3.23)])["method"] == "draft"
+    assert choose([row("ngram", 2, 1.3, 1.05)])["k"] == 2  # credible: 1.05x, still faster than plain
 
 
 def test_read_user_prompts(tmp_path):
@@ -80,13 +84,15 @@ def test_select_end_to_end_and_generate_runs_the_choice(target_dir, draft_dir, t
     rows = data["select"]["rows"]
     assert {(r["candidate"], r["k"]) for r in rows} == {(c, k) for c in ("ngram", "self", f"draft:{draft_dir.name}")
                                                         for k in (2, 3)}
-    assert [r["speedup"] for r in rows] == sorted((r["speedup"] for r in rows), reverse=True)
+    ranked = [min(r["speedup"], r["tokens_per_step"]) for r in rows]
+    assert ranked == sorted(ranked, reverse=True)
     c = profile.choice
     if c.method == "none":  # nothing beat plain decoding on this (busy) machine
         assert all(r["speedup"] <= 1 or r["tokens_per_step"] <= 1 for r in rows)
     else:  # the fastest that speculated, and its costs for --policy goodput
         assert c.speedup > 1 and c.k in (2, 3) and profile.methods[c.method].ks == [2, 3]
-        assert c.speedup == pytest.approx(max(r["speedup"] for r in rows if r["tokens_per_step"] > 1), abs=1e-3)
+        assert c.speedup == pytest.approx(max(min(r["speedup"], r["tokens_per_step"]) for r in rows
+                                              if r["tokens_per_step"] > 1), abs=1e-3)
     assert not HAS_MPL or png.stat().st_size > 0
     result = CliRunner().invoke(app, ["generate", "def add", "--target", str(target_dir), "--profile", str(out),
                                       "--max-tokens", "4", "--temperature", "0", "--json"])
