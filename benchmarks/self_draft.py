@@ -224,9 +224,9 @@ def markdown(result: dict) -> str:
                   "for 1.6x |", "|---|---|---|---|---|---|---|---|"]
         for fmt, f in e["formats"].items():
             for r in f["rows"]:
+                need = [f"{a:.2f}" if a == a else "out of reach" for a in (r["alpha_for_1x"], r["alpha_for_1.6x"])]
                 lines.append(f"| {fmt} | {r['k']} | {1e3 * r['propose_s']:.1f} | {r['c']:.3f} | "
-                             f"{r['verify_ratio']:.2f} | {r['cost_steps']:.2f} | {r['alpha_for_1x']:.2f} | "
-                             f"{r['alpha_for_1.6x']:.2f} |")
+                             f"{r['verify_ratio']:.2f} | {r['cost_steps']:.2f} | {need[0]} | {need[1]} |")
         lines.append("")
     return "\n".join(lines)
 
