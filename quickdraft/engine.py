@@ -216,6 +216,8 @@ class Engine:
             profile = None if config.spec.profile is None else load_profile(config.spec.profile)
             self.policy = make_policy(config.spec.policy, self.k, profile, config.spec.method,
                                       cost_key=self.cost_key() if config.spec.policy == "auto" else None)
+        if proposer is not None and self.k > 0:  # a proposer's own measured costs are cached under the same key
+            proposer.set_cost_key(self.cost_key())
         # cache room past a request's last token for one step's draft nodes
         self._draft_room = proposer.max_draft_tokens(self.k) if proposer is not None and self.k > 0 else 0
         self.device = target.device
@@ -424,6 +426,8 @@ class Engine:
         self.aot_missing = self._use_packages(lambda model, **kw: loaded.get((id(model), tuple(sorted(kw.items())))))
         if hasattr(self.policy, "set_key"):  # other steps, other costs (cached, or calibrated anew)
             self.policy.set_key(self.cost_key())
+        if self.proposer is not None and self.k > 0:
+            self.proposer.set_cost_key(self.cost_key())
         if self.aot_missing:
             log.warning("quickdraft: the background AOT build ended but no package loaded for %s; running those "
                         "eagerly", " and ".join(self.aot_missing))

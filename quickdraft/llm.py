@@ -23,7 +23,7 @@ from .metrics import SpecStats
 from .model.loader import checkpoint_dir, load_model, resolve_device, resolve_dtype
 from .model.quant import blocked_supported, prepare, quantized_copy
 from .model.eagle3 import is_eagle3_head
-from .model.sources import CATALOGUE, default_draft, resolve_model
+from .model.sources import BUNDLED_TARGET, CATALOGUE, default_draft, resolve_model
 from .model.tokenizer import Tokenizer, eos_token_ids
 from .proposers import AUTO_FREE, method_name
 from .proposers import get as get_proposer
@@ -144,7 +144,7 @@ class LLM:
             method = _check_self_draft_method(method)
             draft_quantization = _check_self_draft_options(quantization, draft_quantization, draft_dtype,
                                                            tensor_parallel_size)
-        if target is None:
+        if target is None or (isinstance(target, str) and target == BUNDLED_TARGET):  # the bundled pair
             target, default_draft = default_model_dirs()
             if not target.exists():
                 raise QuickdraftError("no target given and no bundled default model is installed; pass target=PATH")

@@ -55,11 +55,13 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
     propose = {m: measure_propose(llms[(m, max(ks))], batch_sizes, ks, 128, iters) for m in methods}
     for temp in temperatures:
         for bi, B in enumerate(batch_sizes):
-            batch = [encoded[i % len(encoded)] for i in range(B)]
+            # every prompt, in batches of B (the last one filled up from the first prompts): at batch 1
+            # each prompt in turn, not the first alone
+            batches = [[encoded[(j + i) % len(encoded)] for i in range(B)] for j in range(0, len(encoded), B)]
             params = [SamplingParams(temperature=temp, max_tokens=new_tokens, ignore_eos=True, seed=i)
                       for i in range(B)]
             for llm in [plain, *llms.values()]:  # warm-up
-                llm.generate(batch[:1], SamplingParams(temperature=temp, max_tokens=4, ignore_eos=True))
+                llm.generate(batches[0][:1], SamplingParams(temperature=temp, max_tokens=4, ignore_eos=True))
             per = {n: [] for n in names}
             for r in range(repeats):
                 order = names[r % len(names):] + names[: r % len(names)]
@@ -67,8 +69,10 @@ def run_bench(target, draft, methods: list[str], spec_options: dict, batch_sizes
                 for n in order:
                     llm = plain if n[0] == "none" else llms[n]
                     llm.stats = type(llm.stats)()
+                    if llm.engine.proposer is not None:  # each run sees the prompts as new (no outputs of the last run)
+                        llm.engine.proposer.forget_requests()
                     t0 = time.perf_counter()
-                    outs = llm.generate(batch, params)
+                    outs = [o for batch in batches for o in llm.generate(batch, params)]
                     secs[n] = (time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), llm.stats)
                 for n in names:
                     s, tokens, st = secs[n]

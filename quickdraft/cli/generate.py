@@ -15,7 +15,10 @@ from .common import err, fail, out, parse_ids, parse_spec_options, user_errors
 
 @user_errors
 def generate(
-    prompt: str = typer.Argument(..., help="Prompt text (or token ids with --ids)."),
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text (or token ids with --ids); or --example."),
+    example: Optional[str] = typer.Option(None, "--example", help="A built-in prompt instead of PROMPT: edit (rename "
+                                          "an identifier in a short file: editing, chat template) | chat (an open "
+                                          "question, chat template) | code (a function's first line, raw text)."),
     target: Optional[str] = opts.TARGET,
     draft: Optional[str] = opts.DRAFT,
     method: Optional[str] = opts.METHOD,
@@ -32,7 +35,8 @@ def generate(
     frequency_penalty: float = opts.FREQUENCY_PENALTY,
     repetition_penalty: float = opts.REPETITION_PENALTY,
     seed: Optional[int] = typer.Option(None, "--seed"),
-    max_tokens: int = typer.Option(128, "--max-tokens"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="New tokens at most (default 128; "
+                                             "an --example's own: 256 for edit and chat)."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
@@ -64,6 +68,18 @@ def generate(
     from ..sampling import SamplingParams
 
     opts.apply_threads(threads)
+    if (prompt is None) == (example is None):
+        fail("give a PROMPT or an --example, not both" if prompt is not None else "give a PROMPT (or --example NAME)")
+    if example is not None:
+        from ..bench.examples import example as get_example
+
+        ex = get_example(example)
+        if ids:
+            fail("--example and --ids cannot be combined")
+        prompt, chat = ex.prompt, ex.chat
+        max_tokens = ex.max_tokens if max_tokens is None else max_tokens
+        err.print(f"[dim]example {ex.name!r}: {ex.workload}[/]")
+    max_tokens = 128 if max_tokens is None else max_tokens
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -85,10 +101,15 @@ def generate(
         if llm.engine.proposer is None:
             fail("--compare needs speculative decoding: give a draft or a --method (or use the bundled pair)")
         plain = LLM(method="none", **target_args)
+        if llm.aot_build is not None or plain.aot_build is not None:  # both timed on the same kind of steps
+            err.print("[dim]waiting for the compiled steps (built once per model shape) before comparing[/]")
+            llm.wait_for_aot()
+            plain.wait_for_aot()
         warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
         for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
             m.generate([m.encode(prompt_in, chat=chat)], warm)
         llm.stats = type(llm.stats)()
+        llm.engine.proposer.forget_requests()  # (the warm-up's output of this prompt is no draft source)
     final = None
     for o in llm.stream(prompt_in, params, chat=chat):
         if not as_json and o.new_text:

@@ -43,6 +43,8 @@ BUNDLED_DIR = Path(__file__).resolve().parent.parent / "default_models"
 # EAGLE-3 heads shipped for the bundled target (`--method eagle3 --draft target-eagle3`); a
 # catalogue model's own draft or head is its entry's default_draft.
 BUNDLED_HEADS = ("target-eagle3",)
+# The bundled code target by name (`--target bundled`: the same as giving no target, its draft included).
+BUNDLED_TARGET = "bundled"
 
 
 @dataclass(frozen=True)
@@ -129,12 +131,12 @@ def check_spec(spec: str | Path) -> str:
         raise QuickdraftError(f"model not found: {spec} (no such file or folder)")
     if spec in CATALOGUE:
         return "catalogue"
-    if spec in {e.default_draft for e in CATALOGUE.values()} | set(BUNDLED_HEADS):
+    if spec in {e.default_draft for e in CATALOGUE.values()} | set(BUNDLED_HEADS) | {BUNDLED_TARGET}:
         return "bundled"
     if _HUB_ID.match(spec):
         return "hub"
     raise QuickdraftError(f"model not found: {spec} (not a local path, a catalogue name "
-                          f"({_names()}) or a Hub id)")
+                          f"({_names()}), {BUNDLED_TARGET!r} or a Hub id)")
 
 
 def resolve_model(spec: str | Path, progress: bool = True) -> Path:
@@ -261,7 +263,7 @@ def _names() -> str:
 
 def _bundled(name: str) -> Path:
     """A model shipped inside the quickdraft package (package data under default_models/)."""
-    path = BUNDLED_DIR / name
+    path = BUNDLED_DIR / ("target" if name == BUNDLED_TARGET else name)
     if not path.exists():
         raise QuickdraftError(f"{name} is not bundled with this quickdraft yet (expected at {path}); "
                               "pass a draft explicitly")

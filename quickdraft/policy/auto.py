@@ -109,9 +109,14 @@ def load_costs(key: Mapping[str, Any]) -> tuple[dict[int, dict[int, float]], flo
 def save_costs(key: Mapping[str, Any], costs: Mapping[int, Mapping[int, float]], acceptance_length: float | None) -> None:
     """Write the calibration atomically (several processes may calibrate the same key at once:
     the last one wins, each file whole)."""
+    write_cached(key, {"version": COSTS_VERSION, "key": key, "acceptance_length": acceptance_length,
+                       "buckets": {str(b): {str(k): s for k, s in sorted(ks.items())} for b, ks in sorted(costs.items())}})
+
+
+def write_cached(key: Mapping[str, Any], data: Mapping[str, Any]) -> None:
+    """Write `data` as `key`'s file in the costs cache, atomically (the last writer wins, each
+    file whole); a failure is a warning (the next engine measures again)."""
     path = costs_path(key)
-    data = {"version": COSTS_VERSION, "key": key, "acceptance_length": acceptance_length,
-            "buckets": {str(b): {str(k): s for k, s in sorted(ks.items())} for b, ks in sorted(costs.items())}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

@@ -181,6 +181,16 @@ class Proposer:
         proposer calls its model with slots and a mask (token trees). Proposers without a model
         ignore it."""
 
+    def forget_requests(self) -> None:
+        """Forget what finished requests taught this proposer (suffix decoding's tree of earlier
+        outputs): benchmarks that run a workload again call it between runs, so a run does not
+        draft from the previous run's outputs of the same prompts. Stateless ones ignore it."""
+
+    def set_cost_key(self, key: dict) -> None:
+        """What the engine's step costs depend on (Engine.cost_key: models, formats, method,
+        forward, machine, kernels), given when the engine starts and again when its forward
+        changes; a proposer that measures costs caches them under it. Others ignore it."""
+
     def compile(self, make_step) -> None:
         """Compile this proposer's model steps: `make_step(model, name)` returns a callable
         with the model's forward signature, `make_step(model, name, fn=f, pad=p)` one for

@@ -17,9 +17,11 @@ Each step, for each row:
    earlier requests as a prior). The batch runs the model when
    sum_b max(E_free, E_model) / (c_verify + k c_token) > sum_b E_free / c_verify, with c_verify
    the measured step without the model's drafting and c_token its drafting per token
-   (medians of the first steps of each batch-size bucket, then frozen, as the auto policy's
-   costs; `draft_cost` fixes c_token / c_verify instead, which makes the choices a function of
-   the tokens alone). Each row then takes its candidate of largest E (a free one on a tie).
+   (medians of the first steps of each batch-size bucket, then frozen and cached on disk as
+   the auto policy's costs are, under the engine's cost key: a later engine, in this process
+   or another, starts from them and measures nothing, so from then on a seeded request's
+   choices are a function of its tokens, not of the clock; `draft_cost` fixes c_token /
+   c_verify instead). Each row then takes its candidate of largest E (a free one on a tie).
 3. Every candidate a member produced, chosen or not, is scored after the fact against the
    tokens the row committed (its "shadow" acceptance: how deep its tree follows them), so the
    estimates of methods not chosen stay current; for the chosen candidate this is exactly
@@ -40,6 +42,9 @@ stay valid) and catches up on the rest before it next drafts.
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -48,9 +53,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import QuickdraftError
-from ..policy.auto import bucket
+from ..policy.auto import bucket, costs_path, key_digest, write_cached
 from ..policy.costs import expected_tokens, solve_alpha
 from .base import Draft, ProposeBatch, Proposer, VerifyResult, check_int
+
+log = logging.getLogger("quickdraft")
+
+COSTS_VERSION = 1
+# measured (c_verify, c_token) per bucket by cost-key digest: engines of one key in a process share them
+_MEASURED: dict[str, dict[int, tuple[float, float]]] = {}
 
 FREE_METHODS = ("suffix", "ngram")  # deterministic proposers that read the tokens only
 AUTO_FREE = ("suffix", "ngram")  # what method="auto" combines with the model's draft or head
@@ -214,6 +225,7 @@ class HybridProposer(Proposer):
         self._verify_times: dict[int, list[float]] = {}  # bucket -> step seconds without the model's drafting
         self._token_times: dict[int, list[float]] = {}  # bucket -> the model's drafting seconds per token
         self._costs: dict[int, tuple[float, float]] = {}  # bucket -> (c_verify, c_token), frozen
+        self._key: dict | None = None  # the engine's cost key (set_cost_key): where the costs are cached
         self._seen: dict[int, int] = {}
         self._idle = 0  # steps since the model last drafted
         self._step: dict | None = None  # what this step proposed, for observe
@@ -277,6 +289,13 @@ class HybridProposer(Proposer):
             self._score(state, tokens, final=True)
         for m in self.members.values():
             m.finish(row, tokens, prompt_len)
+
+    def forget_requests(self) -> None:
+        """The members' memories of finished requests, and the acceptance prior over requests
+        (the measured costs stay: they are the machine's)."""
+        for m in self.members.values():
+            m.forget_requests()
+        self.prior = {n: _Stat(1.0, 1.0, 2.0) for n in self.MEMBERS}
 
     def state_cache(self):
         return None if self.model is None else self.model.state_cache()
@@ -351,6 +370,30 @@ class HybridProposer(Proposer):
         v, t = self._verify_times.get(b, []), self._token_times.get(b, [])
         if len(v) >= self.warmup + self.samples and len(t) >= self.warmup + self.samples:
             self._costs[b] = (statistics.median(v[self.warmup:]), statistics.median(t[self.warmup:]))
+            del self._verify_times[b], self._token_times[b]
+            log.info("quickdraft: measured the hybrid's steps (%s, batch bucket %d): verify %.2f ms, the model's "
+                     "drafting %.2f ms per token", ",".join(self.MEMBERS), b, 1e3 * self._costs[b][0],
+                     1e3 * self._costs[b][1])
+            if self._key is not None:
+                write_cached(self._key, {"version": COSTS_VERSION, "key": self._key, "buckets": {
+                    str(c): {"verify_s": cv, "token_s": ct} for c, (cv, ct) in sorted(self._costs.items())}})
+
+    def set_cost_key(self, key: dict) -> None:
+        """Cache the measured costs under the engine's cost key (module doc, 2): the costs
+        already measured for it (in this process, else on disk) are used from the first step;
+        a new key (the engine's forward changed) measures its own. Only a hybrid with a model
+        member and no fixed draft_cost measures anything."""
+        if self.model is None or self.draft_cost is not None:
+            return
+        key = json.loads(json.dumps({**key, "costs": "hybrid"}, default=str))  # as it reads back from disk
+        if key == self._key:
+            return
+        self._key = key
+        digest = key_digest(key)
+        if digest not in _MEASURED:
+            _MEASURED[digest] = _load_costs(key)
+        self._costs = _MEASURED[digest]
+        self._verify_times, self._token_times = {}, {}
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -477,3 +520,21 @@ class HybridProposer(Proposer):
             nodes.append(list(range(keep)))
         self.model.observe(VerifyResult(num, result.prev_lengths, result.k, nodes if tree else None,
                                         None, draft=md))
+
+
+def _load_costs(key: dict) -> dict[int, tuple[float, float]]:
+    """The hybrid's costs cached for `key` ({} when there are none, or the file is unreadable)."""
+    path = costs_path(key)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != COSTS_VERSION or data.get("key") != key:
+            raise ValueError("another version or key")
+        costs = {int(b): (float(c["verify_s"]), float(c["token_s"])) for b, c in data["buckets"].items()}
+        if any(not (math.isfinite(v) and math.isfinite(t) and v > 0 and t >= 0) for v, t in costs.values()):
+            raise ValueError("a step time out of range")
+        return costs
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("quickdraft: ignoring the hybrid's cached step costs %s (%s); measuring them again", path, exc)
+        return {}

@@ -325,6 +325,11 @@ class SuffixProposer(TokenRows, Proposer):
         super().finish(row, tokens, prompt_len)
         self.remember(tokens[prompt_len:])
 
+    def forget_requests(self) -> None:
+        self.trie = CountTrie(self.max_tree_depth)
+        self.held.clear()
+        self.held_tokens = 0
+
     def remember(self, output: Sequence[int]) -> None:
         """Add an output to the global trie, evicting the oldest to stay within bounds."""
         if self.global_max_tokens == 0 or not output:

@@ -77,6 +77,22 @@ def _check_hybrid(data: dict) -> None:
     assert set(rows) == {"plain", "suffix", "auto"} and all(r["identical"] for r in rows.values())
 
 
+def _check_self_draft(data: dict) -> None:
+    (row,) = data["bundled"]["formats"]["int4"]["rows"]
+    assert row["k"] == 2 and row["identical"] and row["c"] > 0 and row["tokens_per_step"] >= 1
+
+
+def _check_select_check(data: dict) -> None:
+    rows = data["check"]["rows"]
+    assert rows[0]["config"] == "plain" and len(rows) >= 2 and all(r["identical"] for r in rows)
+    assert 0 < data["check"]["choice_over_best"] <= 1
+
+
+def _check_first_command(data: dict) -> None:
+    (run,) = data["runs"]
+    assert run["example"] == "code" and run["identical"] and run["tokens"] == 4 and run["speedup"] > 0
+
+
 def _check_chunked_prefill(data: dict) -> None:
     (row,) = data["table"]
     assert row["max_num_batched_tokens"] == 16 and row["num_window"] > 0 and row["long_ttft_s"] > 0
@@ -127,6 +143,16 @@ CASES: dict[str, Case] = {
     "hybrid.py": Case(["--models", "bundled", "--rows", "suffix", "auto", "--workloads", "code", "--prompts", "1",
                        "--repeats", "1", "--new-tokens", "4", "-k", "2", "--cores", "0", "--out-dir", "{out}",
                        "--name", "hy"], ["hy.json", "hy.md"], check=lambda out: _check_hybrid(_json(out, "hy.json"))),
+    "self_draft.py": Case(["--model", "bundled", "--formats", "int4", "--ks", "2", "--prompts", "1", "--new-tokens",
+                           "4", "--repeats", "1", "--iters", "1", "--cores", "0", "--out-dir", "{out}", "--name", "sd"],
+                          ["sd.json", "sd.md"], check=lambda out: _check_self_draft(_json(out, "sd.json"))),
+    "select_check.py": Case(["--target", "bundled", "--workload", "code", "--prompts", "1", "--max-tokens", "6",
+                             "--ks", "2", "--select-repeats", "1", "--repeats", "1", "--top", "1", "--cores", "0",
+                             "--out-dir", "{out}", "--name", "sc"], ["sc.json", "sc.md"],
+                            check=lambda out: _check_select_check(_json(out, "sc.json"))),
+    "first_command.py": Case(["--target", "bundled", "--method", "ngram", "--examples", "code", "--runs", "1",
+                              "--max-tokens", "4", "--cores", "0", "--out-dir", "{out}", "--name", "fc"],
+                             ["fc.json", "fc.md"], check=lambda out: _check_first_command(_json(out, "fc.json"))),
     "chunked_prefill.py": Case(["--sizes", "16", "--repeats", "1", "--streams", "1", "--stream-tokens", "400",
                                 "--long-tokens", "200", "--steady", "1", "--out-dir", "{out}", "--name", "cp"],
                                ["cp.json", "cp.md"], check=lambda out: _check_chunked_prefill(_json(out, "cp.json"))),

@@ -179,3 +179,25 @@ def test_bundled_pair_generate_commands_run(doc, line, args):
     result = CliRunner().invoke(app, _with_max_tokens(args, 4))
     assert result.exit_code == 0, f"{doc}: `{line}` failed:\n{result.output}"
     assert "tok/s" in result.output or "tokens" in result.output, result.output
+
+
+def _readme_first_command() -> list[str]:
+    """The quickdraft command of README's first `pip install ... && quickdraft ...` line."""
+    return next(qd for doc, line, argv in _all_commands() if doc == "README.md" and line.startswith("pip install")
+                and (qd := _quickdraft_argv(argv)) is not None)
+
+
+@pytest.mark.smollm2
+def test_readme_first_command_runs_a_real_model_and_checks_identity():
+    """README's first command (cut to 24 tokens) on SmolLM2: coherent text, then the speedup and
+    the identity check it promises (speed itself is not asserted: no timing thresholds here)."""
+    from conftest import need_smollm2
+
+    need_smollm2()
+    args = _readme_first_command()
+    assert args[:1] == ["generate"] and "smollm2" in args and "--compare" in args and "--example" in args
+    result = CliRunner().invoke(app, _with_max_tokens(args, 24))
+    assert result.exit_code == 0, result.output
+    assert "speedup over plain decoding:" in result.output
+    assert "output identical to plain decoding: yes" in result.output
+    assert "```python" in result.output  # the edit's answer starts with the file it copies

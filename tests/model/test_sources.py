@@ -130,8 +130,18 @@ def test_unknown_name_lists_the_catalogue(cache):
     with pytest.raises(QuickdraftError, match=r"unknown model name: nope \(the catalogue has: smollm2"):
         pull("nope")
     with pytest.raises(QuickdraftError, match=r"^model not found: nope \(not a local path, a catalogue name "
-                                              r"\(smollm2.*\) or a Hub id\)$"):
+                                              r"\(smollm2.*\), 'bundled' or a Hub id\)$"):
         resolve_model("nope")
+
+
+def test_the_bundled_target_by_name():
+    from quickdraft.llm import default_model_dirs
+
+    from quickdraft import LLM
+
+    assert sources.check_spec("bundled") == "bundled" and resolve_model("bundled") == default_model_dirs()[0]
+    llm = LLM("bundled", compile=False)  # the bundled pair, as with no target: its draft comes along
+    assert llm.engine.config.spec.method == "draft" and llm.draft is not None
 
 
 def test_catalogue_listing(cache, wheel, monkeypatch):

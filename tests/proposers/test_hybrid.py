@@ -195,3 +195,57 @@ def test_hybrid_sampling_matches_target_distribution(pair, method, options, kw):
     # the control the same test must reject: the target's distribution mixed with the draft's
     wrong = exact_joint(draft, SamplingParams(**kw))
     assert chi2_pvalue(counts, 0.7 * probs + 0.3 * wrong) < 1e-6
+
+
+# ---- the measured costs, cached on disk ------------------------------------------------------
+
+def test_measured_costs_are_cached_and_seeded_output_stops_depending_on_the_clock(target_dir, noisy_draft,
+                                                                               monkeypatch):
+    """The first engine measures (c_verify, c_token) and writes them under the engine's cost key;
+    a later one (another process: the in-process share cleared) reads them and measures nothing,
+    so its seeded sampled output is a function of the tokens alone: a clock that returns nonsense
+    changes nothing."""
+    import itertools
+
+    from quickdraft.policy.auto import costs_path
+    from quickdraft.proposers import hybrid
+
+    monkeypatch.setattr(hybrid, "_MEASURED", {})
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    first = make(target_dir, noisy_draft, "suffix,draft")  # measured costs (no draft_cost)
+    first.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    measured = dict(first.engine.proposer._costs)
+    assert 1 in measured, "the batch-1 bucket was not measured"
+    path = costs_path(first.engine.proposer._key)
+    assert path.exists()
+
+    def fresh_engine():
+        monkeypatch.setattr(hybrid, "_MEASURED", {})  # as a new process: only the disk remembers
+        llm = make(target_dir, noisy_draft, "suffix,draft")
+        assert llm.engine.proposer._costs == measured  # from the disk, before any step
+        return llm
+
+    second = fresh_engine()
+    want = [second.generate([p], params)[0].token_ids for p in PROMPTS]  # batch 1: the bucket measured
+    assert second.engine.proposer._token_times == {} and second.engine.proposer._verify_times == {}  # nothing timed
+    third = fresh_engine()
+    ticks = itertools.count()
+    monkeypatch.setattr(hybrid.time, "perf_counter", lambda: 1e3 * (next(ticks) % 7))  # a clock that lies
+    assert [third.generate([p], params)[0].token_ids for p in PROMPTS] == want
+    monkeypatch.undo()
+    # another key (another method list) has costs of its own
+    assert make(target_dir, noisy_draft, "ngram,draft").engine.proposer._costs == {}
+
+
+def test_unreadable_cached_costs_are_measured_again(target_dir, noisy_draft, monkeypatch, caplog):
+    from quickdraft.policy.auto import costs_path
+    from quickdraft.proposers import hybrid
+
+    monkeypatch.setattr(hybrid, "_MEASURED", {})
+    llm = make(target_dir, noisy_draft, "suffix,ngram,draft", {"suffix.tree": False})
+    path = costs_path(llm.engine.proposer._key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    monkeypatch.setattr(hybrid, "_MEASURED", {})
+    llm = make(target_dir, noisy_draft, "suffix,ngram,draft", {"suffix.tree": False})
+    assert llm.engine.proposer._costs == {} and "ignoring the hybrid's cached step costs" in caplog.text

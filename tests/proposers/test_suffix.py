@@ -203,6 +203,11 @@ def test_global_trie_serves_a_request_that_repeats_an_earlier_output():
     q.finish(0, prompt + output, len(prompt))
     assert q.held_tokens == 0 and q.global_nodes == 0
     assert trees(q, [context], k=8) == [([], [])]
+    # Forgetting the finished requests (benchmarks, between runs of a workload) empties the global trie.
+    p.forget_requests()
+    assert p.held_tokens == 0 and p.global_nodes == 0
+    p.start(0, context)
+    assert trees(p, [context], k=8) == [([], [])]
 
 
 def test_the_higher_scoring_store_wins():
