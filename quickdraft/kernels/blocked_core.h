@@ -242,6 +242,36 @@ __attribute__((target("avx2,fma"))) inline void store_left(float* p, __m256 v, i
     _mm256_maskstore_ps(p, lanes_below(left), v);
 }
 
+// One input k of MR rows x 8V outputs (src: the block row's first of those outputs): acc[r][j] +=
+// x[r][k] * w[8j ..], one FMA per row and vector, in the same order on every caller (so the same bits).
+// MR * V sums + MR broadcasts + a weight vector fit the 16 registers, else the V weight vectors are
+// kept and the broadcasts made one at a time.
+template <typename W, int MR, int V>
+__attribute__((target("avx2,fma"), always_inline)) inline void fma_rows_avx2(const float* x, int64_t ldx, int64_t k,
+                                                                             const W* src, __m256 (&acc)[MR][V]) {
+  if constexpr (MR * V + MR + 1 <= 16) {  // the rows' broadcasts kept, one weight vector at a time
+    __m256 xv[MR];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) {
+      const __m256 w = load8(src + 8 * j);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
+    }
+  } else {  // the V weight vectors kept (widened once for all MR rows), one broadcast at a time
+    __m256 w[V];
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) w[j] = load8(src + 8 * j);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+  }
+}
+
 // MR rows x outputs [c0, c0 + 8V) of one block (the block's first `ncols` outputs are real): the
 // same sums as block_rows, 8 outputs a vector. MR * V sums + MR broadcasts + a weight vector fit
 // the 16 registers for (MR, V) = (1, 8), (3, 4), (2, 4).
@@ -264,27 +294,7 @@ __attribute__((target("avx2,fma"))) void block_rows_avx2(const float* x, int64_t
 #pragma GCC unroll 4
       for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
-    if constexpr (MR * V + MR + 1 <= 16) {  // the rows' broadcasts kept, one weight vector at a time
-      __m256 xv[MR];
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 8
-      for (int j = 0; j < V; ++j) {
-        const __m256 w = load8(src + 8 * j);
-#pragma GCC unroll 6
-        for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
-      }
-    } else {  // the V weight vectors kept (widened once for all MR rows), one broadcast at a time
-      __m256 w[V];
-#pragma GCC unroll 8
-      for (int j = 0; j < V; ++j) w[j] = load8(src + 8 * j);
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) {
-        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 8
-        for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
-      }
-    }
+    fma_rows_avx2<W, MR, V>(x, ldx, k, src, acc);
   }
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) {
@@ -372,27 +382,7 @@ __attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t
       for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(next + k * NB * sizeof(W) + line, _MM_HINT_T1);
       ahead += passes;
     }
-    if constexpr (MR * V + MR + 1 <= 16) {  // the rows' broadcasts kept, one weight vector at a time
-      __m256 xv[MR];
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) xv[r] = _mm256_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 8
-      for (int j = 0; j < V; ++j) {
-        const __m256 w = load8(wk + 8 * j);
-#pragma GCC unroll 6
-        for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
-      }
-    } else {  // the V weight vectors kept (widened once for all MR rows), one broadcast at a time
-      __m256 w[V];
-#pragma GCC unroll 8
-      for (int j = 0; j < V; ++j) w[j] = load8(wk + 8 * j);
-#pragma GCC unroll 6
-      for (int r = 0; r < MR; ++r) {
-        const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 8
-        for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
-      }
-    }
+    fma_rows_avx2<W, MR, V>(x, ldx, k, wk, acc);
   }
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j)
