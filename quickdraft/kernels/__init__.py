@@ -58,7 +58,8 @@ log = logging.getLogger("quickdraft")
 
 SOURCE = Path(__file__).with_name("blocked_mm.cpp")  # the PyTorch ops; it includes:
 CORE = Path(__file__).with_name("blocked_core.h")  # the kernels themselves (no PyTorch: a harness runs them alone)
-SOURCES = (SOURCE, CORE)  # what the library is built from (its cache folder is named by their bytes)
+AMX = Path(__file__).with_name("blocked_amx.h")  # int8 and int4 on AMX tiles (included by blocked_core.h)
+SOURCES = (SOURCE, CORE, AMX)  # what the library is built from (its cache folder is named by their bytes)
 LIBRARY = "qd_kernels.so"
 BLOCK = 64  # outputs per column block of the packed layout (blocked_mm.cpp's NB)
 GROUP = 32  # int4: inputs per group (blocked_mm.cpp's QG)
@@ -155,6 +156,8 @@ def _apply_isa_variable() -> None:
     """QUICKDRAFT_ISA, read once (an error is raised again at each call until it is fixed)."""
     if os.environ.get("QUICKDRAFT_VNNI", "1").strip() == "0":  # int8 and int4 without VNNI (the same bits)
         _lib().quickdraft_set_vnni(0)
+    if os.environ.get("QUICKDRAFT_AMX", "1").strip() == "0":  # int8 and int4 without AMX (the same bits)
+        _lib().quickdraft_set_amx(0)
     name = os.environ.get("QUICKDRAFT_ISA", "").strip().lower()
     if name:
         _set_isa(name, f"QUICKDRAFT_ISA={name}")  # (an error is not cached: every call raises it)
@@ -436,6 +439,28 @@ def int8_uses_vnni() -> bool:
     """Whether the int8 kernel runs the integer dot-product instruction here (vpdpbusd, NEON's sdot):
     the int4 kernel's choice (the same CPU features and the same switch, `use_vnni`)."""
     return int4_uses_vnni()
+
+
+def amx_rows(int4: bool = False) -> int:
+    """The smallest int8 (int4 where `int4`) call, in rows, that runs on AMX tiles here, 0 where none
+    does: AMX takes the AVX-512 path's calls of that many rows or more where the CPU has AMX-INT8 and
+    Linux lends this process the tile registers (blocked_amx.h); fewer rows, and every call elsewhere,
+    run the vector kernels (the same bits)."""
+    return int(_lib().quickdraft_amx_rows(int(int4))) if available() else 0
+
+
+@contextlib.contextmanager
+def use_amx(on: bool) -> Iterator[None]:
+    """int8 and int4 with (True: where the CPU has it) or without (False) AMX inside the block,
+    process-wide; the bits are the same either way. For tests and benchmarks; a user's switch is
+    QUICKDRAFT_AMX=0."""
+    if not available():
+        raise QuickdraftError("quickdraft's CPU kernels are not available here")
+    before = _lib().quickdraft_set_amx(int(on))
+    try:
+        yield
+    finally:
+        _lib().quickdraft_set_amx(before)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,12 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define QD_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #else
 #define QD_X86 0
 #endif
@@ -822,10 +827,14 @@ void q4_avx512_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
 }
 
 void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1);
+bool amx_takes(int64_t rows, bool int4);  // (blocked_amx.h)
+void q4_amx(const Q4Args& a, int64_t b0, int64_t b1);
 
-// AVX-512 VNNI (Intel since Cascade Lake, AMD Zen 4); AVX-512 BW's maddubs + madd without it (or
-// with vnni_allowed off); a CPU with AVX-512F alone (Knights Landing) takes the AVX2 kernel.
+// AMX for several rows where it runs (blocked_amx.h); else AVX-512 VNNI (Intel since Cascade
+// Lake, AMD Zen 4); AVX-512 BW's maddubs + madd without it (or with vnni_allowed off); a CPU with
+// AVX-512F alone (Knights Landing) takes the AVX2 kernel.
 void q4_avx512(const Q4Args& a, int64_t b0, int64_t b1) {
+  if (amx_takes(a.M, true)) return q4_amx(a, b0, b1);
   if (cpu_avx512_vnni() && vnni_allowed.load(std::memory_order_relaxed)) return q4_avx512_blocks<true>(a, b0, b1);
   if (cpu_avx512_bw()) return q4_avx512_blocks<false>(a, b0, b1);
   q4_avx2(a, b0, b1);
@@ -1043,6 +1052,8 @@ void q8_portable(const Q8Args& a, int64_t b0, int64_t b1) {
 }
 
 #if QD_X86
+#include "blocked_amx.h"  // AMX: int8 and int4 calls of several rows (a part of this file, in its namespace)
+
 // AVX-512: one quad's products of a weight vector (16 outputs) and a row's broadcast quad, added
 // into the int32 sums. VNNI: w is q xor 0x80 (the caller's), the sums started from -128 asum.
 // Without: maddubs(|q|, a negated where q < 0), madd with ones.
@@ -1189,9 +1200,10 @@ void q8_avx512_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
 
 void q8_avx2(const Q8Args& a, int64_t b0, int64_t b1);
 
-// AVX-512 VNNI; AVX-512 BW's maddubs + madd without it (or with vnni_allowed off); a CPU with
-// AVX-512F alone takes the AVX2 kernel (as int4).
+// AMX for several rows where it runs (blocked_amx.h); else AVX-512 VNNI; AVX-512 BW's maddubs +
+// madd without it (or with vnni_allowed off); a CPU with AVX-512F alone takes the AVX2 kernel (as int4).
 void q8_avx512(const Q8Args& a, int64_t b0, int64_t b1) {
+  if (amx_takes(a.M, false)) return q8_amx(a, b0, b1);
   if (cpu_avx512_vnni() && vnni_allowed.load(std::memory_order_relaxed)) return q8_avx512_blocks<true>(a, b0, b1);
   if (cpu_avx512_bw()) return q8_avx512_blocks<false>(a, b0, b1);
   q8_avx2(a, b0, b1);
