@@ -9,6 +9,8 @@ down, lm_head).
     python benchmarks/blocked_rows.py --shapes bundled   # the bundled target's and SmolLM2's (K, N) of before
     python benchmarks/blocked_rows.py --shapes 1.7b --rows 1,2,3,4,5,6,7,8,9 --clock thread   # SmolLM2-1.7B's
     python benchmarks/blocked_rows.py --tiny             # a smoke test: one small shape, few calls
+    python benchmarks/blocked_rows.py --isa avx512 --format int8,int4 --amx every,off --clock thread
+        # int8 / int4 on AMX tiles at every row count against the AVX-512 kernels, side by side
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def main() -> None:
     p.add_argument("--clock", default="wall", choices=["wall", "thread"],
                    help="wall: perf_counter; thread: this thread's CPU time (time slices other processes take on a "
                         "shared machine do not count; their cache traffic still does)")
+    p.add_argument("--amx", default="on", help="AMX settings to compare, comma-separated: on (the default: from "
+                   "kernels.amx_rows() rows), every (every row count), off; int8 / int4 on the avx512 path only")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this text file")
     p.add_argument("--tiny", action="store_true", help="a smoke test: one (64, 128) shape, 1-2 rows, f32 only")
     args = p.parse_args()
@@ -96,6 +100,9 @@ def main() -> None:
         raise SystemExit("quickdraft's kernels are not available here")
     isas = args.isa.split(",") if args.isa else list(kernels.cpu_isas())
     rows = [int(r) for r in args.rows.split(",")]
+    amx_settings = args.amx.split(",")
+    if not set(amx_settings) <= {"on", "every", "off"}:
+        raise SystemExit(f"--amx takes on, every and off, got {args.amx!r}")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     say(f"# {cpu_model()}, paths {', '.join(kernels.cpu_isas())}; torch {torch.__version__}, 1 thread; "
           f"load average {os.getloadavg()[0]:.2f} before; us per call ({args.clock} clock, median), "
@@ -106,13 +113,26 @@ def main() -> None:
                 continue
             f = _operands(fmt, K, N)
             for isa in isas:
+                amx = amx_settings if fmt in ("int8", "int4") and isa == "avx512" else ["on"]
+                portable = isa == "portable"  # (scalar: seconds per call on lm_head; fewer rounds)
+                t: dict[str, dict[int, float]] = {a: {} for a in amx}
                 with kernels.use_isa(isa):
-                    portable = isa == "portable"  # (scalar: seconds per call on lm_head; fewer rounds)
-                    t = {m: _time(f, torch.randn(m, K), 3 * args.budget if portable else args.budget,
-                                  3 if portable else 7, clock) for m in rows}
-                one = t[rows[0]]
-                cells = "  ".join(f"{m}: {v:8.0f} ({v / one:.2f})" for m, v in t.items())
-                say(f"{fmt:4s} {name:8s} {K:5d}x{N:<6d} {isa:8s} {cells}")
+                    for m in rows:  # (the AMX settings side by side at each row count)
+                        x = torch.randn(m, K)
+                        for a in amx:
+                            with kernels.use_amx(a != "off", every_call=a == "every"):
+                                t[a][m] = _time(f, x, 3 * args.budget if portable else args.budget,
+                                                3 if portable else 7, clock)
+                for a in amx:
+                    one = t[a][rows[0]]
+                    cells = "  ".join(f"{m}: {v:8.0f} ({v / one:.2f})" for m, v in t[a].items())
+                    label = isa if len(amx) == 1 else f"{isa}/amx={a}"
+                    say(f"{fmt:4s} {name:8s} {K:5d}x{N:<6d} {label:8s} {cells}")
+                if len(amx) > 1:
+                    base = amx[-1]
+                    for a in amx[:-1]:
+                        cells = "  ".join(f"{m}: {t[a][m] / t[base][m]:.2f}" for m in rows)
+                        say(f"{fmt:4s} {name:8s} {K:5d}x{N:<6d} amx={a} / amx={base}: {cells}")
     say(f"# load average {os.getloadavg()[0]:.2f} after")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -450,13 +450,13 @@ def amx_rows(int4: bool = False) -> int:
 
 
 @contextlib.contextmanager
-def use_amx(on: bool) -> Iterator[None]:
-    """int8 and int4 with (True: where the CPU has it) or without (False) AMX inside the block,
-    process-wide; the bits are the same either way. For tests and benchmarks; a user's switch is
-    QUICKDRAFT_AMX=0."""
+def use_amx(on: bool, every_call: bool = False) -> Iterator[None]:
+    """int8 and int4 with (True: where the CPU has it, from `amx_rows()` rows; with `every_call`,
+    one-row calls too) or without (False) AMX inside the block, process-wide; the bits are the same
+    either way. For tests and benchmarks; a user's switch is QUICKDRAFT_AMX=0."""
     if not available():
         raise QuickdraftError("quickdraft's CPU kernels are not available here")
-    before = _lib().quickdraft_set_amx(int(on))
+    before = _lib().quickdraft_set_amx(0 if not on else 2 if every_call else 1)
     try:
         yield
     finally:

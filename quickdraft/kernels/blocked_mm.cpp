@@ -252,12 +252,12 @@ extern "C" __attribute__((visibility("default"))) int32_t quickdraft_int4_vnni()
 #endif
   return 0;
 }
-// AMX for the int8 and int4 kernels' calls of several rows (blocked_amx.h) on (1, where the CPU has it
-// and Linux lends this process the tiles) or off (0: the AVX-512 kernels, the same bits); returns
-// the previous setting.
-extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_amx(int32_t on) {
+// AMX for the int8 and int4 kernels (blocked_amx.h), where the CPU has it and Linux lends this process
+// the tiles: off (0: the AVX-512 kernels, the same bits), on for calls of several rows (1), on for
+// every call (2); returns the previous setting.
+extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_amx(int32_t mode) {
 #if QD_X86
-  return amx_allowed.exchange(on != 0);
+  return amx_mode.exchange(mode < 0 || mode > 2 ? 1 : mode);
 #else
   return 0;
 #endif
@@ -265,8 +265,9 @@ extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_amx(int
 // The smallest int8 (int4 = 0) or int4 (1) call, in rows, that runs on AMX here now; 0 where none does.
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_amx_rows(int32_t int4) {
 #if QD_X86
-  if (chosen_isa.load() != ISA_AVX512 || !amx_allowed.load() || !cpu_amx()) return 0;
-  return int32_t(int4 ? AMX_ROWS_Q4 : AMX_ROWS_Q8);
+  const int mode = amx_mode.load();
+  if (chosen_isa.load() != ISA_AVX512 || mode == 0 || !cpu_amx()) return 0;
+  return mode == 2 ? 1 : int32_t(int4 ? AMX_ROWS_Q4 : AMX_ROWS_Q8);
 #else
   return 0;
 #endif
