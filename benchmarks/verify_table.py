@@ -12,6 +12,8 @@ Writes JSON and a markdown table (issue 36, deliverable 3).
     taskset -c 1 python benchmarks/verify_table.py --model smollm2,1.7b --isa avx512,avx2 \\
         --format f32,bf16,int8,int4 --out benchmarks/results/verify_table_cpu.json
     python benchmarks/verify_table.py --tiny   # a smoke test: the bundled target, f32 and int4, 2 layers, q 1, 2, 6
+    taskset -c 1 python benchmarks/verify_table.py --isa avx512:on,avx512:off --format int8,int4
+        # AMX (int8 / int4 from kernels.amx_rows() rows; :every on every call) against the AVX-512 kernels alone
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def measure(args, model: str, fmt: str) -> dict:
 
         for r in range(args.rounds):
             for isa in (args.isa if r % 2 == 0 else args.isa[::-1]):
-                with kernels.use_isa(isa):
+                path, _, amx = isa.partition(":")  # (avx512:off, avx512:every: AMX's settings; on by default)
+                with kernels.use_isa(path), kernels.use_amx(amx != "off", every_call=amx == "every"):
                     for q in rows:
                         call(q)
                         start = clock()
@@ -128,7 +131,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="smollm2, 1.7b, bundled (the bundled target; comma-separated)")
-    p.add_argument("--isa", default="avx512,avx2", help="kernel paths (comma-separated; this CPU must have each)")
+    p.add_argument("--isa", default="avx512,avx2", help="kernel paths (comma-separated; this CPU must have each), "
+                   "each with :on (the default), :every or :off for AMX's setting (int8 / int4 on avx512)")
     p.add_argument("--format", default="f32,bf16,int8,int4", help=f"{', '.join(FORMATS)} (comma-separated)")
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9", help="query rows per step; the first is the baseline")
     p.add_argument("--context", type=int, default=400)
@@ -145,6 +149,9 @@ def main() -> None:
         args.model, args.format, args.layers, args.context, args.rows = "bundled", "f32,int4", 2, 32, "1,2,6"
         args.rounds, args.calls = 1, 1
     args.isa = args.isa.split(",")
+    for isa in args.isa:
+        if isa.partition(":")[2] not in ("", "on", "every", "off"):
+            raise SystemExit(f"--isa {isa}: AMX's setting is on, every or off")
     args.rows = [int(q) for q in args.rows.split(",")]
     for fmt in args.format.split(","):
         if fmt not in FORMATS:
