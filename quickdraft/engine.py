@@ -607,9 +607,13 @@ class Engine:
             return AUTO_BATCHED_TOKENS_GPU
         return AUTO_BATCHED_TOKENS[0 if self.running and not idle else 1]
 
+    def runs_eagerly(self) -> bool:
+        """Whether the target's steps are its eager forward (not a compiled or AOT step)."""
+        return self._forward is self.target
+
     def mixes_prefill(self) -> bool:
         """Whether a prefill chunk rides in the running batch's step now (else the two alternate)."""
-        return self._packs and self._forward is self.target
+        return self._packs and self.runs_eagerly()
 
     def _capacity_needed(self, r: _Request) -> int:
         return len(r.prompt) + r.params.max_tokens + self._draft_room + 1  # + room for drafts past the end

@@ -267,6 +267,12 @@ class LLM:
             self.engine._switch_if_built(wait=True)
         return True
 
+    def keep_current_steps(self) -> None:
+        """Stay on the steps this LLM runs now: a background AOT build goes on (its packages are
+        on disk for the next process) but this engine does not switch to them. For comparisons
+        that must time two LLMs on the same kind of steps without waiting for the build."""
+        self.engine.switch_when_built(None)
+
     def _warm_up(self) -> None:
         """Compile the steps now (one short greedy request), not inside the first real one."""
         import sys

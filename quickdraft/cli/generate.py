@@ -101,10 +101,22 @@ def generate(
         if llm.engine.proposer is None:
             fail("--compare needs speculative decoding: give a draft or a --method (or use the bundled pair)")
         plain = LLM(method="none", **target_args)
-        if llm.aot_build is not None or plain.aot_build is not None:  # both timed on the same kind of steps
-            err.print("[dim]waiting for the compiled steps (built once per model shape) before comparing[/]")
+        # both timed on the same kind of steps: where both are still eager (a fresh cache), both
+        # stay eager while the build goes on for later runs; where one already has its compiled
+        # steps, the other waits for its own
+        building = [m.aot_build is not None and not m.aot_build.done() for m in (llm, plain)]
+        if all(building):
+            steps = "eager"
+            err.print("[dim]timing both on eager steps: the compiled steps (faster) are being built in the "
+                      "background for the next runs[/]")
+            llm.keep_current_steps()
+            plain.keep_current_steps()
+        else:
+            if any(building):
+                err.print("[dim]waiting for the compiled steps (built once per model shape) before comparing[/]")
             llm.wait_for_aot()
             plain.wait_for_aot()
+            steps = "eager" if llm.engine.runs_eagerly() else "compiled"
         warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
         for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
             m.generate([m.encode(prompt_in, chat=chat)], warm)
@@ -120,7 +132,7 @@ def generate(
     if plain is not None:
         base = plain.generate([final.prompt_token_ids], params)[0]
         p = plain.stats
-        comparison = {"plain_tokens_per_second": p.tokens_per_second,
+        comparison = {"plain_tokens_per_second": p.tokens_per_second, "steps": steps,
                       "speedup": s.tokens_per_second / p.tokens_per_second if p.tokens_per_second else None,
                       "identical": base.token_ids == final.token_ids if temperature == 0 else None}
     if as_json:
@@ -136,4 +148,4 @@ def generate(
         same = "" if comparison["identical"] is None else \
             f"; output identical to plain decoding: {'yes' if comparison['identical'] else 'NO'}"
         err.print(f"[bold]speedup over plain decoding: {comparison['speedup']:.2f}x[/] "
-                  f"(plain {comparison['plain_tokens_per_second']:.1f} tok/s{same})")
+                  f"(plain {comparison['plain_tokens_per_second']:.1f} tok/s, {steps} steps{same})")

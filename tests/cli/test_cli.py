@@ -136,6 +136,41 @@ def test_compare_runs_plain_decoding_in_the_same_weight_format(target_dir, draft
     assert r.exit_code == 2 and "--compare needs" in r.output
 
 
+def test_compare_times_both_eagerly_while_their_compiled_steps_build(target_dir, draft_dir, monkeypatch):
+    """On a fresh cache --compare does not wait minutes for the background AOT build: both LLMs
+    stay on eager steps (the build goes on for later runs) and the JSON says which steps ran."""
+    from typer.testing import CliRunner
+
+    import quickdraft.llm
+    from quickdraft.cli import app
+
+    builds = []
+
+    class Building:  # a background build that never ends; counts who asks
+        calls = 0
+
+        def done(self):
+            self.calls += 1
+            return False
+
+    def build_in_background(self, recipe):
+        self.aot_build = Building()
+        builds.append(self.aot_build)
+        self.engine.switch_when_built(self.aot_build)
+
+    monkeypatch.setattr(quickdraft.llm.LLM, "_build_in_background", build_in_background)
+    monkeypatch.setattr(quickdraft.llm.aot, "background_builds_enabled", lambda: True)
+    r = CliRunner().invoke(app, ["generate", "--target", str(target_dir), "--draft", str(draft_dir), "-k", "3",
+                                 "--max-tokens", "8", "--ignore-eos", "--temperature", "0", "--compare", "--json",
+                                 "def add(a, b):"])
+    assert r.exit_code == 0, r.output
+    assert len(builds) == 2
+    # asked once each by --compare; the engines, kept on their steps, never ask again between steps
+    assert [b.calls for b in builds] == [1, 1]
+    cmp_ = json.loads(r.stdout.strip().splitlines()[-1])["compare"]
+    assert cmp_["steps"] == "eager" and cmp_["identical"] is True and cmp_["speedup"] > 0
+
+
 def test_model_source_commands_and_errors(tmp_path):
     r = run("models")
     assert r.returncode == 0 and "smollm2" in r.stdout, r.stderr
