@@ -50,9 +50,10 @@ std::atomic<int> amx_mode{1};
 // group's C tile goes through memory: on SmolLM2-135M's qkv, down and gate_up shapes (Intel Xeon,
 // Emerald Rapids, one thread) int8 on AMX took 1.3-1.7x VNNI's time at 4 rows, 0.7-1.0x at 8
 // and 0.6-0.8x at 16; int4, which also unpacks its nibbles, 1.0-1.4x at 8-12 rows, 0.9-1.0x at
-// 16 and 0.7-0.9x at 32: verify steps (k + 1 <= 16 rows) keep VNNI, prefills take AMX
-// (benchmarks/blocked_rows.py --amx every,off; docs/cpu.md).
-constexpr int64_t AMX_ROWS_Q8 = 8, AMX_ROWS_Q4 = 17;
+// 16 and 0.7-0.9x at 32. SmolLM2's lm_head (576 x 49,152) in int8 took 1.2-1.4x VNNI's time at
+// 8-12 rows and 1.04x at 16 (a re-run, load 5): verify steps (k + 1 <= 16 rows) keep VNNI for
+// both formats, prefills take AMX (benchmarks/blocked_rows.py --amx every,off; docs/cpu.md).
+constexpr int64_t AMX_ROWS_Q8 = 17, AMX_ROWS_Q4 = 17;
 
 // Whether a call of `rows` rows of int4 (else int8) runs on AMX.
 bool amx_takes(int64_t rows, bool int4) {
