@@ -18,12 +18,13 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from quickdraft.bench.hardware import loadavg, provenance, provenance_line
 
-SPEEDUP = re.compile(r"speedup over plain decoding: ([0-9.]+)x \(plain ([0-9.]+) tok/s; output identical to plain "
+SPEEDUP = re.compile(r"speedup over plain decoding: ([0-9.]+)x \(plain ([0-9.]+) tok/s, (\w+) steps; output identical to plain "
                      r"decoding: (yes|NO)\)")
 STATS = re.compile(r"(\d+) tokens, ([0-9.]+) tok/s, acceptance rate ([0-9.]+), mean acceptance length ([0-9.]+)")
 
@@ -37,8 +38,12 @@ def run_once(args, example: str) -> dict:
         cmd += ["--method", args.method]
     if args.max_tokens:
         cmd += ["--max-tokens", str(args.max_tokens)]
+    env = dict(os.environ)
+    if args.fresh_cache:  # an empty cache of its own: kernels, the model's files and compiled steps made anew
+        env["QUICKDRAFT_CACHE"] = tempfile.mkdtemp(prefix="quickdraft-first-command-")
+        env.pop("QUICKDRAFT_KERNEL_CACHE", None)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
@@ -47,7 +52,7 @@ def run_once(args, example: str) -> dict:
         raise SystemExit(f"no speedup / stats line in the output of {' '.join(cmd)}:\n{p.stderr}")
     text = p.stdout.strip()
     return {"example": example, "speedup": float(m.group(1)), "plain_tokens_per_s": float(m.group(2)),
-            "identical": m.group(3) == "yes", "tokens": int(s.group(1)), "tokens_per_s": float(s.group(2)),
+            "steps": m.group(3), "identical": m.group(4) == "yes", "tokens": int(s.group(1)), "tokens_per_s": float(s.group(2)),
             "acceptance_rate": float(s.group(3)), "mean_acceptance_length": float(s.group(4)),
             "wall_s": wall, "load_after": loadavg(), "text_start": text[:400]}
 
@@ -56,18 +61,19 @@ def markdown(result: dict) -> str:
     cmd = result["generate"]
     lines = [f"# README's first command: {cmd}", "", provenance_line(result["provenance"]), "",
              f"Command: `{result['provenance']['command']}`", "",
-             f"Each run is a fresh process (models cached, AOT steps as the engine finds them); the speedup is the "
+             f"Each run is a fresh process ({'from an empty cache: kernels, model files and compiled steps made anew' if result.get('fresh_cache') else 'models cached, AOT steps as the engine finds them'}); the speedup is the "
              f"one the command prints (its own paired measurement of the same prompt with plain decoding). "
              f"Load average (1 min) before: {result['load_before'][0]}, after: {result['load_after'][0]} "
              "(2 cores, shared with other work; one core pinned).", "",
-             "| example | runs: speedup printed | median | output = plain | acceptance rate | mean acceptance length | "
-             "tokens |", "|---|---|---|---|---|---|---|"]
+             "| example | runs: speedup printed (steps timed) | median | output = plain | acceptance rate | "
+             "mean acceptance length | tokens | wall s per run |", "|---|---|---|---|---|---|---|---|"]
     for ex, s in result["summary"].items():
         runs = [r for r in result["runs"] if r["example"] == ex]
-        printed = ", ".join(f"{r['speedup']:.2f}x" for r in runs)
+        printed = ", ".join(f"{r['speedup']:.2f}x ({r['steps']})" for r in runs)
+        walls = ", ".join(f"{r['wall_s']:.0f}" for r in runs)
         lines.append(f"| {ex} | {printed} | **{s['median_speedup']:.2f}x** | "
                      f"{'yes' if s['all_identical'] else 'NO'} | {s['median_acceptance_rate']:.2f} | "
-                     f"{s['median_acceptance_length']:.2f} | {runs[0]['tokens']} |")
+                     f"{s['median_acceptance_length']:.2f} | {runs[0]['tokens']} | {walls} |")
     lines += ["", "The text each example printed (first run, its start):", ""]
     for ex in result["summary"]:
         r = next(r for r in result["runs"] if r["example"] == ex)
@@ -87,6 +93,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--name", default=None)
+    ap.add_argument("--fresh-cache", action="store_true",
+                    help="each run from an empty QUICKDRAFT_CACHE (a fresh machine, pip's own cache aside)")
     args = ap.parse_args()
     cores = args.cores or (sorted(os.sched_getaffinity(0))[:args.threads] if hasattr(os, "sched_getaffinity") else None)
     if cores:
@@ -107,6 +115,7 @@ def main() -> None:
     generate = (f"quickdraft generate --target {args.target} --method {args.method} --example NAME --temperature 0 "
                 "--compare")
     result = {"generate": generate, "runs": runs, "summary": summary, "load_before": load_before,
+              "fresh_cache": args.fresh_cache,
               "load_after": loadavg(), "provenance": provenance("cpu", threads=args.threads, load_before=load_before)}
     name = args.name or f"first_command_{args.target}_cpu"
     args.out_dir.mkdir(parents=True, exist_ok=True)
