@@ -883,6 +883,13 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
         acc[r][1] = dot4x8<VNNI>(acc[r][1], hi, av);
       }
     }
+    // The sums pinned to registers at each quad (an empty asm that "changes" them): otherwise GCC
+    // loads the group's 8 quads of weights ahead, spills them all to the stack and reloads them (all
+    // 8 quads unrolled: ~130 stack accesses per call). The same integer sums in the same order.
+#pragma GCC unroll 8
+    for (int v = 0; v < 2 * NH; ++v)
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(acc[r][v]));
   }
 #pragma GCC unroll 8
   for (int v = 0; v < 2 * NH; ++v) {
