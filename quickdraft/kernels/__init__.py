@@ -9,6 +9,8 @@ int8 per group of 32 inside the kernel, for integer dot products); PyTorch's sto
 the layout and the numerics. And `attend`: attention over the cache for any number of query
 rows (decode, verify, tree and prefill steps), each kv head's keys read once for up to 4 query
 rows, where PyTorch's flash attention reads a one-query step through one-row BLAS calls.
+And `rms_norm`: RMSNorm in one call (PyTorch's CPU rms_norm is several operations: a tenth of
+an eager SmolLM2 decode step).
 
 Every kernel has four paths: AVX-512, AVX2 + FMA, ARM NEON (AArch64) and portable C++, which give
 the same bits (one numeric contract: a row's result does not depend on the other rows, the thread
@@ -276,6 +278,8 @@ _SHIMS = {
                        "AtenTensorHandle* bias, int64_t n, AtenTensorHandle* ret0)",
     "attend": "AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
               "AtenTensorHandle mask, double scale, AtenTensorHandle* ret0)",
+    "rms_norm": "AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps, "
+                "AtenTensorHandle* ret0)",
 }
 
 
@@ -309,6 +313,10 @@ def _register_fake() -> None:
     def _(q, k, v, mask, scale):
         B, H, T, D = q.shape
         return q.new_empty((B, T, H, D)).transpose(1, 2)
+
+    @torch.library.register_fake("quickdraft::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
@@ -485,3 +493,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     a multiple of 16, or another dtype, runs PyTorch's attention. See blocked_mm.cpp's attention section for the numerics (row-invariant, the same
     bits on every path)."""
     return torch.ops.quickdraft.attend.default(q, k, v, mask, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in one call, float32: (x * r) * weight, r = 1 / sqrt(mean(x^2)
+    + eps), the mean's sum in one fixed order (blocked_core.h's norm section): a row's bits depend on
+    that row alone, on every path and thread count."""
+    return torch.ops.quickdraft.rms_norm.default(x, weight, eps)

@@ -167,6 +167,22 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out.transpose(1, 2);
 }
 
+// RMSNorm over the last dimension (blocked_core.h's norm section): x (..., K) float32, weight (K,).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.dim() >= 1,
+              "rms_norm: x and weight must be float32");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == K && K > 0, "rms_norm: weight must be (", K, ",)");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t M = xc.numel() / K;
+  if (M == 0) return y;
+  const NormArgs a{xc.data_ptr<float>(), K, wc.data_ptr<float>(), y.data_ptr<float>(), K, K, (float)eps};
+  // (rows are independent: any split; a decode step's one row runs inline)
+  rms_norm_rows(active_paths(), a, M, [](int64_t b, int64_t e, auto&& f) { at::parallel_for(b, e, 64, f); });
+  return y;
+}
+
 }  // namespace
 
 // C entry points for AOTInductor packages (quickdraft.aot): a package calls these directly, where
@@ -231,6 +247,13 @@ extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_attend(
   });
 }
 
+extern "C" __attribute__((visibility("default"))) int32_t aoti_torch_cpu_rms_norm(void* x, void* weight, double eps,
+                                                                                  void** ret0) {
+  return shim_call([&] {
+    *ret0 = new at::Tensor(rms_norm(*static_cast<at::Tensor*>(x), *static_cast<at::Tensor*>(weight), eps));
+  });
+}
+
 // The instruction-set switch, for quickdraft/kernels/__init__.py (ctypes): 0 portable, 1 AVX2 +
 // FMA, 2 AVX-512, 3 NEON. quickdraft_set_isa returns 0, or -1 where the CPU lacks that ISA (unchanged).
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_isa() { return chosen_isa.load(); }
@@ -284,6 +307,7 @@ TORCH_LIBRARY(quickdraft, m) {
   m.def("blocked_mm_int4(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("blocked_mm_bf16(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quickdraft, CPU, m) {
@@ -292,4 +316,5 @@ TORCH_LIBRARY_IMPL(quickdraft, CPU, m) {
   m.impl("blocked_mm_int4", &blocked_mm_int4);
   m.impl("blocked_mm_bf16", &blocked_mm_bf16);
   m.impl("attend", &attend);
+  m.impl("rms_norm", &rms_norm);
 }

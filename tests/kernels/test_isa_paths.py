@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
@@ -165,3 +166,26 @@ def test_chunk_and_panel_boundaries_keep_each_rows_bits(fmt):
             with kernels.use_isa(isa):
                 for m in (2, 3, 4, 6, 7, 9, 16, 17, 33):
                     assert torch.equal(mm(x[:m]), want[:m]), f"{fmt} {isa} k={k} m={m}"
+
+
+@pytest.mark.parametrize("k", [576, 7, 16, 100, 2048])
+def test_rms_norm_is_the_same_bits_on_every_path_and_close_to_pytorchs(k, threads):
+    """One call per RMSNorm (PyTorch's CPU rms_norm is several operations): every path and thread
+    count give the same bits, each row its bits alone (K past and short of whole 16-float pieces),
+    within float32 rounding of PyTorch's; zeros stay zeros (eps), a NaN stays in its row."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(k, generator=g)
+    x = torch.randn(3, 67, k, generator=g) * 3
+    x[0, 1] = 0
+    x[1, 2, k // 2] = float("nan")
+    got = on_every_path(lambda: kernels.rms_norm(x, w, 1e-5), threads)
+    assert_all_equal({key: y.nan_to_num(7.0) for key, y in got.items()}, f"rms_norm k={k}")
+    ref = next(iter(got.values()))
+    rows = x.view(-1, k)
+    alone = torch.cat([kernels.rms_norm(rows[i:i + 1], w, 1e-5) for i in range(0, rows.shape[0], 13)])
+    assert torch.equal(alone.nan_to_num(7.0), ref.view(-1, k)[::13].nan_to_num(7.0))
+    assert torch.equal(ref[0, 1], torch.zeros(k)) and ref[1, 2].isnan().all() and not ref[1, 3].isnan().any()
+    finite = ~x.isnan().any(-1)
+    torch.testing.assert_close(ref[finite], F.rms_norm(x, (k,), w, 1e-5)[finite], rtol=2e-6, atol=2e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm(x, w[1:], 1e-5)
