@@ -22,6 +22,7 @@ torch.set_num_threads(1)
 # QUICKDRAFT_KERNEL_CACHE (else every process the tests start, the tensor-parallel ranks too,
 # compiles them again, ~15-30 s each).
 SHARED_CACHE_FOLDERS = ("peers", "converted")
+SESSION_CACHE_VAR = "QUICKDRAFT_TEST_SESSION_CACHE"
 
 
 def _isolate_cache() -> None:
@@ -38,8 +39,15 @@ def _isolate_cache() -> None:
 
     user = cache_dir()
     os.environ.setdefault("QUICKDRAFT_KERNEL_CACHE", str(user / "kernels"))
+    shared = os.environ.get(SESSION_CACHE_VAR)
+    if shared and os.environ.get("PYTEST_XDIST_WORKER"):
+        # an xdist worker: the session's folder is the controller's, so a package one worker built
+        # is found by the others (BuildLock keeps two builders of one package apart)
+        os.environ["QUICKDRAFT_CACHE"] = shared
+        return
     session = Path(tempfile.mkdtemp(prefix="quickdraft-test-cache-"))
     atexit.register(shutil.rmtree, session, ignore_errors=True)
+    os.environ[SESSION_CACHE_VAR] = str(session)  # inherited by the xdist workers this process starts
     for name in (*CATALOGUE, *SHARED_CACHE_FOLDERS):
         if (user / name).is_dir():
             (session / name).symlink_to(user / name, target_is_directory=True)
