@@ -1251,6 +1251,12 @@ __attribute__((target("avx2,fma,avxvnni"))) void group_q8_avx2(const Q8Act& x, i
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) acc[r][v] = q8_dot8<VNNI>(acc[r][v], w, av[r]);
     }
+    // (vpdpbusd's sums pinned at each quad, as int4's: else GCC loads the group's weights ahead and
+    // spills them; the same integer sums in the same order)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v)
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(acc[r][v]));
   }
 #pragma GCC unroll 8
   for (int v = 0; v < V; ++v) {
