@@ -185,13 +185,23 @@ DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_
 # their steady median, p99 3.3-6.5x), against 4.3-5.0x and 11-15x with the old alternation at 64, whose first
 # token came 1.6-2.3x sooner (27-76 s against 60-128 s); 32 gave 3.3x at load 2.7. Speculative batches need
 # more: rows x (k + 1) must leave half of it for the chunk, else chunks and decode steps alternate
-DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # CPU: 20 while requests decode, 512 when none does; GPU: 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # CPU: 32 (position-weighted) while requests decode, 512 when none does; GPU: 2048
 # "auto"'s budgets: (while requests are decoding, while none is). With nothing decoding there is no stream to keep
 # flowing and a small budget only costs time to first token: a 2,690-token prompt alone took 15.5 s to its first
 # token at 20, 10.5 s at 64, 8.8 s at 512 (SmolLM2 float32, one thread, the same 2-core Xeon; int4: 10.2 / 7.4 /
 # 6.8 s), so a lone prompt prefills in chunks of 512 (the activations of a whole long prompt at once would
 # not be bounded), and a prompt arriving while others decode in chunks within 20 tokens a step
-AUTO_BATCHED_TOKENS = (20, 512)
+AUTO_BATCHED_TOKENS = (32, 512)
+# While requests decode, "auto" counts a prompt token at position p as 1 + p / P tokens, P the position where its
+# attention (over p keys) costs what its linear layers do: mixed-step cost grows with the chunk's position
+# (a 16-token SmolLM2 chunk at position 0 made the 4 streams' AOT step 1.4x a decode step, at 3,900 4.2x;
+# the bundled target's at 0 and 900: 1.6x and 2.5x). P = the linear layers' multiply-adds per token over
+# AUTO_ATTENTION_COST x attention's per key: the attention kernel over a chunk's many queries and long keys did
+# 4.3x (bundled, int8) to 5.3x (SmolLM2, float32) fewer multiply-adds a second than the linear layers (one
+# thread, this 2-core Xeon, under load): P = 614 for SmolLM2 (~580 measured), 576 for the bundled target
+# (~670). With 32, 4 plain streams leave 28: chunks of 27 tokens at position 0, 10 at 900, 3 at 3,900, a mixed
+# step estimated at 1.6-2.1x a decode step at every position (engine.attention_position, _weighted_chunk)
+AUTO_ATTENTION_COST = 5.0
 # on a GPU (steps alternate there: its GEMMs are not row-invariant, so no mixed steps) a chunk of hundreds of
 # tokens costs about a decode step: "auto" is vLLM's online-serving default there
 AUTO_BATCHED_TOKENS_GPU = 2048
