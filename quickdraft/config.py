@@ -192,15 +192,15 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # CPU: 32 (position-weighted) while req
 # 6.8 s), so a lone prompt prefills in chunks of 512 (the activations of a whole long prompt at once would
 # not be bounded), and a prompt arriving while others decode in chunks within 20 tokens a step
 AUTO_BATCHED_TOKENS = (32, 512)
-# While requests decode, "auto" counts a prompt token at position p as 1 + p / P tokens, P the position where its
-# attention (over p keys) costs what its linear layers do: mixed-step cost grows with the chunk's position
-# (a 16-token SmolLM2 chunk at position 0 made the 4 streams' AOT step 1.4x a decode step, at 3,900 4.2x;
-# the bundled target's at 0 and 900: 1.6x and 2.5x). P = the linear layers' multiply-adds per token over
-# AUTO_ATTENTION_COST x attention's per key: the attention kernel over a chunk's many queries and long keys did
-# 4.3x (bundled, int8) to 5.3x (SmolLM2, float32) fewer multiply-adds a second than the linear layers (one
-# thread, this 2-core Xeon, under load): P = 614 for SmolLM2 (~580 measured), 576 for the bundled target
-# (~670). With 32, 4 plain streams leave 28: chunks of 27 tokens at position 0, 10 at 900, 3 at 3,900, a mixed
-# step estimated at 1.6-2.1x a decode step at every position (engine.attention_position, _weighted_chunk)
+# While requests decode, "auto" counts a prompt token at position p as 1 + p / P, P the position where its
+# attention (over p keys) costs what its linear layers do: a mixed step's cost grows with the chunk's position
+# (beside 4 SmolLM2 streams on the AOT steps, one thread, a 16-token chunk made the step 1.40x a decode step at
+# position 0 and 4.30x at 3,900; the bundled target's 1.37x at 0 and 1.89x at 900: mixed_steps_*_cpu.md).
+# P = the linear layers' multiply-adds per token over AUTO_ATTENTION_COST x attention's per key: the attention
+# kernel over a chunk's many queries and long keys did 3.4-5.3x fewer multiply-adds a second than the linear
+# layers (runs under load on this 2-core Xeon; 5 errs small): P = 614 for SmolLM2, 576 for the bundled target.
+# With 32, 4 plain streams leave 28: chunks of 27 tokens at position 0, 10 at 900, 3 at 3,900, which cost
+# 1.94x, 1.71x and 2.10x a decode step (SmolLM2; bundled 1.75x at 0, 1.52x at 900)
 AUTO_ATTENTION_COST = 5.0
 # on a GPU (steps alternate there: its GEMMs are not row-invariant, so no mixed steps) a chunk of hundreds of
 # tokens costs about a decode step: "auto" is vLLM's online-serving default there
