@@ -10,6 +10,11 @@ prompt was sent and after its first token) and the window's (while it was prefil
 p99 of the window's ITL <= 3x the steady median. Also the long prompt's time to first token,
 which smaller chunks lengthen (more steps, a decode step between each two).
 
+`--modes` picks the steps the server runs (each mode x size a configuration of the sweep): `eager`
+(--no-compile), `aot` (the AOT packages, built first when missing, the default once built: chunks
+ride in mixed steps on the packed package), `aot-alternate` (the same packages without the packed
+one, QUICKDRAFT_AOT_MIXED=0: chunk steps and decode steps alternate, as before mixed AOT steps).
+
     python benchmarks/chunked_prefill.py --target smollm2 --sizes 32,64,128,256,512 --threads 1
 """
 
@@ -34,9 +39,12 @@ from quickdraft.bench.serve_load.stats import SSEDecoder, percentile
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def server_args(args, size: int) -> list[str]:
+MODES = {"eager": (["--no-compile"], "1"), "aot": (["--aot"], "1"), "aot-alternate": (["--aot"], "0")}
+
+
+def server_args(args, mode: str, size: str) -> list[str]:
     out = ["--served-model-name", "model", "--method", args.method, "--policy", "fixed", "--log-level", "warning",
-           "--no-compile", "--threads", str(args.threads), "--max-num-batched-tokens", str(size)]
+           *MODES[mode][0], "--threads", str(args.threads), "--max-num-batched-tokens", size]
     return out + (["--target", args.target] if args.target else [])
 
 
@@ -105,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None)
     ap.add_argument("--method", default="none")
-    ap.add_argument("--sizes", default="32,64,128,256,512")
+    ap.add_argument("--sizes", default="32,64,128,256,512", help="max_num_batched_tokens values (auto too)")
+    ap.add_argument("--modes", default="eager", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--repeats", type=int, default=2, help="sweeps (every other one in reverse order)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--stream-tokens", type=int, default=3000, help="each stream's max_tokens (must outlast a run)")
@@ -115,28 +124,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--name", default="chunked_prefill_cpu")
     args = ap.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    configs = [f"{m}:{s}" for m in args.modes.split(",") for s in args.sizes.split(",")]
+    for c in configs:
+        if c.split(":")[0] not in MODES:
+            raise SystemExit(f"unknown mode in {c!r}: one of {', '.join(MODES)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
-    runs: dict[int, list[dict]] = {s: [] for s in sizes}
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.repeats):
-        for size in (sizes if rep % 2 == 0 else sizes[::-1]):
+        for config in (configs if rep % 2 == 0 else configs[::-1]):
+            mode, size = config.split(":")
+            os.environ["QUICKDRAFT_AOT_MIXED"] = MODES[mode][1]  # (the server inherits it)
             log = args.out_dir / f"{args.name}.server.log"
-            with log.open("w") as f, served(server_args(args, size), log=f, threads=args.threads) as (url, _):
+            with log.open("w") as f, served(server_args(args, mode, size), log=f, threads=args.threads,
+                                            timeout=1800) as (url, _):
                 r = asyncio.run(one_run(url, args))
             r["loadavg_1m"] = os.getloadavg()[0]
-            runs[size].append(r)
-            print(size, json.dumps(r), flush=True)
+            runs[config].append(r)
+            print(config, json.dumps(r), flush=True)
     log.unlink(missing_ok=True)
     table = []
-    for size in sizes:
-        rs = runs[size]
+    for config in configs:
+        rs = runs[config]
 
         def med(key):
             vals = [r[key] for r in rs if r[key] is not None]
             return statistics.median(vals) if vals else None
 
-        table.append({"max_num_batched_tokens": size, **{k: med(k) for k in rs[0] if k not in ("loadavg_1m",)},
+        mode, size = config.split(":")
+        table.append({"mode": mode, "max_num_batched_tokens": int(size) if size.isdigit() else size,
+                      **{k: med(k) for k in rs[0] if k not in ("loadavg_1m",)},
                       "loadavg_1m": [r["loadavg_1m"] for r in rs]})
     result = {"target": args.target or "bundled", "method": args.method, "streams": args.streams,
               "long_tokens": args.long_tokens, "steady_s": args.steady, "repeats": args.repeats,
@@ -146,15 +163,15 @@ def main(argv: list[str] | None = None) -> None:
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Chunked prefill: running streams' inter-token latency while a {args.long_tokens}-token prompt "
              f"arrives ({result['target']}, method {args.method}, {args.streams} streams)", "",
-             "| max_num_batched_tokens | steady ITL median ms | window ITL median ms | window ITL p99 ms | "
+             "| steps | max_num_batched_tokens | steady ITL median ms | window ITL median ms | window ITL p99 ms | "
              "window p99 / steady median | whole-run p99 / median | long prompt TTFT s |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for row in table:
-        lines.append(f"| {row['max_num_batched_tokens']} | {1e3 * row['steady_itl_median_s']:.0f} | "
+        lines.append(f"| {row['mode']} | {row['max_num_batched_tokens']} | {1e3 * row['steady_itl_median_s']:.0f} | "
                      f"{1e3 * row['window_itl_median_s']:.0f} | {1e3 * row['window_itl_p99_s']:.0f} | "
                      f"{row['window_p99_over_steady_median']:.2f} | {row['all_itl_p99_over_median']:.2f} | "
                      f"{row['long_ttft_s']:.1f} |")
-    lines += ["", f"Medians over {args.repeats} runs per size (sizes interleaved, every other sweep reversed). "
+    lines += ["", f"Medians over {args.repeats} runs per configuration (interleaved, every other sweep reversed). "
               "Steady: the streams' ITL before the long prompt was sent and after its first token; window: "
               f"while it was prefilled. Each run {args.steady:g} s of streaming before and after.", "",
               f"`{result['command']}`", "", provenance_line(result["provenance"]), ""]

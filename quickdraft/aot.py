@@ -78,6 +78,9 @@ log = logging.getLogger("quickdraft")
 MIN_TORCH = "2.13"  # the first version whose packages without weights load (2.13.0 tested)
 # upper bounds of the symbolic sizes (export needs them finite; they are far above use)
 _MAX_ROWS, _MAX_QUERY, _MAX_SLOTS = 4096, 4096, 1 << 20
+# prompt tokens one packed (mixed-step) call computes at most: an engine whose chunks run that package
+# caps its per-step token budget here (a whole 10,000-token prompt is prefilled in three steps)
+MAX_CHUNK_TOKENS = _MAX_QUERY
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -140,18 +143,20 @@ def aot_dir() -> Path:
 
 
 def package_path(model: nn.Module, hidden_at: tuple[int, ...] | None = None, project: bool | None = None,
-                 tree: bool = False) -> Path:
-    """`<cache>/aot/<shape key>[-h<layers>][-t].pt2`, with the weights' fingerprint appended
+                 tree: bool = False, packed: bool = False) -> Path:
+    """`<cache>/aot/<shape key>[-h<layers>][-t|-m].pt2`, with the weights' fingerprint appended
     where they are inside; `-h<layers>` for the variant that also returns those layers' states,
-    `-t` for token trees (slots and a mask); an EAGLE-3 head's variants end in `-e3p` (from the
+    `-t` for token trees (slots and a mask), `-m` for mixed steps (the running rows and prompt
+    chunks in one forward: _PackedStep); an EAGLE-3 head's variants end in `-e3p` (from the
     target's states) and `-e3d` (drafting; `-e3d-...-t` for tree depths)."""
-    name = (_prefix(model, hidden_at, project, tree)
+    name = (_prefix(model, hidden_at, project, tree, packed)
             + (f"-{_fingerprint(model, project)}" if _embeds_weights(model) else ""))
     return aot_dir() / f"{name}.pt2"
 
 
-def _prefix(model: nn.Module, hidden_at, project, tree: bool) -> str:
-    return shape_key(model) + _hidden_suffix(hidden_at) + _head_suffix(model, project) + ("-t" if tree else "")
+def _prefix(model: nn.Module, hidden_at, project, tree: bool, packed: bool = False) -> str:
+    return (shape_key(model) + _hidden_suffix(hidden_at) + _head_suffix(model, project) + ("-t" if tree else "")
+            + ("-m" if packed else ""))
 
 
 def _is_head(model: nn.Module) -> bool:
@@ -224,6 +229,24 @@ class _HeadTreeStep(_HeadStep):
                          attn_mask=attn_mask, project=False)
 
 
+class _PackedStep(_Step):
+    """A mixed step (Transformer.forward_packed over two blocks): block a, the running rows'
+    verify tokens (B, T) on cache views of their own (ks_a, vs_a: the running rows), logits at
+    every position; block b, prompt chunks (Bc, C), right-padded (position -1), on the prefilling
+    rows' views (ks_b, vs_b), logits after each row's last token (last_b (Bc, 1)). Every token
+    goes through the same linear layers and pointwise code whatever block it is in and whatever
+    else the call holds, so an engine that runs all its chunks and mixed steps through this one
+    package gives a prompt the same bits mixed or not."""
+
+    def forward(self, ids_a, pos_a, key_pos_a, ids_b, pos_b, last_b, key_pos_b, ks_a, vs_a, ks_b, vs_b):
+        view_a = CacheView(list(ks_a), list(vs_a), ks_a[0].shape[2] - 1)
+        view_b = CacheView(list(ks_b), list(vs_b), ks_b[0].shape[2] - 1)
+        blocks = [transformer.Block(ids_a, pos_a, 0, key_pos_a.shape[0], cache=view_a),
+                  transformer.Block(ids_b, pos_b, 0, key_pos_b.shape[0], logits_at=last_b, cache=view_b)]
+        (la, ha), (lb, hb) = self.model.forward_packed(blocks, None, self.hidden_at)
+        return (la, lb) if self.hidden_at is None else (la, ha, lb, hb)
+
+
 def _constants(step: nn.Module) -> dict[str, torch.Tensor]:
     named = dict(step.named_parameters(remove_duplicate=False))
     named.update(step.named_buffers(remove_duplicate=False))
@@ -231,14 +254,16 @@ def _constants(step: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None,
-          project: bool | None = None, tree: bool = False) -> Path:
+          project: bool | None = None, tree: bool = False, packed: bool = False) -> Path:
     """Export and compile `model`'s decode/verify forward into a package (once per shape); with
     `hidden_at`, the forward that also returns those layers' states (Transformer.forward_hidden). For
     an EAGLE-3 head, `project` picks the variant: reading the target's states (True) or its own
     previous output (False). `tree`: the step with slots and an attention mask (token trees;
-    for a head, drafting only)."""
+    for a head, drafting only). `packed`: the mixed step (_PackedStep; a target's only)."""
     if tree and _is_head(model) and project:
         raise QuickdraftError("an EAGLE-3 head's tree package drafts from its own output (project=False)")
+    if packed and (tree or _is_head(model)):
+        raise QuickdraftError("the packed (mixed-step) package is a target's chain step only")
     reason = unsupported(model)
     if reason:
         raise QuickdraftError(reason)
@@ -247,7 +272,7 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
     from .cache import KVCache
 
     head = _is_head(model)
-    path = path or package_path(model, hidden_at, project, tree)
+    path = path or package_path(model, hidden_at, project, tree, packed)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: packages are code this process runs
     start = time.perf_counter()
     # example sizes: all > 1 and distinct, so none is specialised
@@ -268,6 +293,17 @@ def build(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...]
         step = (_HeadTreeStep(model, False) if tree else _HeadStep(model, bool(project))).eval()
         args = (ids, torch.zeros(2, 2, width, dtype=model.dtype), positions, *keys, cache.k[0], cache.v[0])
         dims = ({0: B, 1: T}, {0: B, 1: T}, {0: B, 1: T}, *key_dims, {0: R, 2: C}, {0: R, 2: C})
+    elif packed:  # two blocks, each with its own sizes and cache views
+        step = _PackedStep(model, hidden_at).eval()
+        cache_b = KVCache.for_model(model, 5, 18)
+        Bb, Tb = Dim("chunk_rows", max=_MAX_ROWS), Dim("chunk", max=_MAX_QUERY)
+        Sb, Rb, Cb = (Dim("chunk_keys", min=2, max=_MAX_SLOTS), Dim("chunk_cache_rows", max=_MAX_ROWS),
+                      Dim("chunk_slots", min=3, max=_MAX_SLOTS))
+        args = (ids, positions, key_pos, torch.zeros(4, 7, dtype=torch.long), torch.arange(3, 10).expand(4, 7).clone(),
+                torch.full((4, 1), 6), torch.arange(11), cache.k, cache.v, cache_b.k, cache_b.v)
+        chunk_layer = [{0: Rb, 2: Cb}] * len(cache_b.k)
+        dims = ({0: B, 1: T}, {0: B, 1: T}, {0: S}, {0: Bb, 1: Tb}, {0: Bb, 1: Tb}, {0: Bb}, {0: Sb},
+                per_layer, per_layer, chunk_layer, chunk_layer)
     else:
         step = (_TreeStep if tree else _Step)(model, hidden_at).eval()
         args = (ids, positions, *keys, cache.k, cache.v)
@@ -395,6 +431,12 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def mixed_packages_enabled() -> bool:
+    """Whether a CPU engine with a row-invariant target uses (and builds) the packed mixed-step
+    package (QUICKDRAFT_AOT_MIXED=0: never; its prompt chunks and decode steps then alternate)."""
+    return os.environ.get("QUICKDRAFT_AOT_MIXED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def background_builds_enabled() -> bool:
     """Whether a CPU engine may build its missing packages in the background (QUICKDRAFT_AOT_BUILD=0: never)."""
     return os.environ.get("QUICKDRAFT_AOT_BUILD", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -464,14 +506,71 @@ class AOTStep:
     `model(input_ids, positions, cache, kv_len=...)`; every other call goes to the model."""
 
     def __init__(self, model: nn.Module, runner, path: Path, hidden_at: tuple[int, ...] | None = None,
-                 tree: tuple | None = None):
+                 tree: tuple | None = None, packed: tuple | None = None):
         self.model = model
         self.runner = runner
         self.path = path
         self.hidden_at = hidden_at  # the states this package returns with the logits (None: logits only)
         self.tree_runner, self.tree_path = tree or (None, None)  # token trees' package, if loaded
+        self.packed_runner, self.packed_path = packed or (None, None)  # mixed steps' package, if loaded
         self.max_rows = _max_rows(model)
         self._key_pos = torch.arange(0)
+        self._scratch = None  # a 1-row cache for the block a packed call without one computes (one token)
+
+    def packed(self, a: tuple | None, b: tuple | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """A mixed step on the packed package (_PackedStep): a = (input_ids (B, T), positions, cache
+        view of the B rows, kv_len), the running rows' verify tokens; b = (input_ids (Bc, C),
+        positions (-1: padding), last (Bc, 1): each row's last chunk token, view of the Bc rows,
+        kv_len), the prompt chunks. Either may be None (a step with the other alone): then one
+        token on a scratch row of its own stands in (its outputs dropped), so that every chunk and
+        every mixed step runs the same package. Returns [(logits_a (B, T, V), hidden_a | None),
+        (logits_b (Bc, 1, V), hidden_b | None)], None for a missing block."""
+        if a is None or b is None:
+            if self._scratch is None:
+                from .cache import KVCache
+
+                self._scratch = KVCache.for_model(self.model, 1, 2).rows(0, 1)
+            one = torch.zeros(1, 1, dtype=torch.long)
+            a = a or (one, one, self._scratch, 2)
+            b = b or (one, one, one, self._scratch, 2)
+            missing = 0 if a[2] is self._scratch else 1
+        else:
+            missing = None
+        ids_a, pos_a, view_a, len_a = a
+        ids_b, pos_b, last_b, view_b, len_b = b
+        longest = max(len_a, len_b, 2)
+        if self._key_pos.shape[0] < longest:
+            self._key_pos = torch.arange(max(longest, 2 * self._key_pos.shape[0]))
+        out = self.packed_runner(ids_a.contiguous(), pos_a.contiguous(), self._key_pos[:max(len_a, 2)],
+                                 ids_b.contiguous(), pos_b.contiguous(), last_b.contiguous(),
+                                 self._key_pos[:max(len_b, 2)], view_a.k, view_a.v, view_b.k, view_b.v)
+        pairs = [(out[0], None), (out[1], None)] if self.hidden_at is None else [(out[0], out[1]), (out[2], out[3])]
+        if missing is not None:
+            pairs[missing] = None
+        return pairs
+
+    def packed_agrees(self) -> bool:
+        """Whether the packed package gives running rows the bits this step's package gives them (a
+        probe on caches of its own: 2 rows x 2 tokens beside a 3-token chunk). Both are compiled from
+        the same per-token code, so they agree where Inductor generates the same kernels for it; a
+        mixed step would otherwise change what the running requests output."""
+        from .cache import KVCache
+
+        g = torch.Generator().manual_seed(0)
+        V, n = self.model.config.vocab_size, self.model.config.num_hidden_layers
+        ids, positions = torch.randint(0, V, (2, 2), generator=g), torch.tensor([[3, 4], [5, 6]])
+        caches = [KVCache.for_model(self.model, 3, 8) for _ in range(2)]
+        for c in caches:  # the same context in both (random keys and values)
+            for t in c.k + c.v:
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(n)).to(t.dtype))
+        with torch.inference_mode():
+            alone = self._package(ids, positions, caches[0].rows(0, 2), 7, None, None, None)
+            chunk = (torch.randint(0, V, (1, 3), generator=g), torch.arange(3)[None], torch.tensor([[2]]),
+                     caches[1].rows(2, 3), 3)
+            (logits, hidden), _ = self.packed((ids, positions, caches[1].rows(0, 2), 7), chunk)
+        want = (alone, None) if self.hidden_at is None else tuple(alone)
+        return (torch.equal(want[0], logits) and (hidden is None or torch.equal(want[1], hidden))
+                and all(torch.equal(a[:2], b[:2]) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v)))
 
     def __call__(self, input_ids, positions=None, cache: CacheView | None = None, *, kv_len=None,
                  slots=None, attn_mask=None, logits_at=None) -> torch.Tensor:
@@ -536,10 +635,12 @@ def _tree_call_fits(positions, cache, kv_len, slots, attn_mask, rows: int, max_r
             and positions.shape[1] <= _MAX_QUERY and cache.k[0].is_contiguous())
 
 
-def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None, trees: bool = False):
+def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] | None = None, trees: bool = False,
+         packed: bool = False):
     """The model's cached package as a step, or None (no package, or not loadable here). For an
     EAGLE-3 head: a HeadAOTStep over its two variants, or None unless both are cached. `trees`:
-    with the token-tree package too where it is cached (tree steps run eagerly otherwise)."""
+    with the token-tree package too where it is cached (tree steps run eagerly otherwise);
+    `packed`: with the mixed-step package where it is cached (AOTStep.packed)."""
     if unsupported(model):
         return None
     if _is_head(model):
@@ -551,7 +652,8 @@ def load(model: nn.Module, path: Path | None = None, hidden_at: tuple[int, ...] 
     if runner is None:
         return None
     tree = _runner(model, None, hidden_at, None, tree=True) if trees and path is None else None
-    return AOTStep(model, runner[0], runner[1], hidden_at, tree)
+    mixed = _runner(model, None, hidden_at, None, packed=True) if packed and path is None else None
+    return AOTStep(model, runner[0], runner[1], hidden_at, tree, mixed)
 
 
 class _DirectRunner:
@@ -596,14 +698,14 @@ _REFUSED: set[Path] = set()  # packages refused as unsafe (said once each)
 
 
 def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | None, project: bool | None,
-            tree: bool = False):
+            tree: bool = False, packed: bool = False):
     """(the loaded package, its path), its weights handed over from the model; or None."""
     if path is None:
-        prefix = _prefix(model, hidden_at, project, tree)
+        prefix = _prefix(model, hidden_at, project, tree, packed)
         if not any(p.name == f"{prefix}.pt2" or (_embeds_weights(model) and p.name.startswith(prefix + "-"))
                    for p in aot_dir().glob(f"{prefix}*.pt2")):
             return None  # (before fingerprinting an int4 model's weights)
-        path = package_path(model, hidden_at, project, tree)
+        path = package_path(model, hidden_at, project, tree, packed)
     if not path.exists():
         return None
     problem = unsafe_to_load(aot_dir(), path.parent, path)
@@ -631,22 +733,26 @@ def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | No
     return runner, path
 
 
-def load_or_build(model: nn.Module, hidden_at: tuple[int, ...] | None = None, trees: bool = False):
+def load_or_build(model: nn.Module, hidden_at: tuple[int, ...] | None = None, trees: bool = False,
+                  packed: bool = False):
     """The cached step, built first when missing (None where packages are unsupported); with
-    `trees`, the token-tree package too."""
+    `trees`, the token-tree package too; with `packed`, the mixed-step one."""
     reason = unsupported(model)
     if reason:
         log.warning("quickdraft: %s; running eagerly", reason)
         return None
-    wanted = [(p, False) for p in ((True, False) if _is_head(model) else (None,))]
+    wanted = [(p, False, False) for p in ((True, False) if _is_head(model) else (None,))]
     if trees:
-        wanted.append((False if _is_head(model) else None, True))
-    step = load(model, hidden_at=hidden_at, trees=trees)
-    if step is None or (trees and step.tree_runner is None):
-        for project, tree in wanted:
-            if _runner(model, None, hidden_at, project, tree) is None:
-                build(model, hidden_at=hidden_at, project=project, tree=tree)
-        step = load(model, hidden_at=hidden_at, trees=trees)
+        wanted.append((False if _is_head(model) else None, True, False))
+    packed = packed and not _is_head(model)
+    if packed:
+        wanted.append((None, False, True))
+    step = load(model, hidden_at=hidden_at, trees=trees, packed=packed)
+    if step is None or (trees and step.tree_runner is None) or (packed and step.packed_runner is None):
+        for project, tree, mixed in wanted:
+            if _runner(model, None, hidden_at, project, tree, mixed) is None:
+                build(model, hidden_at=hidden_at, project=project, tree=tree, packed=mixed)
+        step = load(model, hidden_at=hidden_at, trees=trees, packed=packed)
     return step
 
 

@@ -192,6 +192,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # CPU: 20 while requests decode, 512 wh
 # 6.8 s), so a lone prompt prefills in chunks of 512 (the activations of a whole long prompt at once would
 # not be bounded), and a prompt arriving while others decode in chunks within 20 tokens a step
 AUTO_BATCHED_TOKENS = (20, 512)
+# (A chunk's cost grows with its position: beside 4 SmolLM2 streams on the AOT steps, one thread, a 16-token
+# chunk made the step 1.40x a decode step at position 0 and 4.30x at 3,900; mixed_steps_*_cpu.md. Counting a
+# token at position p as 1 + p / 614 kept every step within 2.1x, but a 4,000-token prompt's first token came
+# 2.7x later: 115 s against 42 s at a flat 20, chunked_prefill_aot_smollm2_cpu.md. The flat budget stays until
+# attention over a chunk's many queries costs less.)
 # on a GPU (steps alternate there: its GEMMs are not row-invariant, so no mixed steps) a chunk of hundreds of
 # tokens costs about a decode step: "auto" is vLLM's online-serving default there
 AUTO_BATCHED_TOKENS_GPU = 2048

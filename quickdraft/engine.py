@@ -32,7 +32,7 @@ from .metrics import SpecStats
 from .prefix_cache import PrefixCache
 from .model.quant import row_invariant
 from .model.tokenizer import Detokenizer, Tokenizer
-from .model.transformer import Block, Transformer, forward_chunks
+from .model.transformer import Block, Transformer, forward_chunks, pad_chunks
 from .proposers import get as get_proposer
 from .proposers.base import Draft, ProposeBatch, Proposer, VerifyResult
 from .sampling import (BatchSampling, PenaltyState, SamplingParams, StepRandom, Stream, chain_ancestors,
@@ -206,6 +206,12 @@ class Engine:
                 proposer.compile(lambda model, name, **kw: StepFunction(model, name=name, **kw))
         # the models whose AOT packages are missing (compile "auto": decoding runs them eagerly)
         self.aot_missing: list[str] = []
+        # Mixed steps: a prefill chunk rides in the running batch's verify forward (Transformer.forward_packed),
+        # so the weights are read once for both. Only where a row's bits cannot depend on the rows beside it
+        # (row-invariant linear layers), and on the eager model or the AOT steps with their packed package
+        # (aot._PackedStep: then every chunk, mixed or not, runs that package, and a running row's bits are
+        # its decode package's); a torch.compile'd step or a tensor-parallel target alternate.
+        self._packs = isinstance(target, Transformer) and row_invariant(target)
         self._pending_build = None  # an aot.BackgroundBuild whose packages the next step switches to
         self._loading: threading.Thread | None = None  # loading them, once the build has ended
         if config.compile in ("aot", "auto"):  # ahead-of-time compiled packages (CPU)
@@ -231,11 +237,6 @@ class Engine:
         # admitted, prompt not fully computed yet (chunked prefill), in the rows after the running ones, in order
         self.prefilling: list[_Request] = []
         self._prefilled_last = False  # the last step prefilled: the next one decodes (streams keep flowing)
-        # Mixed steps: a prefill chunk rides in the running batch's verify forward (Transformer.forward_packed),
-        # so the weights are read once for both. Only where a row's bits cannot depend on the rows beside it
-        # (row-invariant linear layers) and the step is the eager model: a compiled or AOT step has shapes
-        # and fused code of its own, and a tensor-parallel target its own forward; those alternate.
-        self._packs = isinstance(target, Transformer) and row_invariant(target)
         self._mixing: _Mixing | None = None  # the current step's prefill part, while it mixes
         self._mix_declined = False  # the last step could not take a chunk: the next one prefills alone
         self.cache: KVCache | None = None
@@ -378,14 +379,21 @@ class Engine:
 
         def tracked(model, **kw):
             step = make(model, **kw)
-            if aot.unsupported(model) is None and (step is None or (kw.get("trees") and step.tree_runner is None)):
+            if aot.unsupported(model) is None and (step is None or (kw.get("trees") and step.tree_runner is None)
+                                                   or (kw.get("packed") and step.packed_runner is None)):
                 missing.append("the target" if model is self.target else "the draft")
             return step
 
-        # a proposer reading hidden states gets the package that returns them with the logits
+        # a proposer reading hidden states gets the package that returns them with the logits; a
+        # row-invariant target the packed one too (mixed steps)
         trees = self.proposer is not None and self.k > 0 and self.proposer.may_draft_trees(self.k)
-        step = tracked(self.target, hidden_at=self._hidden_layers, trees=trees)
+        step = tracked(self.target, hidden_at=self._hidden_layers, trees=trees,
+                       packed=self._packs and aot.mixed_packages_enabled())
         if step is not None:
+            if step.packed_runner is not None and not step.packed_agrees():
+                log.warning("quickdraft: the AOT mixed-step package gives running rows other bits than the decode "
+                            "package (%s); prefill chunks and decode steps alternate", step.packed_path)
+                step.packed_runner = None
             self._forward = step
         if self.proposer is not None:
             self.proposer.use_forward(tracked)
@@ -613,7 +621,29 @@ class Engine:
 
     def mixes_prefill(self) -> bool:
         """Whether a prefill chunk rides in the running batch's step now (else the two alternate)."""
-        return self._packs and self.runs_eagerly()
+        return self._packs and (self.runs_eagerly() or self._packed_step() is not None)
+
+    def _packed_step(self):
+        """The AOT step whose packed package computes every prompt chunk (alone or in a mixed step)
+        and the running rows of a mixed step, or None (chunks run on the eager model)."""
+        step = self._forward
+        return step if self._packs and getattr(step, "packed_runner", None) is not None else None
+
+    def _prefill_forward(self, chunks: list[list[int]], starts: list[int], view, hidden_at):
+        """A prefill forward over `chunks` (row i from position starts[i], on the rows of `view`):
+        the logits after each chunk (P, V) and, with `hidden_at`, each chunk's states (T_i, ...);
+        on the packed AOT package where one runs the chunks (its states: the proposer's layers),
+        else the eager model."""
+        packed = self._packed_step()
+        if packed is not None and hidden_at == self._hidden_layers:
+            ids, positions, last, kv_len = pad_chunks(chunks, starts, self.device)
+            _, (logits, hidden) = packed.packed(None, (ids, positions, last, view, kv_len))
+            logits = logits[:, 0]
+        elif hidden_at is not None:
+            logits, hidden = forward_chunks(self.target, chunks, starts, view, hidden_at=hidden_at)
+        else:
+            logits, hidden = forward_chunks(self.target, chunks, starts, view), None
+        return logits, None if hidden is None else [hidden[i, :len(c)] for i, c in enumerate(chunks)]
 
     def _capacity_needed(self, r: _Request) -> int:
         return len(r.prompt) + r.params.max_tokens + self._draft_room + 1  # + room for drafts past the end
@@ -736,8 +766,9 @@ class Engine:
         if with_state:
             proposer.loaded_state(row, with_state)
         if r.num_cached and self.config.prefix_cache_check:  # debug: recompute the prefix and compare
-            bad = pc.check(self.target, self.cache, row, r.prompt, r.num_cached, self._token_budget(idle=True),
-                           self._check_exact)
+            bad = pc.check(self.target, self.cache, row, r.prompt, r.num_cached,
+                           self._prefill_cap(self._token_budget(idle=True)), self._check_exact,
+                           lambda part, start, view: self._prefill_forward([part], [start], view, None))
             if bad is not None and self.config.prefix_cache_check == "raise":
                 raise PrefixCacheMismatch(f"request {r.id}: {bad}")
 
@@ -758,20 +789,30 @@ class Engine:
         requests, chunks, starts = self._plan_prefill(self._token_budget())
         start = len(self.running)
         view = self.cache.rows(start, start + len(requests))
-        hidden_at = self._prefill_hidden_at(requests)
-        hidden_rows = None
-        if hidden_at is not None:
-            logits, hidden = forward_chunks(self.target, chunks, starts, view, hidden_at=hidden_at)
-            hidden_rows = [hidden[i, :len(c)] for i, c in enumerate(chunks)]
-        else:
-            logits = forward_chunks(self.target, chunks, starts, view)
+        logits, hidden_rows = self._prefill_forward(chunks, starts, view, self._prefill_hidden_at(requests))
         return self._finish_prefill(requests, chunks, starts, logits, hidden_rows)
+
+    def _prefill_cap(self, budget: int | None) -> int | None:
+        """The budget, within the most tokens the packed AOT package takes in one call where it runs the chunks."""
+        if self._packed_step() is None:
+            return budget
+        from .aot import MAX_CHUNK_TOKENS
+
+        return MAX_CHUNK_TOKENS if budget is None else min(budget, MAX_CHUNK_TOKENS)
 
     def _plan_prefill(self, budget: int | None) -> tuple[list[_Request], list[list[int]], list[int]]:
         """The prefilling requests a step computes prompt tokens of, in row order, their chunks
-        (at most `budget` tokens in all; None: whole prompts) and where each chunk starts."""
+        (at most `budget` tokens in all; None: whole prompts) and where each chunk starts. Where the
+        packed AOT package runs the chunks, the requests that want prompt logprobs (whose states it
+        does not return: the eager model's) are never in one step with those that do not, so that
+        a prompt's bits never depend on the requests beside it."""
         requests, chunks = [], []
+        budget = self._prefill_cap(budget)
+        eager = (self.prefilling[0].params.prompt_logprobs is not None
+                 if self.prefilling and self._packed_step() is not None else None)
         for r in self.prefilling:
+            if eager is not None and (r.params.prompt_logprobs is not None) != eager:
+                break
             n = len(r.prompt) - r.num_computed
             if budget is not None:
                 if budget <= 0:
@@ -960,12 +1001,23 @@ class Engine:
             return None
         requests, chunks, starts = self._plan_prefill(left)
         first = len(self.running)
+        hidden_at = self._prefill_hidden_at(requests)
+        packed = self._packed_step()
+        if packed is not None:  # the packed package: chains only, and the states it returns
+            if slots is not None or attn_mask is not None or hidden_at != self._hidden_layers:
+                return None
+            ids, pos, last, chunk_len = pad_chunks(chunks, starts, self.device)
+            (logits, hidden), (chunk_logits, states) = packed.packed(
+                (tokens, positions, view, kv_len), (ids, pos, last, self.cache.rows(first, first + len(requests)),
+                                                     chunk_len))
+            self._mixing.done = _Chunks(requests, chunks, starts, chunk_logits[:, 0],
+                                        None if states is None else [states[i, :len(c)] for i, c in enumerate(chunks)])
+            return logits, hidden
         blocks = [Block(tokens, positions, 0, kv_len, slots, attn_mask)]
         for i, (c, s0) in enumerate(zip(chunks, starts)):
             ids = to_device([c], self.device)
             blocks.append(Block(ids, to_device([list(range(s0, s0 + len(c)))], self.device), first + i,
                                 s0 + len(c), logits_at=to_device([[len(c) - 1]], self.device)))
-        hidden_at = self._prefill_hidden_at(requests)
         out = self.target.forward_packed(blocks, self.cache.rows(0, first + len(requests)), hidden_at)
         (logits, hidden), rest = out[0], out[1:]
         if self._hidden_layers is None:

@@ -297,17 +297,21 @@ class PrefixCache:
             stack.extend(self._lru[c] for c in b.children)
 
     def check(self, target, cache: KVCache, row: int, tokens: list[int], length: int, chunk: int | None,
-              exact: bool) -> CheckMismatch | None:
+              exact: bool, prefill=None) -> CheckMismatch | None:
         """The debug check of a hit just loaded: prefill tokens[:length] from scratch (`chunk`
-        tokens per forward, as the engine's prefill) and compare its KV with positions [0, length)
-        of `row`; on a mismatch, count and log it, give the row the fresh KV and evict the
-        blocks from the first bad one on. `exact`: compare bits (row-invariant kernels), else
-        within a tolerance."""
+        tokens per forward, as the engine's prefill: `prefill(tokens, start, view)`, else the
+        target's eager forward) and compare its KV with positions [0, length) of `row`; on a
+        mismatch, count and log it, give the row the fresh KV and evict the blocks from the first
+        bad one on. `exact`: compare bits (row-invariant kernels), else within a tolerance."""
         fresh = KVCache.for_model(target, 1, length)
         view = fresh.rows(0, 1)
         step = chunk or length
         for s in range(0, length, step):
-            forward_chunks(target, [tokens[s:min(s + step, length)]], [s], view)
+            part = tokens[s:min(s + step, length)]
+            if prefill is None:
+                forward_chunks(target, [part], [s], view)
+            else:
+                prefill(part, s, view)
         self.stats.checks += 1
         first, worst = None, 0.0
         for a, b in zip(_views(cache, row, 0, length), _views(fresh, 0, 0, length)):

@@ -146,10 +146,12 @@ def draft_dir(ckpt_factory):
 def aot_packages(tmp_path_factory):
     """Ahead-of-time compiled steps (quickdraft.aot) in a folder of the test session's own: a CPU
     engine loads a cached package by default, and one the user built must not change what the
-    tests run."""
+    tests run. The packed mixed-step package is off (QUICKDRAFT_AOT_MIXED=0: one build less for
+    every engine test that builds packages); the tests of mixed AOT steps turn it on."""
     folder = tmp_path_factory.mktemp("aot")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("quickdraft.aot.aot_dir", lambda: folder)
+        mp.setenv("QUICKDRAFT_AOT_MIXED", "0")
         yield folder
 
 

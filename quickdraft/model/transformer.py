@@ -109,15 +109,15 @@ class Attention(nn.Module):
         out = attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def forward_packed(self, x, cos, sin, write_pos, kv: tuple[torch.Tensor, torch.Tensor], groups: list[_Group]):
+    def forward_packed(self, x, cos, sin, layer: int, groups: list[_Group]):
         """Forward_packed's layer: x (1, N, d) holds every block's tokens, one after the other; the
-        projections run on the N tokens together, attention per block over its own rows of the cache."""
+        projections run on the N tokens together, attention per block over its own rows of its cache."""
         q, k, v = self._project(x, cos, sin)  # (1, N, heads, D)
-        ck, cv = kv
-        ck[write_pos] = k[0]  # (N, H_kv, D) at (row, :, slot) each
-        cv[write_pos] = v[0]
         outs = []
         for g in groups:
+            ck, cv = g.cache.k[layer], g.cache.v[layer]
+            ck[g.write_pos] = k[0, g.start:g.stop]  # (n, H_kv, D) at (row, :, slot) each
+            cv[g.write_pos] = v[0, g.start:g.stop]
             qg = q[0, g.start:g.stop].unflatten(0, (g.rows, -1)).transpose(1, 2)  # (rows, H, T, D)
             kg, vg = ck[g.row:g.row + g.rows, :, :g.kv_len], cv[g.row:g.row + g.rows, :, :g.kv_len]
             outs.append(attention(qg, kg, vg, g.mask).transpose(1, 2).reshape(g.stop - g.start, -1))
@@ -277,47 +277,46 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         return logits, (hidden if hidden_at is not None else None)
 
-    def forward_packed(self, blocks: list[Block], cache: CacheView,
+    def forward_packed(self, blocks: list[Block], cache: CacheView | None = None,
                        hidden_at: tuple[int, ...] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Several forwards over the cache in one: each block is what `forward` would be given
-        (its tokens on its own rows of `cache`), and every block's tokens go through the linear
-        layers together, as one (N, hidden) matrix of valid tokens (no padding: a 1-token row
-        beside a 64-token chunk computes 65 positions, not 128), so the weights are read once for
-        all; attention runs per block, on the block's rows of the cache. lm_head runs only where a
-        block wants logits. Returns per block (logits (b, n, V) at its `logits_at`, or (b, T, V);
-        hidden (b, T, ...) as forward_hidden gives them, or None without `hidden_at`). With
-        row-invariant linear layers (quant.row_invariant) and quickdraft's attention kernel, each
-        block gets the bits its own forward gives it, whatever blocks share the call."""
+        (its tokens on its own rows of `cache`, or of the block's own `cache` view), and every
+        block's tokens go through the linear layers together, as one (N, hidden) matrix of valid
+        tokens (no padding: a 1-token row beside a 64-token chunk computes 65 positions, not 128),
+        so the weights are read once for all; attention runs per block, on the block's rows of its
+        cache. lm_head runs only where a block wants logits. Returns per block (logits (b, n, V) at
+        its `logits_at`, or (b, T, V); hidden (b, T, ...) as forward_hidden gives them, or None
+        without `hidden_at`). With row-invariant linear layers (quant.row_invariant) and
+        quickdraft's attention kernel, each block gets the bits its own forward gives it, whatever
+        blocks share the call (an AOT package of it too: aot's packed step)."""
         window = self.config.sliding_window
-        cos, sin, rows, slots, groups, picks, start = [], [], [], [], [], [], 0
+        cos, sin, groups, picks, start = [], [], [], [], 0
         for blk in blocks:
             b, T = blk.input_ids.shape
-            c, s, mask, write_pos, kv_len = attention_inputs(self.inv_freq, self.dtype, blk.positions, cache,
+            view = blk.cache if blk.cache is not None else cache
+            c, s, mask, write_pos, kv_len = attention_inputs(self.inv_freq, self.dtype, blk.positions, view,
                                                              blk.kv_len, blk.slots, blk.attn_mask, window)
             cos.append(c.flatten(0, 1))
             sin.append(s.flatten(0, 1))
-            rows.append((write_pos[0] + blk.row).flatten())
-            slots.append(write_pos[2].flatten())
-            groups.append(_Group(start, start + b * T, blk.row, b, mask, kv_len))
+            write_pos = ((write_pos[0] + blk.row).flatten(), slice(None), write_pos[2].flatten())
+            groups.append(_Group(start, start + b * T, blk.row, b, mask, kv_len, view, write_pos))
             at = torch.arange(T, device=blk.input_ids.device).expand(b, T) if blk.logits_at is None else blk.logits_at
             picks.append((start + T * torch.arange(b, device=at.device)[:, None] + at).flatten())
             start += b * T
         cos, sin = torch.cat(cos)[None], torch.cat(sin)[None]  # (1, N, 1, D)
-        write_pos = (torch.cat(rows), slice(None), torch.cat(slots))
         x = self.model.embed_tokens(torch.cat([blk.input_ids.flatten() for blk in blocks])[None])  # (1, N, d)
         captured = []
         for i, layer in enumerate(self.model.layers):  # DecoderLayer.forward, attention per block
             if hidden_at is not None and i in hidden_at:
                 captured.append((i, x))
-            x = x + layer.self_attn.forward_packed(layer.input_layernorm(x), cos, sin, write_pos,
-                                                   (cache.k[i], cache.v[i]), groups)
+            x = x + layer.self_attn.forward_packed(layer.input_layernorm(x), cos, sin, i, groups)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hidden = None
         if hidden_at is not None:
             captured.append((len(self.model.layers), x))
             by_layer = dict(captured)
             hidden = torch.cat([by_layer[i] for i in hidden_at], dim=-1)[0]  # (N, ...)
-        sizes = [len(p) for p in picks]
+        sizes = [p.shape[0] for p in picks]
         logits = self.lm_head(self.model.norm(x[0, torch.cat(picks)])).split(sizes)  # (n_i, V) per block
         out = []
         for blk, g, lg in zip(blocks, groups, logits):
@@ -329,7 +328,8 @@ class Transformer(nn.Module):
 @dataclass(frozen=True)
 class Block:
     """One forward's worth of forward_packed: input_ids / positions (b, T) on cache rows row ..
-    row + b - 1, and forward's kv_len, slots, attn_mask and logits_at ((b, n); None: every position)."""
+    row + b - 1 (of forward_packed's view, or `cache`), and forward's kv_len, slots, attn_mask and
+    logits_at ((b, n); None: every position)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     row: int = 0
@@ -337,6 +337,7 @@ class Block:
     slots: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
     logits_at: torch.Tensor | None = None
+    cache: CacheView | None = None  # the block's own cache view (row counted in it); None: forward_packed's
 
 
 @dataclass(frozen=True)
@@ -348,6 +349,8 @@ class _Group:
     rows: int
     mask: torch.Tensor  # (rows, 1, T, kv_len)
     kv_len: int
+    cache: CacheView  # the view its rows are in
+    write_pos: tuple  # where its tokens' k / v go in that view: (rows, :, slots), flat
 
 
 def attention_inputs(inv_freq: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor, cache: CacheView | None,
@@ -386,6 +389,20 @@ def attention_inputs(inv_freq: torch.Tensor, dtype: torch.dtype, positions: torc
     return cos, sin, mask[:, None], write_pos, kv_len  # the mask is shared by all heads and layers
 
 
+def pad_chunks(chunks: list[list[int]], starts: list[int], device: torch.device):
+    """Runs of tokens, row b's from position starts[b], as one right-padded batch: input_ids and
+    positions (B, T) (-1: padding), each row's last index (B, 1) and the key length (on `device`)."""
+    B, T = len(chunks), max(len(c) for c in chunks)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    positions = torch.full((B, T), -1, dtype=torch.long)
+    for b, (chunk, start) in enumerate(zip(chunks, starts)):
+        ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
+    last = torch.tensor([max(len(c) - 1, 0) for c in chunks], dtype=torch.long)[:, None]
+    kv_len = max(s + len(c) for s, c in zip(starts, chunks))
+    return to_device(ids, device), to_device(positions, device), to_device(last, device), kv_len
+
+
 def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int],
                    cache: CacheView, step=None, hidden_at: tuple[int, ...] | None = None):
     """Feed each row its own run of tokens (ragged; right-padded here) starting at
@@ -394,19 +411,9 @@ def forward_chunks(model: Transformer, chunks: list[list[int]], starts: list[int
     for a draft catching up with accepted tokens.
     `step` (a compiled StepFunction) is used instead of the model when given. With
     `hidden_at`, (logits, hidden (B, T, ...)) at every fed position (Transformer.forward_hidden)."""
-    B, T = len(chunks), max(len(c) for c in chunks)
-    device = model.device
-    ids = torch.zeros(B, T, dtype=torch.long)
-    positions = torch.full((B, T), -1, dtype=torch.long)
-    for b, (chunk, start) in enumerate(zip(chunks, starts)):
-        ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
-        positions[b, :len(chunk)] = torch.arange(start, start + len(chunk))
-    last = torch.tensor([max(len(c) - 1, 0) for c in chunks], dtype=torch.long)[:, None]
-    kv_len = max(s + len(c) for s, c in zip(starts, chunks))
+    ids, positions, last, kv_len = pad_chunks(chunks, starts, model.device)
     if hidden_at is not None:
-        logits, hidden = model.forward_hidden(to_device(ids, device), to_device(positions, device), cache,
-                                              logits_at=to_device(last, device), kv_len=kv_len, hidden_at=hidden_at)
+        logits, hidden = model.forward_hidden(ids, positions, cache, logits_at=last, kv_len=kv_len, hidden_at=hidden_at)
         return logits[:, 0], hidden
-    logits = (step or model)(to_device(ids, device), to_device(positions, device), cache,
-                             logits_at=to_device(last, device), kv_len=kv_len)
+    logits = (step or model)(ids, positions, cache, logits_at=last, kv_len=kv_len)
     return logits[:, 0]

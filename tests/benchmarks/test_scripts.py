@@ -99,6 +99,12 @@ def _check_chunked_prefill(data: dict) -> None:
     assert row["max_num_batched_tokens"] == 16 and row["num_window"] > 0 and row["long_ttft_s"] > 0
 
 
+def _check_mixed_steps(data: dict) -> None:
+    steps = {(r["step"], r["chunk_tokens"], r["chunk_position"]) for r in data["table"]}
+    assert steps == {("decode", 0, 0), ("chunk", 4, 0), ("chunk", 4, 40), ("mixed", 4, 0), ("mixed", 4, 40)}
+    assert all(r["median_ms"] > 0 for r in data["table"])
+
+
 def _check_structured(data: dict) -> None:
     rows = data["models"]["bundled"]["workloads"]["all"]
     assert rows["plain"]["valid"] == 1.0 and rows["suffix"]["identical_to_plain"] == rows["suffix"]["requests"] == 3
@@ -158,6 +164,9 @@ CASES: dict[str, Case] = {
     "chunked_prefill.py": Case(["--sizes", "16", "--repeats", "1", "--streams", "1", "--stream-tokens", "400",
                                 "--long-tokens", "200", "--steady", "1", "--out-dir", "{out}", "--name", "cp"],
                                ["cp.json", "cp.md"], check=lambda out: _check_chunked_prefill(_json(out, "cp.json"))),
+    "mixed_steps.py": Case(["--modes", "eager", "--rows", "2", "--context", "16", "--positions", "0,40",
+                            "--chunks", "4", "--repeats", "1", "--out-dir", "{out}", "--name", "ms"], ["ms.json", "ms.md"],
+                           check=lambda out: _check_mixed_steps(_json(out, "ms.json"))),
     "openai_fields.py": Case(["--baseline", "", "--models", "bundled", "--prompts", "1", "--new-tokens", "4",
                               "--repeats", "1", "--compile", "eager", "--out-dir", "{out}"],
                              ["openai_fields_cpu.json", "openai_fields_cpu.md"]),

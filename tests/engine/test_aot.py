@@ -300,3 +300,95 @@ def test_bfloat16_package_on_the_kernels_equals_eager(target_dir):
     assert isinstance(packaged.engine._forward, aot.AOTStep)
     assert [o.token_ids for o in packaged.generate(prompts, greedy)] == \
         [o.token_ids for o in eager.generate(prompts, greedy)]
+
+
+@pytest.fixture(scope="module")
+def packed_step(target_step):
+    """The float32 target's packages with the packed (mixed-step) one (one more build of this shape)."""
+    model, _ = target_step
+    step = aot.load_or_build(model, packed=True)
+    assert step.packed_runner is not None and step.packed_path.name.endswith("-m.pt2")
+    return model, step
+
+
+def test_packed_package_gives_each_block_its_own_bits(packed_step):
+    """The mixed-step package: the running rows get the decode package's bits (one token and a
+    4-token verify), whatever chunk is beside them; a prompt's chunks get the same bits in
+    three 16-token pieces beside running rows as in one piece alone, and padded beside a
+    shorter prompt; and the step's own probe says they agree."""
+    model, step = packed_step
+    assert step.packed_agrees()
+    g = torch.Generator().manual_seed(5)
+    B, L = 3, 9
+    context = torch.randint(3, 300, (B, L), generator=g)
+    long_ = torch.randint(3, 300, (1, 60), generator=g)
+
+    def filled():
+        c = KVCache.for_model(model, B + 2, 80)
+        model(context, torch.arange(L).expand(B, L), c.rows(0, B), kv_len=L)
+        return c
+
+    with torch.inference_mode():
+        alone, mixed, dummy = filled(), filled(), filled()
+        for i, T in enumerate([1, 4, 1]):
+            p0 = L + 5 * i
+            ids, pos = context[:, i:i + T].contiguous(), (p0 + torch.arange(T)).expand(B, T).contiguous()
+            want = step(ids, pos, alone.rows(0, B), kv_len=p0 + T)
+            chunk = (long_[:, 16 * i:16 * i + 16], (16 * i + torch.arange(16))[None], torch.tensor([[15]]),
+                     mixed.rows(B, B + 1), 16 * i + 16)
+            (got, _), (last_logits, _) = step.packed((ids, pos, mixed.rows(0, B), p0 + T), chunk)
+            (got_alone, _), none = step.packed((ids, pos, dummy.rows(0, B), p0 + T), None)
+            assert torch.equal(got, want) and torch.equal(got_alone, want) and none is None
+        one = KVCache.for_model(model, 2, 80)
+        none, (whole, _) = step.packed(None, (long_[:, :48], torch.arange(48)[None], torch.tensor([[47]]),
+                                              one.rows(1, 2), 48))
+        assert none is None and torch.equal(whole, last_logits)
+        padded = KVCache.for_model(model, 2, 80)
+        ids = torch.zeros(2, 48, dtype=torch.long)
+        ids[0], ids[1, :30] = long_[0, :48], long_[0, 20:50]
+        pos = torch.full((2, 48), -1)
+        pos[0], pos[1, :30] = torch.arange(48), torch.arange(30)
+        _, (two, _) = step.packed(None, (ids, pos, torch.tensor([[47], [29]]), padded.rows(0, 2), 48))
+        assert torch.equal(two[:1], whole)
+    for a, b, c, d in zip(mixed.k + mixed.v, one.k + one.v, padded.k + padded.v, alone.k + alone.v):
+        assert torch.equal(a[B, :, :48], b[1, :, :48]) and torch.equal(c[0, :, :48], b[1, :, :48])
+        assert torch.equal(a[:B], d[:B])  # the running rows' keys and values too
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_aot_steps_mix_a_long_prompt_and_change_no_output(target_dir, draft_dir, packed_step, monkeypatch,
+                                                          method, seeded):
+    """With the AOT steps (compile="aot") a prompt arriving while two requests decode is prefilled in
+    chunks that ride in their steps on the packed package; every output (tokens, logprobs) is what
+    the request gives alone on the same engine, and a lone prompt's chunks run that package too."""
+    monkeypatch.setenv("QUICKDRAFT_AOT_MIXED", "1")
+    kw = dict(num_speculative_tokens=3) if method == "draft" else {}
+    llm = LLM(target_dir, draft_dir if method == "draft" else None, method=method, compile="aot",
+              dtype="float32", policy="fixed", max_num_batched_tokens=24, max_num_seqs=4, **kw)
+    eng = llm.engine
+    assert eng._forward.packed_runner is not None and eng.mixes_prefill()
+    calls = []
+    real = eng._forward.packed
+
+    def spy(a, b):
+        calls.append((a is not None, b is not None))
+        return real(a, b)
+
+    eng._forward.packed = spy
+    params = SamplingParams(max_tokens=14, temperature=0.8 if seeded else 0.0, seed=3 if seeded else None,
+                            logprobs=1, ignore_eos=True)
+    prompts = [[3, 17, 42, 9, 11], [5, 6, 7, 8, 9, 10, 11], list(range(20, 90))]
+    ids = [eng.add_request(p, params) for p in prompts[:2]]
+    eng.step()
+    eng.step()
+    ids.append(eng.add_request(prompts[2], params))
+    outs = {}
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert calls[0] == (False, True) and calls.count((True, True)) >= 3  # chunks rode in decode steps
+    for rid, p in zip(ids, prompts):
+        calls.clear()
+        ref = eng.generate([(p, params)])[0]
+        assert calls and all(c == (False, True) for c in calls)  # alone: the chunks on the packed package
+        assert outs[rid].token_ids == ref.token_ids and outs[rid].logprobs == ref.logprobs

@@ -262,8 +262,9 @@ def test_abort_during_mixed_steps_frees_the_row(target_dir):
 
 
 def test_compiled_steps_alternate(target_dir):
-    """A step that is not the eager model (compiled, AOT, tensor parallel) cannot take a chunk of
-    another shape: prefill and decode steps alternate there."""
+    """A step that is not the eager model and has no packed package (torch.compile'd, tensor
+    parallel; AOT steps with theirs mix: tests/engine/test_aot.py) cannot take a chunk of another
+    shape: prefill and decode steps alternate there."""
     llm = LLM(target_dir, method="none", compile=False, policy="fixed", max_num_batched_tokens=16)
     exact_or_skip(llm)
     eng = llm.engine
