@@ -115,8 +115,7 @@ class LLM:
         environment variable QUICKDRAFT_PREFIX_CACHE_CHECK where prefix caching is on, else off.
         max_num_batched_tokens: tokens one step computes at most: the running requests' verify
         positions and a chunk of the prompts being prefilled (chunked prefill; "auto", the default:
-        on a CPU 32 while requests decode, a prompt token at position p counted 1 + p / P (P: where its
-        attention costs what its linear layers do), and 512 when none does; 2048 on a GPU; None: whole prompts).
+        on a CPU 20 while requests decode and 512 when none does; 2048 on a GPU; None: whole prompts).
         constraint_compile_timeout: seconds a request's constraint (SamplingParams.constraint) may
         take to compile for the model's vocabulary (off the step loop); past it the request is a
         QuickdraftError naming the constraint."""
