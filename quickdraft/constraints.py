@@ -27,8 +27,10 @@ keep streaming. The compiled matcher is kept on the Constraint and copied for ea
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,8 @@ import torch
 
 from .config import DEFAULT_CONSTRAINT_COMPILE_TIMEOUT
 from .errors import QuickdraftError
+
+COMPILED_CACHE_SIZE = 64  # distinct constraints whose compiled start matcher each engine keeps
 
 # JSON is written in one layout: ", " and ": " between items, no other whitespace. Flexible
 # whitespace lets a model pad forever (a known way constrained JSON never ends), and one layout
@@ -116,11 +120,12 @@ class Constraint:
         cached = self.__dict__.get("_compiled")
         if cached is not None and cached[0] is vocab:
             return cached[1]
-        matcher = _compile_matcher(vocab, self, timeout)
+        matcher = vocab.compiled(self, timeout)
         object.__setattr__(self, "_compiled", (vocab, matcher))
         return matcher
 
 
+@functools.lru_cache(maxsize=COMPILED_CACHE_SIZE)  # each request of a client builds its own Constraint
 def _compile(kind: str, value: str) -> str:
     llg = _llguidance()
     try:
@@ -213,6 +218,8 @@ class GrammarVocabulary:
         self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Words()), n_vocab=vocab_size,
                                          eos_token=list(eos_token_ids))
         self._bits = torch.arange(32, dtype=torch.int32)
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
         # after eos only eos is allowed (llguidance's stopped state; its rollback cannot undo an eos,
         # so draft eos tokens are never consumed: their children get this mask)
         self.eos = frozenset(eos_token_ids)
@@ -220,6 +227,23 @@ class GrammarVocabulary:
         for e in self.eos:
             if e < vocab_size:
                 self.eos_only[e // 32] |= torch.tensor(1 << (e % 32), dtype=torch.int64).to(torch.int32)
+
+    def compiled(self, constraint: Constraint, timeout: float) -> Any:
+        """The start matcher of `constraint` for this vocabulary: compiled once per distinct
+        (kind, value), kept for the last COMPILED_CACHE_SIZE of them (a client sends the same
+        schema with every request), least recently used first out."""
+        key = (constraint.kind, constraint.value)
+        with self._lock:
+            m = self._compiled.get(key)
+            if m is not None:
+                self._compiled.move_to_end(key)
+                return m
+        m = _compile_matcher(self, constraint, timeout)  # outside the lock: compiles may run side by side
+        with self._lock:
+            self._compiled[key] = m
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return m
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh grammar state for one request (a copy of the constraint's compiled matcher)."""

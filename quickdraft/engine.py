@@ -649,8 +649,9 @@ class Engine:
         return len(r.prompt) + r.params.max_tokens + self._draft_room + 1  # + room for drafts past the end
 
     def _admit(self) -> list[_Request]:
-        """Take waiting requests, in order, while the batch has a row for the next one and the
-        caches can hold it (within the KV budget); the caches then grow to hold them. A request
+        """Take waiting requests, in order, while the batch has a row for the next one, the
+        caches can hold it (within the KV budget) and the next prefill's token budget reaches it
+        (the prompts already admitted leave some); the caches then grow to hold them. A request
         that does not fit yet waits (the budget frees up as running requests finish)."""
         if not self.waiting:
             return []
@@ -660,12 +661,16 @@ class Engine:
         # the prefilling rows follow the running ones: both hold rows and positions
         rows = len(self.running) + len(self.prefilling)
         capacity = max((self._capacity_needed(r) for r in self.running + self.prefilling), default=0)
-        while self.waiting and rows < self.config.max_num_seqs:
+        # no more prompts than the next prefill can start on: a request whose first chunk would not
+        # run this step waits without holding a row (nor KV, nor a place in every row move)
+        budget = self._prefill_cap(self._token_budget())
+        pending = sum(len(r.prompt) - r.num_computed for r in self.prefilling)
+        while self.waiting and rows < self.config.max_num_seqs and (budget is None or pending < budget):
             need = max(capacity, self._capacity_needed(self.waiting[0]))
             if not self._fits(rows + 1, need):
                 break
             admitted.append(self.waiting.popleft())
-            rows, capacity = rows + 1, need
+            rows, capacity, pending = rows + 1, need, pending + len(admitted[-1].prompt)
             if self._admit_singly:
                 self._admit_singly -= 1
                 break

@@ -292,3 +292,15 @@ def test_a_compiled_constraint_is_reused_and_copied_per_request(target_dir):
         assert o.finish_reason == "length" or jsonschema.validate(json.loads(o.text), SCHEMA) is None
     first = params.constraint.compiled(llm.engine._grammar.get())
     assert params.constraint.compiled(llm.engine._grammar.get()) is first
+    # requests with an equal constraint (each its own SamplingParams, as a server builds them) share
+    # the compile; the engine keeps the last COMPILED_CACHE_SIZE distinct ones
+    from quickdraft import constraints
+
+    again = SamplingParams(temperature=0, max_tokens=12, constraint={"json_schema": SCHEMA})
+    assert again.constraint is not params.constraint and again.constraint.compiled(llm.engine._grammar.get()) is first
+    vocab = llm.engine._grammar.get()
+    for i in range(constraints.COMPILED_CACHE_SIZE):
+        Constraint("regex", f"x{i}").compiled(vocab)
+    assert Constraint("json_schema", SCHEMA).compiled(vocab) is not first
+    assert Constraint("regex", f"x{constraints.COMPILED_CACHE_SIZE - 1}").compiled(vocab) is \
+        Constraint("regex", f"x{constraints.COMPILED_CACHE_SIZE - 1}").compiled(vocab)

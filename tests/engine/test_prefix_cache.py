@@ -148,6 +148,10 @@ def test_abort_while_prefilling_leaves_the_rest_exact(target_dir):
     eng = llm.engine
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ids = [eng.add_request(prompt(n, n), params) for n in (40, 33, 21)]
+    # admission takes only the prompts the next prefill starts on: here all three (as a larger budget
+    # at admission leaves them), then 8 tokens a step, so that a row in the middle is aborted
+    budgets, per_step = iter([100]), eng._token_budget
+    eng._token_budget = lambda idle=False: next(budgets, None) or per_step(idle)
     eng.step()
     eng.step()
     assert len(eng.prefilling) == 3
@@ -160,6 +164,21 @@ def test_abort_while_prefilling_leaves_the_rest_exact(target_dir):
     fresh = LLM(target_dir, method="none", compile=False, policy="fixed").engine
     for rid, n in ((ids[0], 40), (ids[2], 21)):
         assert outs[rid].token_ids == fresh.generate([(prompt(n, n), params)])[0].token_ids
+
+
+def test_only_prompts_the_next_prefill_reaches_are_admitted(target_dir):
+    """A request whose first chunk would not run this step waits without a row: with 8 tokens a
+    step, one 40-token prompt prefills at a time; with 50, the 40- and 33-token ones, the 21 waits."""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for budget, admitted in ((8, 1), (50, 2)):
+        eng = LLM(target_dir, method="none", compile=False, max_num_batched_tokens=budget, policy="fixed").engine
+        for n in (40, 33, 21):
+            eng.add_request(prompt(n, n), params)
+        eng.step()
+        assert len(eng.prefilling) + len(eng.running) == admitted and len(eng.waiting) == 3 - admitted
+        assert eng.cache.max_slots < 3 or admitted == 3
+        while eng.has_unfinished():
+            eng.step()
 
 
 def test_prompt_logprobs_requests_compute_every_position(target_dir):
