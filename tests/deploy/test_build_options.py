@@ -1,22 +1,18 @@
 """`serve run quickdraft.deploy:build ... api_key=K allowed_origins=...`: the server's options go
 to each replica's app, not to LLM() (which rejects them, so such a replica never started).
 The replica class is run here in this process (its engine and its FastAPI app, the code each
-Ray Serve replica runs); the slow test serves two replicas with a key on a local Ray cluster."""
+Ray Serve replica runs); tests/deploy/test_ray_replicas.py serves two replicas with a key on a local
+Ray cluster."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray.serve")
 
 from quickdraft.deploy import build  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_util import ServerProcess  # noqa: E402
 
 
 def _replica(args: dict):
@@ -61,18 +57,3 @@ def test_build_reads_the_chat_template_file(tmp_path):
     bound = build({"replicas": "1", "chat_template": str(template), "method": "ngram"})._bound_deployment
     assert bound.init_args[0] == {"method": "ngram"}  # LLM's arguments only
     assert bound.init_args[-2:] == ("{{ messages[0]['content'] }}", True)  # chat_template, web
-
-
-@pytest.mark.slow
-def test_two_replicas_require_the_api_key(tmp_path):
-    import httpx
-
-    server = ServerProcess("--replicas", "2", "--served-model-name", "qd", "--api-key", "K",
-                           log=tmp_path / "serve.log")
-    try:
-        body = {"model": "qd", "prompt": "def f(", "max_tokens": 4}
-        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 401
-        ok = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer K"}, timeout=60)
-        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
-    finally:
-        server.stop()

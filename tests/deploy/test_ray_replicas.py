@@ -1,5 +1,5 @@
 """Replicas behind Ray Serve on a local Ray cluster (real processes, the real openai client):
-two replicas of the bundled pair answer like one engine, streaming included; killing one
+two replicas of the bundled pair answer like one engine (behind an API key), streaming included; killing one
 under load fails only the requests it held (never a hang), the other keeps serving and Ray
 starts a new replica."""
 
@@ -44,9 +44,13 @@ def test_two_replicas_answer_like_one_engine_and_survive_a_killed_replica(tmp_pa
 
     plain = LLM(method="none", compile=False)
     expected = [o.text for o in plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
-    server = ServerProcess("--replicas", "2", "--served-model-name", "qd", log=tmp_path / "serve.log")
+    server = ServerProcess("--replicas", "2", "--served-model-name", "qd", "--api-key", "K", log=tmp_path / "serve.log")
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        # the server's options reach each replica's app: without the key, 401
+        anonymous = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            anonymous.completions.create(model="qd", prompt=PROMPTS[0], max_tokens=4)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="K", max_retries=0, timeout=60)
 
         def complete(prompt: str) -> str:
             out = client.completions.create(model="qd", prompt=prompt, max_tokens=24, temperature=0,

@@ -121,11 +121,20 @@ def test_quantised_package(target_dir, quant):
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
 
 
-def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step):
-    """The variant returning layers' states (what an EAGLE-3 head reads): logits and states
-    equal eager; an eagle3 engine with compile="aot" runs it and stays greedy-equal to plain."""
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, target_step):
+    """A random EAGLE-3 head for the target (seed 0), saved: the engine's and the head tests' packages are one."""
     from quickdraft.model.eagle3 import new_head, save_eagle3
 
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("head") / "h"
+    save_eagle3(new_head(target_step[0]), folder)
+    return folder
+
+
+def test_package_with_hidden_states_and_eagle3(target_dir, target_step, head_dir):
+    """The variant returning layers' states (what an EAGLE-3 head reads): logits and states
+    equal eager; an eagle3 engine with compile="aot" runs it and stays greedy-equal to plain."""
     model, _ = target_step
     # the layers the eagle3 engine below asks for: its package is this one, built once
     layers = (1, 1, 0)
@@ -143,10 +152,8 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
     assert isinstance(got, tuple) and len(got) == 2
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    torch.manual_seed(0)
-    save_eagle3(new_head(model), tmp_path / "h")
     # the bundled-style default head reads (2, L // 2, L - 3) clamped to this 2-layer target: (1, 1, 0)
-    spec = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
+    spec = LLM(target_dir, method="eagle3", draft=head_dir, num_speculative_tokens=3, compile="aot",
                dtype="float32", policy="fixed")
     assert isinstance(spec.engine._forward, aot.AOTStep) and spec.engine._forward.hidden_at == layers
     assert spec.engine._forward.path == step.path  # the package built above
@@ -156,7 +163,7 @@ def test_package_with_hidden_states_and_eagle3(tmp_path, target_dir, target_step
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [[3, 17, 42, 9], [5, 6, 7]]
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
-    tree = LLM(target_dir, method="eagle3", draft=tmp_path / "h", num_speculative_tokens=3, compile="aot",
+    tree = LLM(target_dir, method="eagle3", draft=head_dir, num_speculative_tokens=3, compile="aot",
                dtype="float32", spec_options={"tree_width": 2, "tree_nodes": 5}, policy="fixed")
     # trees: the target's tree verify and the head's tree depths run their own packages
     forward, head_step = tree.engine._forward, tree.engine.proposer._head
@@ -241,14 +248,12 @@ def test_large_tree_package_attends_on_the_kernel(target_step):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_head_packages_equal_the_eager_head(tmp_path, target_step):
+def test_head_packages_equal_the_eager_head(target_dir, target_step, head_dir):
     """An EAGLE-3 head's packages (reading target states; drafting from its own output) give
-    the eager head's logits and states, on a ragged batch over its cache."""
-    from quickdraft.model.eagle3 import new_head
-
+    the eager head's logits and states, on a ragged batch over its cache. (The head as the engine
+    loads it: the eagle3 engine test above built these packages, if it ran.)"""
     model, _ = target_step
-    torch.manual_seed(0)
-    head = new_head(model).eval()
+    head = LLM(target_dir, method="eagle3", draft=head_dir, compile=False, dtype="float32").engine.proposer._head
     step = aot.load_or_build(head)
     assert isinstance(step, aot.HeadAOTStep) and aot.load(head) is not None
     g = torch.Generator().manual_seed(1)
