@@ -1451,6 +1451,7 @@ void q8_neon(const Q8Args& a, int64_t b0, int64_t b1) {
 constexpr int RC = 4;       // query rows per pass over a kv head's keys (portable, NEON)
 constexpr int RC_X86 = 16;  // the AVX-512 and AVX2 paths: key-blocked passes over up to 16 rows
 constexpr int RC_MAX = 16;  // the most rows a pass holds (any path)
+constexpr int WIDE_ROWS = 12;  // AVX-512: from this many rows a pass scores 16 rows at once (scores16_avx512)
 
 #if QD_X86
 // exp(x) for x <= 0: 2^n p(r), x = n ln2 + r (ln2 split in two for an exact n ln2), |r| <= ln2/2,
@@ -1545,6 +1546,7 @@ struct AttendPass {
   const float *kb, *vb;  // the kv head's keys and values, rows ks / vs apart
   int64_t ks, vs;
   float* out[RC_MAX];  // each row's D outputs
+  float* qt;           // D x 16 floats of scratch (the AVX-512 path's transposed queries)
 };
 
 // A pass's scores past `last` as -inf (the softmax reads whole groups of 16).
@@ -1684,6 +1686,108 @@ __attribute__((target("avx512f"))) void scores2_avx512(const AttendPass& p, int 
   }
 }
 
+// (r_0 ... r_15) -> their transpose: lane u of r_i becomes lane i of r_u (unpacks within 128-bit
+// quarters, then quarter shuffles). Moves floats only.
+__attribute__((target("avx512f"))) inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // quarter Q of r[4i + e]: rows 4i .. 4i + 3, lane 4Q + e
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  __m512 o[16];
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88), b = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88), d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+    o[e] = _mm512_shuffle_f32x4(a, c, 0x88);
+    o[8 + e] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    o[4 + e] = _mm512_shuffle_f32x4(b, d, 0x88);
+    o[12 + e] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = o[i];
+}
+
+// For four keys kj[0..3] and 16 rows in lanes (qt: the queries transposed, lane r of qt + 16 d is
+// row r's q_d): chains la and lb of each key (chain l: q_l k_l, then + q_(l+16c) k_(l+16c) by FMA,
+// c = 1 .. nv - 1), added: sum[u] = P_la(u) + P_lb(u). Each query vector loaded feeds the 4 keys.
+template <int NV>  // D / 16 (0: read from nv)
+__attribute__((target("avx512f"))) inline void chains2(const float* qt, int64_t nv, const float* const* kj, int la,
+                                                       int lb, __m512* sum) {
+  if (NV) nv = NV;
+  __m512 pa[4], pb[4];
+  {
+    const __m512 qa = _mm512_loadu_ps(qt + 16 * la), qb = _mm512_loadu_ps(qt + 16 * lb);
+    for (int u = 0; u < 4; ++u) {
+      pa[u] = _mm512_mul_ps(qa, _mm512_set1_ps(kj[u][la]));
+      pb[u] = _mm512_mul_ps(qb, _mm512_set1_ps(kj[u][lb]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t c = 1; c < nv; ++c) {
+    const __m512 qa = _mm512_loadu_ps(qt + 16 * (la + 16 * c)), qb = _mm512_loadu_ps(qt + 16 * (lb + 16 * c));
+    for (int u = 0; u < 4; ++u) {
+      pa[u] = _mm512_fmadd_ps(qa, _mm512_set1_ps(kj[u][la + 16 * c]), pa[u]);
+      pb[u] = _mm512_fmadd_ps(qb, _mm512_set1_ps(kj[u][lb + 16 * c]), pb[u]);
+    }
+  }
+  for (int u = 0; u < 4; ++u) sum[u] = _mm512_add_ps(pa[u], pb[u]);
+}
+
+// Quarter Q's sum of four keys: S_Q = (P_4Q + P_4Q+2) + (P_4Q+1 + P_4Q+3) (key_score16's first level).
+template <int NV>
+__attribute__((target("avx512f"))) inline void quarter4(const float* qt, int64_t nv, const float* const* kj, int Q,
+                                                        __m512* s) {
+  __m512 a[4], b[4];
+  chains2<NV>(qt, nv, kj, 4 * Q, 4 * Q + 2, a);
+  chains2<NV>(qt, nv, kj, 4 * Q + 1, 4 * Q + 3, b);
+  for (int u = 0; u < 4; ++u) s[u] = _mm512_add_ps(a[u], b[u]);
+}
+
+// Rows [0, rc) of a pass (rc <= 16, one per lane of the transposed queries p.qt) scored over keys
+// [j0, j1), 16 keys at a time: each key element is broadcast once for the 16 rows and the 16 chains
+// of a key's score are summed by plain vector adds in key_score16's tree ((S0 + S2) + (S1 + S3)),
+// where scores1_avx512 sums across lanes with shuffles (sum16: the same tree); the 16 keys' scores
+// (one vector per key, a row per lane) are then transposed to a vector of 16 keys per row. The bits
+// of scores1_avx512; about half its vector instructions per score, so it pays from ~12 rows on.
+template <int NV>
+__attribute__((target("avx512f"))) void scores16_avx512(const AttendPass& p, int64_t j0, int64_t j1) {
+  const int64_t nv = p.D / 16, last = p.last;
+  for (int64_t j = j0; j < j1; j += 16) {
+    __m512 sc[16];
+    for (int g = 0; g < 4; ++g) {
+      const float* kj[4];
+      for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j + 4 * g + u < last ? j + 4 * g + u : 0) * p.ks;
+      __m512 s0[4], s2[4], s1[4];
+      quarter4<NV>(p.qt, nv, kj, 0, s0);
+      quarter4<NV>(p.qt, nv, kj, 2, s2);
+      for (int u = 0; u < 4; ++u) s0[u] = _mm512_add_ps(s0[u], s2[u]);
+      quarter4<NV>(p.qt, nv, kj, 1, s1);
+      quarter4<NV>(p.qt, nv, kj, 3, s2);
+      for (int u = 0; u < 4; ++u) sc[4 * g + u] = _mm512_add_ps(s0[u], _mm512_add_ps(s1[u], s2[u]));
+    }
+    transpose16(sc);
+    for (int r = 0; r < p.rc; ++r) {
+      __mmask16 seen = 0;
+      if (p.ms3 == 1 && j + 16 <= last) {
+        const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mrow[r] + j)));
+        seen = (__mmask16)_mm512_test_epi32_mask(m, m);
+      } else {
+        for (int u = 0; u < 16; ++u)
+          if (key_seen(p, r, j + u)) seen |= (__mmask16)(1u << u);
+      }
+      _mm512_storeu_ps(p.s + r * p.Lp + j,
+                       _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen, sc[r]));
+    }
+  }
+}
+
 // Up to RC_X86 rows of one kv head: the scores of every row over a block of keys (so the block is
 // read from memory once for all rows), block after block; each row's softmax; then the weighted
 // sums of v, again block after block for all rows (4 rows x 64 outputs in registers at a time).
@@ -1692,8 +1796,20 @@ __attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
   const int rc = p.rc;
   float* s = p.s;
   const float ninf = -std::numeric_limits<float>::infinity();
+  const bool wide = rc >= WIDE_ROWS;
+  if (wide)
+    for (int64_t d = 0; d < D; ++d)
+      for (int r = 0; r < 16; ++r) p.qt[16 * d + r] = r < rc ? p.qs[r * D + d] : 0.f;
   for (int64_t j0 = 0; j0 < last; j0 += KB) {
     const int64_t j1 = std::min(last, j0 + KB);
+    if (wide) {
+      switch (nv) {  // the chains' length known at compile time for the usual head sizes
+        case 4: scores16_avx512<4>(p, j0, j1); break;
+        case 8: scores16_avx512<8>(p, j0, j1); break;
+        default: scores16_avx512<0>(p, j0, j1); break;
+      }
+      continue;
+    }
     int r = 0;
     for (; r + 2 <= rc; r += 2) scores2_avx512(p, r, j0, j1);
     if (r < rc) scores1_avx512(p, r, j0, j1);
@@ -1918,7 +2034,7 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
                  void (*path)(AttendPass&)) {
   const int64_t D = a.D, L = a.L, T = a.T;
   const int64_t Lp = (L + 15) / 16 * 16;
-  buf.resize(RC_MAX * (D + Lp));
+  buf.resize(RC_MAX * (D + Lp) + 16 * D);
   AttendPass p;
   p.rc = rc;
   p.D = D;
@@ -1927,6 +2043,7 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
   float* qs = buf.data();
   p.qs = qs;
   p.s = buf.data() + RC_MAX * D;
+  p.qt = buf.data() + RC_MAX * (D + Lp);
   p.ms3 = a.ms3;
   for (int r = 0; r < rc; ++r) {
     const int64_t i = i0 + r, h = hk * a.G + i / T, t = i % T;
