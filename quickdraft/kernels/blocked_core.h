@@ -1433,7 +1433,7 @@ void q8_neon(const Q8Args& a, int64_t b0, int64_t b1) {
 //
 // Why: PyTorch's CPU flash attention runs a one-query step as BLAS calls of one row over 512-key
 // blocks, reading the cache at 8-16 GB/s on this machine's 2 GHz cores; here each kv head's keys
-// and values are read once for up to RC query rows: one query row 0.46-0.63x PyTorch's time, 12
+// and values are read once for all the query rows of a pass: one query row 0.46-0.63x PyTorch's time, 12
 // rows 0.75-0.95x (benchmarks/results/attention_cpu.json).
 //
 // Numerics, per query row, the same on every path: the score of key j is 16 FMA chains over d
@@ -1443,11 +1443,15 @@ void q8_neon(const Q8Args& a, int64_t b0, int64_t b1) {
 // fixed order), and the weighted sum of v run in key order. A row's result
 // depends on its own query, its mask row and the keys only, however the rows are grouped and on
 // any thread count (row-invariant): a verify step attends for a token as a decode step does.
-// Any number of query rows (a long chain, a token tree of any size, a prefill), RC at a time: a
-// row's bits are those of a one-row call, so an exported step (one call of all its rows) and an
-// eager one agree. (From about 12 rows on PyTorch's blocked matmuls do the scores faster than
-// one pass per 4 rows here, benchmarks/results/attention_cpu.json; a whole 512-token prefill in
-// this kernel measured no slower than PyTorch's attention: docs/cpu.md.)
+// Any number of query rows (a long chain, a token tree of any size, a prefill), a pass of up to
+// RC (portable, NEON) or RC_X86 (AVX-512, AVX2) rows at a time: a row's bits are those of a
+// one-row call, so an exported step (one call of all its rows) and an eager one agree. The x86
+// passes go over the keys in blocks of ~32 KB, every row of the pass over a block before the
+// next (scores, then after the softmax the weighted sums of v), so a prefill chunk deep in a
+// long prompt reads each key and value from memory once per 16 rows, not once per 4; on
+// AVX-512, passes of 12 rows or more score 16 rows at once (a row per lane: scores16_avx512).
+// Per (row x key) at 4,000 keys and 60 rows per kv head: about PyTorch's time on AVX-512
+// (benchmarks/results/attention_rows_cpu.json).
 constexpr int RC = 4;       // query rows per pass over a kv head's keys (portable, NEON)
 constexpr int RC_X86 = 16;  // the AVX-512 and AVX2 paths: key-blocked passes over up to 16 rows
 constexpr int RC_MAX = 16;  // the most rows a pass holds (any path)
@@ -1911,15 +1915,17 @@ __attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, int
   }
 }
 
-// Row r's scores of keys [j0, j1), four keys at a time (8 vectors of lane sums); keys past `last`
-// read key 0 and are dropped.
-__attribute__((target("avx2,fma"))) void scores_avx2(const AttendPass& p, int r, int64_t j0, int64_t j1) {
+// Every row's scores, four keys at a time (8 vectors of lane sums), the four keys for all rows
+// before the next four (they stay in L1: measured faster here than blocks of 128 keys a row at a
+// time); keys past `last` read key 0 and are dropped.
+__attribute__((target("avx2,fma"))) void scores_avx2(const AttendPass& p) {
   const int64_t D = p.D, last = p.last, nv = D / 16;
   const float ninf = -std::numeric_limits<float>::infinity();
-  const float* qr = p.qs + r * D;
-  for (int64_t j = j0; j < j1; j += 4) {
+  for (int64_t j = 0; j < last; j += 4) {
     const float* kj[4];
     for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j + u < last ? j + u : 0) * p.ks;
+    for (int r = 0; r < p.rc; ++r) {
+    const float* qr = p.qs + r * D;
     __m256 lo[4], hi[4];
     const __m256 q0 = _mm256_loadu_ps(qr), q1 = _mm256_loadu_ps(qr + 8);
 #pragma GCC unroll 4
@@ -1938,15 +1944,15 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const AttendPass& p, int r,
     float sc[4];
     _mm_storeu_ps(sc, score4(lo, hi));
     for (int u = 0; u < 4; ++u) p.s[r * p.Lp + j + u] = key_seen(p, r, j + u) ? sc[u] : ninf;
+    }
   }
 }
 
-// Up to RC_X86 rows of one kv head, key-blocked as attend_avx512.
+// Up to RC_X86 rows of one kv head; the weighted sums key-blocked as attend_avx512's.
 __attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
   const int64_t D = p.D, Lp = p.Lp, last = p.last, KB = key_block(D);
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t j0 = 0; j0 < last; j0 += KB)
-    for (int r = 0; r < p.rc; ++r) scores_avx2(p, r, j0, std::min(last, j0 + KB));
+  scores_avx2(p);
   pad_scores(p);
   float inv[RC_MAX];
   for (int r = 0; r < p.rc; ++r) {
