@@ -7,8 +7,9 @@ streaming each weight once for all rows, with float32 activations (int8 and int4
 int8 per group of 32 inside the kernel, for integer dot products); PyTorch's stock CPU paths (MKL sgemm, oneDNN) cost 1.5-2.9x a one-row step at 2-8 rows
 (benchmarks/results/small_m_gemm_cpu.json, verify_cost_*_cpu.json). See the source's header for
 the layout and the numerics. And `attend`: attention over the cache for any number of query
-rows (decode, verify, tree and prefill steps), each kv head's keys read once for up to 4 query
-rows, where PyTorch's flash attention reads a one-query step through one-row BLAS calls.
+rows (decode, verify, tree and prefill steps), each kv head's keys read once for up to 16 query
+rows (4 on the portable and NEON paths), where PyTorch's flash attention reads a one-query step
+through one-row BLAS calls.
 And `rms_norm`: RMSNorm in one call (PyTorch's CPU rms_norm is several operations: a tenth of
 an eager SmolLM2 decode step).
 

@@ -1433,7 +1433,7 @@ void q8_neon(const Q8Args& a, int64_t b0, int64_t b1) {
 //
 // Why: PyTorch's CPU flash attention runs a one-query step as BLAS calls of one row over 512-key
 // blocks, reading the cache at 8-16 GB/s on this machine's 2 GHz cores; here each kv head's keys
-// and values are read once for up to RC query rows: one query row 0.46-0.63x PyTorch's time, 12
+// and values are read once for all the query rows of a pass: one query row 0.46-0.63x PyTorch's time, 12
 // rows 0.75-0.95x (benchmarks/results/attention_cpu.json).
 //
 // Numerics, per query row, the same on every path: the score of key j is 16 FMA chains over d
@@ -1443,12 +1443,19 @@ void q8_neon(const Q8Args& a, int64_t b0, int64_t b1) {
 // fixed order), and the weighted sum of v run in key order. A row's result
 // depends on its own query, its mask row and the keys only, however the rows are grouped and on
 // any thread count (row-invariant): a verify step attends for a token as a decode step does.
-// Any number of query rows (a long chain, a token tree of any size, a prefill), RC at a time: a
-// row's bits are those of a one-row call, so an exported step (one call of all its rows) and an
-// eager one agree. (From about 12 rows on PyTorch's blocked matmuls do the scores faster than
-// one pass per 4 rows here, benchmarks/results/attention_cpu.json; a whole 512-token prefill in
-// this kernel measured no slower than PyTorch's attention: docs/cpu.md.)
-constexpr int RC = 4;  // query rows per pass over a kv head's keys
+// Any number of query rows (a long chain, a token tree of any size, a prefill), a pass of up to
+// RC (portable, NEON) or RC_X86 (AVX-512, AVX2) rows at a time: a row's bits are those of a
+// one-row call, so an exported step (one call of all its rows) and an eager one agree. The x86
+// passes go over the keys in blocks of ~32 KB, every row of the pass over a block before the
+// next (scores, then after the softmax the weighted sums of v), so a prefill chunk deep in a
+// long prompt reads each key and value from memory once per 16 rows, not once per 4; on
+// AVX-512, passes of 12 rows or more score 16 rows at once (a row per lane: scores16_avx512).
+// Per (row x key) at 4,000 keys and 60 rows per kv head: about PyTorch's time on AVX-512
+// (benchmarks/results/attention_rows_cpu.json).
+constexpr int RC = 4;       // query rows per pass over a kv head's keys (portable, NEON)
+constexpr int RC_X86 = 16;  // the AVX-512 and AVX2 paths: key-blocked passes over up to 16 rows
+constexpr int RC_MAX = 16;  // the most rows a pass holds (any path)
+constexpr int WIDE_ROWS = 12;  // AVX-512: from this many rows a pass scores 16 rows at once (scores16_avx512)
 
 #if QD_X86
 // exp(x) for x <= 0: 2^n p(r), x = n ln2 + r (ln2 split in two for an exact n ln2), |r| <= ln2/2,
@@ -1538,11 +1545,12 @@ struct AttendPass {
   int64_t D, Lp, last;  // keys [0, last) hold every key a row of this pass sees; Lp: the scores' row stride
   const float* qs;      // rc x D: the scaled queries
   float* s;             // rc x Lp: scores, then weights
-  const bool* mrow[RC];
+  const bool* mrow[RC_MAX];
   int64_t ms3;
   const float *kb, *vb;  // the kv head's keys and values, rows ks / vs apart
   int64_t ks, vs;
-  float* out[RC];  // each row's D outputs
+  float* out[RC_MAX];  // each row's D outputs
+  float* qt;           // D x 16 floats of scratch (the AVX-512 path's transposed queries)
 };
 
 // A pass's scores past `last` as -inf (the softmax reads whole groups of 16).
@@ -1555,15 +1563,21 @@ inline void pad_scores(const AttendPass& p) {
 inline bool key_seen(const AttendPass& p, int r, int64_t j) { return j < p.last && p.mrow[r][j * p.ms3]; }
 
 #if QD_X86
-// out_r = inv_r * sum_j p_r[j] v_j over keys [0, last), for R rows and CW vectors of 16 outputs
-// (compile-time, so the R x CW sums stay in registers), in key order.
+// Keys per block of the key-blocked passes: about 32 KB of keys (or values), so a block stays in
+// L1 while every row of the pass goes over it (a multiple of 16).
+inline int64_t key_block(int64_t D) { return std::max<int64_t>(16, 8192 / D / 16 * 16); }
+
+// The running sums of sum_j p_r[j] v_j over keys [j0, j1), for R rows and CW vectors of 16 outputs
+// (compile-time, so the R x CW sums stay in registers), in key order, starting from zero (j0 = 0)
+// or from the sums a previous block left in out (the same chain of FMAs as one pass over all keys:
+// a float kept in memory is the float in the register).
 template <int R, int CW>
 __attribute__((target("avx512f"))) void attend_pv(const float* vb, int64_t vs, const float* p, int64_t ldp,
-                                                  int64_t last, const float* inv, float* const* out) {
+                                                  int64_t j0, int64_t j1, float* const* out) {
   __m512 acc[R][CW];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CW; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < last; ++j) {
+    for (int c = 0; c < CW; ++c) acc[r][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out[r] + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
     __m512 vv[CW];
     for (int c = 0; c < CW; ++c) vv[c] = _mm512_loadu_ps(vb + j * vs + 16 * c);
     for (int r = 0; r < R; ++r) {
@@ -1572,67 +1586,240 @@ __attribute__((target("avx512f"))) void attend_pv(const float* vb, int64_t vs, c
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(out[r] + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
 }
 
 template <int R>
-void attend_pv_rows(int cw, const float* vb, int64_t vs, const float* p, int64_t ldp, int64_t last, const float* inv,
+void attend_pv_rows(int cw, const float* vb, int64_t vs, const float* p, int64_t ldp, int64_t j0, int64_t j1,
                     float* const* out) {
   switch (cw) {
-    case 1: return attend_pv<R, 1>(vb, vs, p, ldp, last, inv, out);
-    case 2: return attend_pv<R, 2>(vb, vs, p, ldp, last, inv, out);
-    case 3: return attend_pv<R, 3>(vb, vs, p, ldp, last, inv, out);
-    default: return attend_pv<R, 4>(vb, vs, p, ldp, last, inv, out);
+    case 1: return attend_pv<R, 1>(vb, vs, p, ldp, j0, j1, out);
+    case 2: return attend_pv<R, 2>(vb, vs, p, ldp, j0, j1, out);
+    case 3: return attend_pv<R, 3>(vb, vs, p, ldp, j0, j1, out);
+    default: return attend_pv<R, 4>(vb, vs, p, ldp, j0, j1, out);
   }
 }
 
-void attend_pv_dispatch(int rc, int cw, const float* vb, int64_t vs, const float* p, int64_t ldp, int64_t last,
-                        const float* inv, float* const* out) {
+void attend_pv_dispatch(int rc, int cw, const float* vb, int64_t vs, const float* p, int64_t ldp, int64_t j0,
+                        int64_t j1, float* const* out) {
   switch (rc) {
-    case 1: return attend_pv_rows<1>(cw, vb, vs, p, ldp, last, inv, out);
-    case 2: return attend_pv_rows<2>(cw, vb, vs, p, ldp, last, inv, out);
-    case 3: return attend_pv_rows<3>(cw, vb, vs, p, ldp, last, inv, out);
-    default: return attend_pv_rows<4>(cw, vb, vs, p, ldp, last, inv, out);
+    case 1: return attend_pv_rows<1>(cw, vb, vs, p, ldp, j0, j1, out);
+    case 2: return attend_pv_rows<2>(cw, vb, vs, p, ldp, j0, j1, out);
+    case 3: return attend_pv_rows<3>(cw, vb, vs, p, ldp, j0, j1, out);
+    default: return attend_pv_rows<4>(cw, vb, vs, p, ldp, j0, j1, out);
   }
 }
 
-__attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
-  const int64_t D = p.D, Lp = p.Lp, last = p.last, nv = D / 16;
-  const int rc = p.rc;
-  const float* qs = p.qs;
-  float* s = p.s;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  // Scores 16 keys at a time: per key, D/16 FMAs into one vector of partial sums; then the 16
-  // vectors are summed across lanes together (sum16): ~3 instructions a key instead of ~9.
-  // Keys past `last` in the final group read key 0 again (always present) and are dropped.
-  for (int64_t j0 = 0; j0 < last; j0 += 16) {
+// Row r's scores of keys [j0, j1), 16 keys at a time: per key, D/16 FMAs into one vector of
+// partial sums; then the 16 vectors are summed across lanes together (sum16): ~3 instructions a
+// key instead of ~9. Keys past `last` in the final group read key 0 again (always present) and
+// are dropped.
+__attribute__((target("avx512f"))) void scores1_avx512(const AttendPass& p, int r, int64_t j0, int64_t j1) {
+  const int64_t D = p.D, last = p.last, nv = D / 16;
+  const float* qr = p.qs + r * D;
+  for (int64_t j = j0; j < j1; j += 16) {
     const float* kj[16];
-    for (int u = 0; u < 16; ++u) kj[u] = p.kb + (j0 + u < last ? j0 + u : 0) * p.ks;
-    for (int r = 0; r < rc; ++r) {
-      const float* qr = qs + r * D;
-      __m512 acc[16];
-      const __m512 q0 = _mm512_loadu_ps(qr);
+    for (int u = 0; u < 16; ++u) kj[u] = p.kb + (j + u < last ? j + u : 0) * p.ks;
+    __m512 acc[16];
+    const __m512 q0 = _mm512_loadu_ps(qr);
 #pragma GCC unroll 16
-      for (int u = 0; u < 16; ++u) acc[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(kj[u]));
-      for (int64_t c = 1; c < nv; ++c) {
-        const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
+    for (int u = 0; u < 16; ++u) acc[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(kj[u]));
+    for (int64_t c = 1; c < nv; ++c) {
+      const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
 #pragma GCC unroll 16
-        for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kj[u] + 16 * c), acc[u]);
+      for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kj[u] + 16 * c), acc[u]);
+    }
+    __mmask16 seen = 0;
+    if (p.ms3 == 1 && j + 16 <= last) {  // 16 mask bytes (0 or 1) to 16 bits
+      const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mrow[r] + j)));
+      seen = (__mmask16)_mm512_test_epi32_mask(m, m);
+    } else {
+      for (int u = 0; u < 16; ++u)
+        if (key_seen(p, r, j + u)) seen |= (__mmask16)(1u << u);
+    }
+    _mm512_storeu_ps(p.s + r * p.Lp + j,
+                     _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen, sum16(acc)));
+  }
+}
+
+// Rows r and r + 1's scores of keys [j0, j1), 8 keys at a time: each key vector loaded feeds both
+// rows, and sum16 sums the 16 vectors (8 keys of row r, then the same 8 of row r + 1) in the
+// tree it uses for 16 keys of one row (lane u of its result is vector u's sum, whatever the
+// vectors are): the bits of scores1_avx512.
+__attribute__((target("avx512f"))) void scores2_avx512(const AttendPass& p, int r, int64_t j0, int64_t j1) {
+  const int64_t D = p.D, last = p.last, nv = D / 16, Lp = p.Lp;
+  const float *qa = p.qs + r * D, *qb = qa + D;
+  for (int64_t j = j0; j < j1; j += 8) {
+    const float* kj[8];
+    for (int u = 0; u < 8; ++u) kj[u] = p.kb + (j + u < last ? j + u : 0) * p.ks;
+    __m512 acc[16];
+    {
+      const __m512 q0 = _mm512_loadu_ps(qa), q1 = _mm512_loadu_ps(qb);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const __m512 k = _mm512_loadu_ps(kj[u]);
+        acc[u] = _mm512_mul_ps(q0, k);
+        acc[8 + u] = _mm512_mul_ps(q1, k);
       }
-      __m512 sc = sum16(acc);
-      __mmask16 seen = 0;
-      if (p.ms3 == 1 && j0 + 16 <= last) {  // 16 mask bytes (0 or 1) to 16 bits
-        const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mrow[r] + j0));
-        seen = (__mmask16)_mm512_test_epi32_mask(_mm512_cvtepu8_epi32(m8), _mm512_cvtepu8_epi32(m8));
-      } else {
-        for (int u = 0; u < 16; ++u)
-          if (key_seen(p, r, j0 + u)) seen |= (__mmask16)(1u << u);
+    }
+    for (int64_t c = 1; c < nv; ++c) {
+      const __m512 q0 = _mm512_loadu_ps(qa + 16 * c), q1 = _mm512_loadu_ps(qb + 16 * c);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const __m512 k = _mm512_loadu_ps(kj[u] + 16 * c);
+        acc[u] = _mm512_fmadd_ps(q0, k, acc[u]);
+        acc[8 + u] = _mm512_fmadd_ps(q1, k, acc[8 + u]);
       }
-      _mm512_storeu_ps(s + r * Lp + j0, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), seen, sc));
+    }
+    __mmask16 seen = 0;
+    if (p.ms3 == 1 && j + 8 <= last) {  // 8 mask bytes of each row to 16 bits
+      uint64_t m0, m1;
+      std::memcpy(&m0, p.mrow[r] + j, 8);
+      std::memcpy(&m1, p.mrow[r + 1] + j, 8);
+      const __m512i m = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)m1, (long long)m0));
+      seen = (__mmask16)_mm512_test_epi32_mask(m, m);
+    } else {
+      for (int u = 0; u < 8; ++u) {
+        if (key_seen(p, r, j + u)) seen |= (__mmask16)(1u << u);
+        if (key_seen(p, r + 1, j + u)) seen |= (__mmask16)(1u << (8 + u));
+      }
+    }
+    const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen, sum16(acc));
+    _mm512_mask_storeu_ps(p.s + r * Lp + j, 0x00FF, sc);
+    _mm512_mask_storeu_ps(p.s + (r + 1) * Lp + j - 8, 0xFF00, sc);  // (lanes 8-15 only: no byte before the row)
+  }
+}
+
+// (r_0 ... r_15) -> their transpose: lane u of r_i becomes lane i of r_u (unpacks within 128-bit
+// quarters, then quarter shuffles). Moves floats only.
+__attribute__((target("avx512f"))) inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // quarter Q of r[4i + e]: rows 4i .. 4i + 3, lane 4Q + e
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  __m512 o[16];
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88), b = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88), d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+    o[e] = _mm512_shuffle_f32x4(a, c, 0x88);
+    o[8 + e] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    o[4 + e] = _mm512_shuffle_f32x4(b, d, 0x88);
+    o[12 + e] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = o[i];
+}
+
+// For four keys kj[0..3] and 16 rows in lanes (qt: the queries transposed, lane r of qt + 16 d is
+// row r's q_d): chains la and lb of each key (chain l: q_l k_l, then + q_(l+16c) k_(l+16c) by FMA,
+// c = 1 .. nv - 1), added: sum[u] = P_la(u) + P_lb(u). Each query vector loaded feeds the 4 keys.
+template <int NV>  // D / 16 (0: read from nv)
+__attribute__((target("avx512f"))) inline void chains2(const float* qt, int64_t nv, const float* const* kj, int la,
+                                                       int lb, __m512* sum) {
+  if (NV) nv = NV;
+  __m512 pa[4], pb[4];
+  {
+    const __m512 qa = _mm512_loadu_ps(qt + 16 * la), qb = _mm512_loadu_ps(qt + 16 * lb);
+    for (int u = 0; u < 4; ++u) {
+      pa[u] = _mm512_mul_ps(qa, _mm512_set1_ps(kj[u][la]));
+      pb[u] = _mm512_mul_ps(qb, _mm512_set1_ps(kj[u][lb]));
     }
   }
+#pragma GCC unroll 8
+  for (int64_t c = 1; c < nv; ++c) {
+    const __m512 qa = _mm512_loadu_ps(qt + 16 * (la + 16 * c)), qb = _mm512_loadu_ps(qt + 16 * (lb + 16 * c));
+    for (int u = 0; u < 4; ++u) {
+      pa[u] = _mm512_fmadd_ps(qa, _mm512_set1_ps(kj[u][la + 16 * c]), pa[u]);
+      pb[u] = _mm512_fmadd_ps(qb, _mm512_set1_ps(kj[u][lb + 16 * c]), pb[u]);
+    }
+  }
+  for (int u = 0; u < 4; ++u) sum[u] = _mm512_add_ps(pa[u], pb[u]);
+}
+
+// Quarter Q's sum of four keys: S_Q = (P_4Q + P_4Q+2) + (P_4Q+1 + P_4Q+3) (key_score16's first level).
+template <int NV>
+__attribute__((target("avx512f"))) inline void quarter4(const float* qt, int64_t nv, const float* const* kj, int Q,
+                                                        __m512* s) {
+  __m512 a[4], b[4];
+  chains2<NV>(qt, nv, kj, 4 * Q, 4 * Q + 2, a);
+  chains2<NV>(qt, nv, kj, 4 * Q + 1, 4 * Q + 3, b);
+  for (int u = 0; u < 4; ++u) s[u] = _mm512_add_ps(a[u], b[u]);
+}
+
+// Rows [0, rc) of a pass (rc <= 16, one per lane of the transposed queries p.qt) scored over keys
+// [j0, j1), 16 keys at a time: each key element is broadcast once for the 16 rows and the 16 chains
+// of a key's score are summed by plain vector adds in key_score16's tree ((S0 + S2) + (S1 + S3)),
+// where scores1_avx512 sums across lanes with shuffles (sum16: the same tree); the 16 keys' scores
+// (one vector per key, a row per lane) are then transposed to a vector of 16 keys per row. The bits
+// of scores1_avx512; about half its vector instructions per score, so it pays from ~12 rows on.
+template <int NV>
+__attribute__((target("avx512f"))) void scores16_avx512(const AttendPass& p, int64_t j0, int64_t j1) {
+  const int64_t nv = p.D / 16, last = p.last;
+  for (int64_t j = j0; j < j1; j += 16) {
+    __m512 sc[16];
+    for (int g = 0; g < 4; ++g) {
+      const float* kj[4];
+      for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j + 4 * g + u < last ? j + 4 * g + u : 0) * p.ks;
+      __m512 s0[4], s2[4], s1[4];
+      quarter4<NV>(p.qt, nv, kj, 0, s0);
+      quarter4<NV>(p.qt, nv, kj, 2, s2);
+      for (int u = 0; u < 4; ++u) s0[u] = _mm512_add_ps(s0[u], s2[u]);
+      quarter4<NV>(p.qt, nv, kj, 1, s1);
+      quarter4<NV>(p.qt, nv, kj, 3, s2);
+      for (int u = 0; u < 4; ++u) sc[4 * g + u] = _mm512_add_ps(s0[u], _mm512_add_ps(s1[u], s2[u]));
+    }
+    transpose16(sc);
+    for (int r = 0; r < p.rc; ++r) {
+      __mmask16 seen = 0;
+      if (p.ms3 == 1 && j + 16 <= last) {
+        const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mrow[r] + j)));
+        seen = (__mmask16)_mm512_test_epi32_mask(m, m);
+      } else {
+        for (int u = 0; u < 16; ++u)
+          if (key_seen(p, r, j + u)) seen |= (__mmask16)(1u << u);
+      }
+      _mm512_storeu_ps(p.s + r * p.Lp + j,
+                       _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen, sc[r]));
+    }
+  }
+}
+
+// Up to RC_X86 rows of one kv head: the scores of every row over a block of keys (so the block is
+// read from memory once for all rows), block after block; each row's softmax; then the weighted
+// sums of v, again block after block for all rows (4 rows x 64 outputs in registers at a time).
+__attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
+  const int64_t D = p.D, Lp = p.Lp, last = p.last, nv = D / 16, KB = key_block(D);
+  const int rc = p.rc;
+  float* s = p.s;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const bool wide = rc >= WIDE_ROWS;
+  if (wide)
+    for (int64_t d = 0; d < D; ++d)
+      for (int r = 0; r < 16; ++r) p.qt[16 * d + r] = r < rc ? p.qs[r * D + d] : 0.f;
+  for (int64_t j0 = 0; j0 < last; j0 += KB) {
+    const int64_t j1 = std::min(last, j0 + KB);
+    if (wide) {
+      switch (nv) {  // the chains' length known at compile time for the usual head sizes
+        case 4: scores16_avx512<4>(p, j0, j1); break;
+        case 8: scores16_avx512<8>(p, j0, j1); break;
+        default: scores16_avx512<0>(p, j0, j1); break;
+      }
+      continue;
+    }
+    int r = 0;
+    for (; r + 2 <= rc; r += 2) scores2_avx512(p, r, j0, j1);
+    if (r < rc) scores1_avx512(p, r, j0, j1);
+  }
   pad_scores(p);
-  float inv[RC];
+  float inv[RC_MAX];
   for (int r = 0; r < rc; ++r) {
     float* sr = s + r * Lp;
     __m512 mx = _mm512_set1_ps(ninf);
@@ -1652,12 +1839,21 @@ __attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
     const float l = sum_lanes16(lanes);
     inv[r] = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key gets zeros
   }
-  for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // 64 outputs at a time: rc x 4 sums in registers
-    const int cw = (int)std::min<int64_t>(4, nv - c0);
-    float* o[RC];
-    for (int r = 0; r < rc; ++r) o[r] = p.out[r] + 16 * c0;
-    attend_pv_dispatch(rc, cw, p.vb + 16 * c0, p.vs, s, Lp, last, inv, o);
+  for (int64_t j0 = 0; j0 < last; j0 += KB) {
+    const int64_t j1 = std::min(last, j0 + KB);
+    for (int r0 = 0; r0 < rc; r0 += 4)
+      for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // 64 outputs at a time: 4 x 4 sums in registers
+        const int cw = (int)std::min<int64_t>(4, nv - c0);
+        float* o[4];
+        for (int r = 0; r < 4 && r0 + r < rc; ++r) o[r] = p.out[r0 + r] + 16 * c0;
+        attend_pv_dispatch(std::min(4, rc - r0), cw, p.vb + 16 * c0, p.vs, s + r0 * Lp, Lp, j0, j1, o);
+      }
   }
+  for (int r = 0; r < rc; ++r)  // (a row whose keys are all masked: last may be 0, and its sums zeros)
+    for (int64_t c = 0; c < nv; ++c) {
+      float* o = p.out[r] + 16 * c;
+      _mm512_storeu_ps(o, last ? _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(inv[r])) : _mm512_setzero_ps());
+    }
 }
 
 // ---- attention on AVX2: the same numbers with 8-float vectors ----
@@ -1695,59 +1891,70 @@ __attribute__((target("avx2,fma"))) inline __m128 score4(const __m256* lo, const
   return _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
 }
 
-// out_r = inv_r * sum_j p_r[j] v_j for R rows, 16 outputs (two vectors) at a time, in key order.
+// The running sums of sum_j p_r[j] v_j over keys [j0, j1) for R rows, 16 outputs (two vectors) at
+// a time, in key order, from zero (j0 = 0) or from the sums a previous block left in out (as the
+// AVX-512 path's attend_pv).
 template <int R>
-__attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, const float* inv) {
+__attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, int r0, int64_t j0, int64_t j1) {
   for (int64_t c = 0; c < p.D; c += 16) {
     __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < p.last; ++j) {
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        acc[r][h] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(p.out[r0 + r] + c + 8 * h);
+    for (int64_t j = j0; j < j1; ++j) {
       const __m256 v0 = _mm256_loadu_ps(p.vb + j * p.vs + c), v1 = _mm256_loadu_ps(p.vb + j * p.vs + c + 8);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m256 w = _mm256_set1_ps(p.s[r * p.Lp + j]);
+        const __m256 w = _mm256_set1_ps(p.s[(r0 + r) * p.Lp + j]);
         acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(p.out[r] + c, _mm256_mul_ps(acc[r][0], _mm256_set1_ps(inv[r])));
-      _mm256_storeu_ps(p.out[r] + c + 8, _mm256_mul_ps(acc[r][1], _mm256_set1_ps(inv[r])));
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.out[r0 + r] + c + 8 * h, acc[r][h]);
+  }
+}
+
+// Every row's scores, four keys at a time (8 vectors of lane sums), the four keys for all rows
+// before the next four (they stay in L1: measured faster here than blocks of 128 keys a row at a
+// time); keys past `last` read key 0 and are dropped.
+__attribute__((target("avx2,fma"))) void scores_avx2(const AttendPass& p) {
+  const int64_t D = p.D, last = p.last, nv = D / 16;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < last; j += 4) {
+    const float* kj[4];
+    for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j + u < last ? j + u : 0) * p.ks;
+    for (int r = 0; r < p.rc; ++r) {
+    const float* qr = p.qs + r * D;
+    __m256 lo[4], hi[4];
+    const __m256 q0 = _mm256_loadu_ps(qr), q1 = _mm256_loadu_ps(qr + 8);
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      lo[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[u]));
+      hi[u] = _mm256_mul_ps(q1, _mm256_loadu_ps(kj[u] + 8));
+    }
+    for (int64_t c = 1; c < nv; ++c) {
+      const __m256 qa = _mm256_loadu_ps(qr + 16 * c), qb = _mm256_loadu_ps(qr + 16 * c + 8);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        lo[u] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(kj[u] + 16 * c), lo[u]);
+        hi[u] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kj[u] + 16 * c + 8), hi[u]);
+      }
+    }
+    float sc[4];
+    _mm_storeu_ps(sc, score4(lo, hi));
+    for (int u = 0; u < 4; ++u) p.s[r * p.Lp + j + u] = key_seen(p, r, j + u) ? sc[u] : ninf;
     }
   }
 }
 
+// Up to RC_X86 rows of one kv head; the weighted sums key-blocked as attend_avx512's.
 __attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
-  const int64_t D = p.D, Lp = p.Lp, last = p.last, nv = D / 16;
+  const int64_t D = p.D, Lp = p.Lp, last = p.last, KB = key_block(D);
   const float ninf = -std::numeric_limits<float>::infinity();
-  // Scores four keys at a time (8 vectors of lane sums); keys past `last` read key 0 and are dropped.
-  for (int64_t j0 = 0; j0 < last; j0 += 4) {
-    const float* kj[4];
-    for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j0 + u < last ? j0 + u : 0) * p.ks;
-    for (int r = 0; r < p.rc; ++r) {
-      const float* qr = p.qs + r * D;
-      __m256 lo[4], hi[4];
-      const __m256 q0 = _mm256_loadu_ps(qr), q1 = _mm256_loadu_ps(qr + 8);
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        lo[u] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[u]));
-        hi[u] = _mm256_mul_ps(q1, _mm256_loadu_ps(kj[u] + 8));
-      }
-      for (int64_t c = 1; c < nv; ++c) {
-        const __m256 qa = _mm256_loadu_ps(qr + 16 * c), qb = _mm256_loadu_ps(qr + 16 * c + 8);
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) {
-          lo[u] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(kj[u] + 16 * c), lo[u]);
-          hi[u] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kj[u] + 16 * c + 8), hi[u]);
-        }
-      }
-      float sc[4];
-      _mm_storeu_ps(sc, score4(lo, hi));
-      for (int u = 0; u < 4; ++u) p.s[r * Lp + j0 + u] = key_seen(p, r, j0 + u) ? sc[u] : ninf;
-    }
-  }
+  scores_avx2(p);
   pad_scores(p);
-  float inv[RC];
+  float inv[RC_MAX];
   for (int r = 0; r < p.rc; ++r) {
     float* sr = p.s + r * Lp;
     __m256 mx = _mm256_set1_ps(ninf);
@@ -1771,12 +1978,20 @@ __attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
     const float l = sum_lanes16(lanes);
     inv[r] = l > 0.f ? 1.f / l : 0.f;
   }
-  switch (p.rc) {
-    case 1: return attend_pv_avx2<1>(p, inv);
-    case 2: return attend_pv_avx2<2>(p, inv);
-    case 3: return attend_pv_avx2<3>(p, inv);
-    default: return attend_pv_avx2<4>(p, inv);
+  for (int64_t j0 = 0; j0 < last; j0 += KB) {
+    const int64_t j1 = std::min(last, j0 + KB);
+    for (int r0 = 0; r0 < p.rc; r0 += 4) switch (std::min(4, p.rc - r0)) {
+        case 1: attend_pv_avx2<1>(p, r0, j0, j1); break;
+        case 2: attend_pv_avx2<2>(p, r0, j0, j1); break;
+        case 3: attend_pv_avx2<3>(p, r0, j0, j1); break;
+        default: attend_pv_avx2<4>(p, r0, j0, j1); break;
+      }
   }
+  for (int r = 0; r < p.rc; ++r)  // (last 0: every row sees no key, zeros)
+    for (int64_t c = 0; c < D; c += 8) {
+      float* o = p.out[r] + c;
+      _mm256_storeu_ps(o, last ? _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(inv[r])) : _mm256_setzero_ps());
+    }
 }
 
 #endif  // QD_X86
@@ -1825,7 +2040,7 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
                  void (*path)(AttendPass&)) {
   const int64_t D = a.D, L = a.L, T = a.T;
   const int64_t Lp = (L + 15) / 16 * 16;
-  buf.resize(RC * (D + Lp));
+  buf.resize(RC_MAX * (D + Lp) + 16 * D);
   AttendPass p;
   p.rc = rc;
   p.D = D;
@@ -1833,7 +2048,8 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
   p.last = 0;
   float* qs = buf.data();
   p.qs = qs;
-  p.s = buf.data() + RC * D;
+  p.s = buf.data() + RC_MAX * D;
+  p.qt = buf.data() + RC_MAX * (D + Lp);
   p.ms3 = a.ms3;
   for (int r = 0; r < rc; ++r) {
     const int64_t i = i0 + r, h = hk * a.G + i / T, t = i % T;
@@ -2249,19 +2465,20 @@ struct Paths {
   void (*q4)(const Q4Args&, int64_t, int64_t);
   void (*attend)(AttendPass&);
   void (*norm)(const NormArgs&, int64_t, int64_t);
+  int attend_rows;  // the most query rows attend's path takes in one pass (at most RC_MAX)
 };
 
 // By enum Isa; a path this architecture cannot have is empty (cpu_has is false for it: never chosen).
 const Paths PATHS[ISA_COUNT] = {
-    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable, norm_portable},
+    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable, norm_portable, RC},
 #if QD_X86
-    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2, norm_avx2},
-    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512, norm_avx512},
+    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2, norm_avx2, RC_X86},
+    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512, norm_avx512, RC_X86},
 #else
     {}, {},
 #endif
 #if QD_ARM
-    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon, norm_portable},
+    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon, norm_portable, RC},
 #else
     {},
 #endif
@@ -2295,20 +2512,24 @@ void matmul_q4(const Paths& paths, const Q4Args& a, int64_t nblk, For&& parallel
   parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { paths.q4(a, b0, b1); });
 }
 
-// Attention's tasks: (batch row, kv head, chunk of RC query rows). (Smaller chunks to even out 3 kv
-// heads over 2 threads were measured slower: each extra chunk reads its head's keys again, and
-// the reads are the cost; splitting the keys instead is the way to balance such a step.)
-// Only for float32, D % 16 == 0, T >= 1, L > 0 (the caller checks).
+// Attention's tasks: (batch row, kv head, chunk of query rows): chunks as even as the path's
+// rows per pass allow (an even count where it can: the AVX-512 path scores rows in pairs). (Smaller
+// chunks to even out 3 kv heads over 2 threads were measured slower: each extra chunk reads its
+// head's keys again, and the reads are the cost; splitting the keys instead is the way to balance
+// such a step.) A row's bits do not depend on its chunk. Only for float32, D % 16 == 0, T >= 1,
+// L > 0 (the caller checks).
 template <typename For>
 void attend_tasks(const Paths& paths, const AttendArgs& a, int64_t B, int64_t Hkv, For&& parallel_for) {
-  const int64_t rows = a.G * a.T;
-  const int rc = RC;
-  const int64_t chunks = (rows + rc - 1) / rc;
+  const int64_t rows = a.G * a.T, most = paths.attend_rows;
+  const int64_t chunks = (rows + most - 1) / most;
+  int64_t rc = (rows + chunks - 1) / chunks;
+  if (rc % 2 && rc < most && rc < rows) ++rc;
+  const int64_t n = (rows + rc - 1) / rc;
   const auto path = paths.attend;
-  parallel_for(0, B * Hkv * chunks, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, B * Hkv * n, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> buf;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t c = task % chunks, bh = task / chunks;
+      const int64_t c = task % n, bh = task / n;
       const int64_t i0 = c * rc;
       attend_rows(a, bh / Hkv, bh % Hkv, i0, (int)std::min<int64_t>(rc, rows - i0), buf, path);
     }

@@ -119,6 +119,8 @@ CASES: dict[str, Case] = {
                              "--out-dir", "{out}", "--name", "b8"], ["b8.json"]),
     "attention.py": Case(["--threads", "1", "--models", "bundled", "--keys", "16", "--rows", "1", "2", "--repeats", "1",
                           "--calls", "1", "--out", "{out}/attention.json"], ["attention.json"]),
+    "attention_rows.py": Case(["--isas", "portable", "--keys", "16", "--rows", "1", "3", "--repeats", "1", "--calls", "1",
+                               "--out", "{out}/attention_rows.json"], ["attention_rows.json"]),
     "blocked_rows.py": Case(["--tiny", "--out", "{out}/blocked_rows.txt"], ["blocked_rows.txt"]),
     "perplexity.py": Case(["--tiny", "--out", "{out}/ppl.txt"], ["ppl.txt"]),
     "blocked_vs_dense_rows.py": Case(["1", "--tiny", "--out", "{out}/bvd.txt"], ["bvd.txt"]),

@@ -115,7 +115,8 @@ def test_int4_uses_vnni_where_the_cpu_has_it():
 
 @pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 8, 4, 1, 300, 64), (3, 9, 3, 5, 77, 64), (2, 4, 4, 11, 40, 128),
                                            (1, 8, 1, 12, 200, 64), (2, 6, 2, 3, 1, 32), (1, 9, 3, 7, 33, 16),
-                                           (1, 3, 3, 2, 517, 48)])
+                                           (1, 3, 3, 2, 517, 48), (1, 9, 3, 20, 1100, 64), (2, 6, 3, 7, 300, 32),
+                                           (1, 4, 1, 4, 150, 128)])
 def test_attend_is_the_same_bits_on_every_path(B, H, Hkv, T, L, D, threads):
     q, k, v, mask = _attention_case(B, H, Hkv, T, L, D, seed=T * L)
     mask[..., 0, :3] = False  # a row that skips the first keys (and, where L <= 3, sees none: zeros)
