@@ -661,13 +661,12 @@ class _DirectRunner:
     input and output specs from text and flattens the arguments on every call (~70 us a step
     on a 2 GHz core: the bundled int4 step took 2091 instead of 2159 us without it). Our steps pass tensors and lists of tensors
     only, in the order the package was traced with, so the flat inputs are the arguments'
-    leaves; outputs come back as one tensor or a tuple, as the spec parsed once here says."""
+    leaves; outputs come back as one tensor or a tuple, as the spec parsed once here says.
+    `run` takes the flat inputs; `call_spec` is the package's (inputs, outputs) spec."""
 
-    def __init__(self, compiled, loader):
-        self.compiled, self.loader = compiled, loader
-        self._run = loader.boxed_run
-        out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
-        self._single = out_spec.is_leaf()
+    def __init__(self, run, call_spec: list[str]):
+        self._run = run
+        self._single = pytree.treespec_loads(call_spec[1]).is_leaf()
 
     def __call__(self, *args):
         flat: list[torch.Tensor] = []
@@ -679,17 +678,48 @@ class _DirectRunner:
         out = self._run(flat)
         return out[0] if self._single else tuple(out)
 
+
+class _PackageRunner(_DirectRunner):
+    """A package loaded through quickdraft's runner (kernels.aot_package_class()), which releases
+    the GIL while a step runs. PyTorch's loader holds it: a server's event loop, which streams
+    tokens, then waits for every step, and a 4,000-token prompt's mixed steps stalled four streams
+    for up to 700 ms each (benchmarks/results/chunked_prefill_aot_*)."""
+
+    def __init__(self, package):
+        self.package = package
+        super().__init__(package.run, package.call_spec())
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.package.constant_fqns()
+
+    def load_constants(self, constants: dict, check_full_update: bool = False, user_managed: bool = False) -> None:
+        self.package.load_constants(constants, check_full_update, user_managed)
+
+
+class _WrappedRunner(_DirectRunner):
+    """PyTorch's loaded package (torch._inductor.aoti_load_package) called through its loader."""
+
+    def __init__(self, compiled, loader):
+        self.compiled = compiled
+        super().__init__(loader.boxed_run, loader.get_call_spec())
+
     def __getattr__(self, name):  # load_constants, get_constant_fqns, ...
         return getattr(self.compiled, name)
 
 
-def _direct(compiled):
-    """`compiled` behind a _DirectRunner where this torch exposes its loader, else as it is."""
+def _load_package(path: Path):
+    """The package at `path`, loaded through quickdraft's runner where it is available (steps
+    release the GIL), else through PyTorch's loader (behind a _WrappedRunner where this torch
+    exposes the loader, else as torch returns it)."""
+    package_class = kernels.aot_package_class()
+    if package_class is not None:
+        return _PackageRunner(package_class(str(path)))
+    compiled = torch._inductor.aoti_load_package(str(path))
     loader = getattr(compiled, "loader", None)
     if loader is None or not hasattr(loader, "boxed_run") or not hasattr(loader, "get_call_spec"):
         return compiled
     try:
-        return _DirectRunner(compiled, loader)
+        return _WrappedRunner(compiled, loader)
     except Exception:  # noqa: BLE001 - a spec this torch writes differently: the wrapper copes
         return compiled
 
@@ -718,7 +748,7 @@ def _runner(model: nn.Module, path: Path | None, hidden_at: tuple[int, ...] | No
     try:
         if _calls_kernels(model) and not kernels.available():
             raise QuickdraftError("the package calls quickdraft's CPU kernel, which is not available")
-        runner = _direct(torch._inductor.aoti_load_package(str(path)))
+        runner = _load_package(path)
         if _embeds_weights(model):
             return runner, path
         constants = _constants(_HeadStep(model, bool(project)) if _is_head(model) else _Step(model))

@@ -198,15 +198,15 @@ def _load() -> bool:
     return True
 
 
-def _build(build: Path) -> None:
-    """Compile the library into `build` unless another process does: under `build`/build.lock
+def _build(build: Path, library: str = LIBRARY, source: Path = SOURCE, what: str = "CPU kernels") -> None:
+    """Compile `source` into `build`/`library` unless another process does: under `build`/build.lock
     (created exclusively, naming its host, process and time), in a private temporary folder, the
-    result renamed into place in one step, so `build`/qd_kernels.so is always whole."""
+    result renamed into place in one step, so the library is always whole."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # the `ninja` package's binary sits beside this Python
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    lock, lib = build / _LOCK, build / LIBRARY
+    lock, lib = build / _LOCK, build / library
     waiting = announced = False
     while not lib.exists():
         try:
@@ -214,14 +214,14 @@ def _build(build: Path) -> None:
         except FileExistsError:
             stale = _stale(lock)
             if stale:
-                log.warning("quickdraft: the kernel build lock in %s is stale (%s): removed; building the kernels "
-                            "again (about 15-40 s)", build, stale)
+                log.warning("quickdraft: the build lock in %s is stale (%s): removed; building the %s again "
+                            "(about 15-40 s)", build, stale, what)
                 lock.unlink(missing_ok=True)
                 announced = True
             else:
                 if not waiting:
-                    log.warning("quickdraft: waiting for another process's kernel build in %s (at most %d s)",
-                                build, BUILD_LOCK_STALE_S)
+                    log.warning("quickdraft: waiting for another process's build of the %s in %s (at most %d s)",
+                                what, build, BUILD_LOCK_STALE_S)
                     waiting = True
                 time.sleep(0.5)
             continue
@@ -233,12 +233,12 @@ def _build(build: Path) -> None:
             if lib.exists():
                 return
             if not announced:
-                log.warning("quickdraft: building its CPU kernels (once, about 15-40 s) in %s", build)
+                log.warning("quickdraft: building its %s (once, about 15-40 s) in %s", what, build)
             tmp = Path(tempfile.mkdtemp(prefix="build-", dir=build))
             try:
-                cpp_extension.load(name="qd_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                cpp_extension.load(name=Path(library).stem, sources=[str(source)], extra_cflags=CFLAGS,
                                    build_directory=str(tmp), is_python_module=False, verbose=False)
-                os.replace(tmp / LIBRARY, lib)
+                os.replace(tmp / library, lib)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         finally:
@@ -265,6 +265,39 @@ def _stale(lock: Path) -> str | None:
         except PermissionError:
             pass  # alive, another user's
     return None
+
+
+RUNNER_SOURCE = Path(__file__).with_name("aot_runner.cpp")  # AOT packages called without holding the GIL
+RUNNER_LIBRARY = "aot_runner.so"
+
+
+@functools.lru_cache(maxsize=1)
+def aot_package_class():
+    """quickdraft's loader of AOT packages, `torch.classes.quickdraft_aot.AotPackage` (aot_runner.cpp:
+    PyTorch's package loader, whose calls release the GIL), its library built once where missing
+    (about 15 s, cached beside the kernels' and locked like theirs); None where it cannot be built
+    or loaded here (one warning: AOT steps then hold the GIL while they run) or while
+    QUICKDRAFT_AOT_RUNNER=0."""
+    if os.environ.get("QUICKDRAFT_AOT_RUNNER", "1").strip() == "0":
+        return None
+    try:
+        digest = hashlib.sha256(RUNNER_SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+        root = _kernel_root()
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        build = root / f"aot-runner-torch{torch.__version__.split('+')[0]}-{digest}"
+        build.mkdir(mode=0o700, exist_ok=True)
+        problem = unsafe_to_load(root, build, build / RUNNER_LIBRARY)
+        if problem:
+            raise QuickdraftError(f"not loaded from a folder or file others can change: {problem}")
+        if not (build / RUNNER_LIBRARY).exists():
+            _build(build, RUNNER_LIBRARY, RUNNER_SOURCE, "AOT package runner")
+        torch.ops.load_library(str(build / RUNNER_LIBRARY))
+        return torch.classes.quickdraft_aot.AotPackage
+    except Exception as exc:  # noqa: BLE001 - another PyTorch's loader API, no compiler: PyTorch's binding instead
+        log.warning("quickdraft: its AOT package runner is not available (%s: %s); AOT steps run through "
+                    "PyTorch's loader, which holds the GIL while a step runs (a server's streams wait on "
+                    "long steps)", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
 
 
 # AOTInductor's declarations of the C entry points (blocked_mm.cpp's end), for `aoti_config`

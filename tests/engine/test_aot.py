@@ -4,6 +4,7 @@ to the eager forward, lossless in the engine. Each build compiles a package (20-
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -56,6 +57,61 @@ def test_package_equals_eager(target_step, rows, start):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     for a, b in zip(eager_cache.k + eager_cache.v, compiled_cache.k + compiled_cache.v):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # the package wrote the same rows and slots
+
+
+def _steps_other_threads_ran_during(runner, model, calls: int = 20) -> int:
+    """How often a thread that only counts (and yields the GIL) ran while `calls` decode steps ran
+    through `runner`, with Python's switch interval set past the test's length: the counter can
+    move only where the step itself releases the GIL."""
+    import sys
+    import threading
+
+    cache = KVCache.for_model(model, 2, 64)
+    view = cache.rows(0, 2)
+    args = (torch.tensor([[5], [6]]), torch.tensor([[3], [4]]), torch.arange(8), view.k, view.v)
+    count, started, stop = [0], threading.Event(), [False]
+
+    def counter():
+        while not stop[0]:
+            count[0] += 1
+            started.set()
+            time.sleep(0)  # hands the GIL back, then waits for it
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    thread = threading.Thread(target=counter, daemon=True)
+    try:
+        with torch.inference_mode():
+            runner(*args)  # (a first call allocates)
+            thread.start()
+            started.wait()  # (waiting releases the GIL): the counter now waits for it
+            seen = count[0]
+            for _ in range(calls):
+                runner(*args)
+            ran = count[0] - seen
+    finally:
+        stop[0] = True
+        sys.setswitchinterval(before)
+        thread.join()
+    return ran
+
+
+def test_steps_release_the_gil(target_step, monkeypatch):
+    """A server's event loop streams tokens while the engine's thread runs steps: quickdraft's
+    runner (kernels/aot_runner.cpp) releases the GIL while a package runs; PyTorch's own loader,
+    the control, holds it for the whole step."""
+    from quickdraft import kernels
+
+    model, step = target_step
+    assert kernels.aot_package_class() is not None and isinstance(step.runner, aot._PackageRunner)
+    assert _steps_other_threads_ran_during(step.runner, model) > 0
+    monkeypatch.setattr(kernels, "aot_package_class", lambda: None)
+    held = aot._load_package(step.path)
+    assert not isinstance(held, aot._PackageRunner)
+    constants = aot._constants(aot._Step(model))
+    held.load_constants({n: constants[n] for n in held.get_constant_fqns()}, check_full_update=True,
+                        user_managed=True)
+    assert _steps_other_threads_ran_during(held, model) == 0
 
 
 def test_other_signatures_run_eagerly(target_step):

@@ -69,7 +69,7 @@ def test_a_stale_lock_is_taken_over_with_one_line(tmp_path, fake_compiler, caplo
     assert (build / kernels.LIBRARY).read_bytes() == b"built" and len(fake_compiler) == 1
     assert sorted(p.name for p in build.iterdir()) == [kernels.LIBRARY]  # no lock, no build folders left
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and f"is stale (its process {pid} is gone): removed; building the kernels again" in lines[0]
+    assert len(lines) == 1 and f"is stale (its process {pid} is gone): removed; building the CPU kernels again" in lines[0]
 
 
 def test_a_live_lock_is_waited_for_until_it_is_too_old(tmp_path, fake_compiler, monkeypatch, caplog):
@@ -82,7 +82,7 @@ def test_a_live_lock_is_waited_for_until_it_is_too_old(tmp_path, fake_compiler, 
         kernels._build(build)
     assert 2 <= time.monotonic() - t < 30 and (build / kernels.LIBRARY).exists()
     messages = " | ".join(r.getMessage() for r in caplog.records)
-    assert "waiting for another process's kernel build" in messages and "held for" in messages
+    assert "waiting for another process's build of the CPU kernels" in messages and "held for" in messages
 
 
 def test_a_library_built_meanwhile_ends_the_wait(tmp_path, fake_compiler):
