@@ -185,18 +185,28 @@ DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_
 # their steady median, p99 3.3-6.5x), against 4.3-5.0x and 11-15x with the old alternation at 64, whose first
 # token came 1.6-2.3x sooner (27-76 s against 60-128 s); 32 gave 3.3x at load 2.7. Speculative batches need
 # more: rows x (k + 1) must leave half of it for the chunk, else chunks and decode steps alternate
-DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # CPU: 20 while requests decode, 512 when none does; GPU: 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"  # CPU: 28 (position-weighted) while requests decode, 512 when none does; GPU: 2048
 # "auto"'s budgets: (while requests are decoding, while none is). With nothing decoding there is no stream to keep
 # flowing and a small budget only costs time to first token: a 2,690-token prompt alone took 15.5 s to its first
 # token at 20, 10.5 s at 64, 8.8 s at 512 (SmolLM2 float32, one thread, the same 2-core Xeon; int4: 10.2 / 7.4 /
 # 6.8 s), so a lone prompt prefills in chunks of 512 (the activations of a whole long prompt at once would
 # not be bounded), and a prompt arriving while others decode in chunks within 20 tokens a step
-AUTO_BATCHED_TOKENS = (20, 512)
-# (A chunk's cost grows with its position: beside 4 SmolLM2 streams on the AOT steps, one thread, a 16-token
-# chunk made the step 1.40x a decode step at position 0 and 4.30x at 3,900; mixed_steps_*_cpu.md. Counting a
-# token at position p as 1 + p / 614 kept every step within 2.1x, but a 4,000-token prompt's first token came
-# 2.7x later: 115 s against 42 s at a flat 20, chunked_prefill_aot_smollm2_cpu.md. The flat budget stays until
-# attention over a chunk's many queries costs less.)
+AUTO_BATCHED_TOKENS = (28, 512)
+# While requests decode, "auto" counts a prompt token at position p as 1 + p / P tokens, P the position where its
+# attention (over p keys) costs what its linear layers do: a chunk's cost grows with its position. Beside 4
+# SmolLM2 streams on the AOT steps (2 threads, AMD EPYC Zen 4, AVX-512), a flat 20-token chunk made the mixed step
+# 2.2x a decode step at position 0 and 5.5x at 3,900, and the streams' p99 gap 4.2x their median while a
+# 4,000-token prompt arrived (mixed_steps_smollm2_2t_cpu.md, chunked_prefill_aot_smollm2_2t_cpu.md).
+# P = the linear layers' multiply-adds per token over AUTO_ATTENTION_COST x attention's per key: the attention
+# kernel over a chunk's many queries and long keys does about 2.5x fewer multiply-adds a second than the
+# linear layers there (fitted 2.2-2.8 from those step costs; an AVX-512 Xeon measured 4.3-5.3 before the
+# many-row attention kernel), P = 1,229 for SmolLM2. With 28, 4 plain streams leave 24: chunks of 23 tokens at
+# position 0, 13 at 1,000, 9 at 2,000, 5 at 3,900, each step ~2x a decode step (engine.attention_position,
+# _weighted_chunk; in one process, 2 threads: p99 step 2.9x the decode step against 3.7x with a flat 20;
+# 24 gave 2.1x / 3.1x, 32 2.6x / 3.3x). The price is the long prompt's first token, which comes later (more,
+# smaller chunks: 22.8 s against 15.7 s in that run; the server figures beside the flat budget in
+# chunked_prefill_aot_smollm2_*_cpu.md)
+AUTO_ATTENTION_COST = 2.5
 # on a GPU (steps alternate there: its GEMMs are not row-invariant, so no mixed steps) a chunk of hundreds of
 # tokens costs about a decode step: "auto" is vLLM's online-serving default there
 AUTO_BATCHED_TOKENS_GPU = 2048

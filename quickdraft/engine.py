@@ -24,7 +24,7 @@ import torch
 
 from . import kernels
 from .cache import KVBudget, KVCache, available_memory, return_freed_memory, row_bytes, to_device
-from .config import (AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
+from .config import (AUTO_ATTENTION_COST, AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
                      format_bytes)
 from .constraints import GrammarVocabulary, Vocabularies, batch_masks
 from .errors import ContextLengthError, PrefixCacheMismatch, QuickdraftError
@@ -212,6 +212,7 @@ class Engine:
         # (aot._PackedStep: then every chunk, mixed or not, runs that package, and a running row's bits are
         # its decode package's); a torch.compile'd step or a tensor-parallel target alternate.
         self._packs = isinstance(target, Transformer) and row_invariant(target)
+        self._attention_position = attention_position(target.config)  # (the "auto" budget's weights)
         self._pending_build = None  # an aot.BackgroundBuild whose packages the next step switches to
         self._loading: threading.Thread | None = None  # loading them, once the build has ended
         if config.compile in ("aot", "auto"):  # ahead-of-time compiled packages (CPU)
@@ -615,6 +616,12 @@ class Engine:
             return AUTO_BATCHED_TOKENS_GPU
         return AUTO_BATCHED_TOKENS[0 if self.running and not idle else 1]
 
+    def _weighs_positions(self) -> bool:
+        """Whether the step's budget weighs prompt tokens by their position ("auto" on a CPU while
+        requests decode: AUTO_ATTENTION_COST; a number given is a plain count of tokens)."""
+        return (self.config.max_num_batched_tokens == "auto" and self.target.device.type == "cpu"
+                and bool(self.running))
+
     def runs_eagerly(self) -> bool:
         """Whether the target's steps are its eager forward (not a compiled or AOT step)."""
         return self._forward is self.target
@@ -815,6 +822,7 @@ class Engine:
         budget = self._prefill_cap(budget)
         eager = (self.prefilling[0].params.prompt_logprobs is not None
                  if self.prefilling and self._packed_step() is not None else None)
+        weigh = self._weighs_positions()
         for r in self.prefilling:
             if eager is not None and (r.params.prompt_logprobs is not None) != eager:
                 break
@@ -822,8 +830,12 @@ class Engine:
             if budget is not None:
                 if budget <= 0:
                     break
-                n = min(n, budget)
-                budget -= n
+                if weigh:  # "auto" while requests decode: a token at position p counts 1 + p / P
+                    n, cost = _weighted_chunk(r.num_computed, n, budget, self._attention_position)
+                    budget -= cost
+                else:
+                    n = min(n, budget)
+                    budget -= n
             requests.append(r)
             chunks.append(r.prompt[r.num_computed:r.num_computed + n])
         return requests, chunks, [r.num_computed for r in requests]
@@ -1241,6 +1253,26 @@ class _Mixing:
     """A mixed step's prefill part: what _mixed_forward computed (None: the budget had no room
     for a chunk this step)."""
     done: _Chunks | None = None
+
+
+def attention_position(cfg) -> float:
+    """The prompt position P at which a token's attention (over P keys) costs what its linear
+    layers do: their multiply-adds per token over AUTO_ATTENTION_COST x attention's per key."""
+    d, H, H_kv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    linear = d * (H + 2 * H_kv) * D + H * D * d + 3 * d * cfg.intermediate_size
+    return linear / (AUTO_ATTENTION_COST * 2 * H * D)
+
+
+def _weighted_chunk(start: int, most: int, budget: float, position: float) -> tuple[int, float]:
+    """The longest chunk of at most `most` tokens from position `start` whose cost, a token at
+    position p counting 1 + p / `position`, is within `budget` (at least one token), and its cost."""
+    n, cost = 0, 0.0
+    while n < most:
+        step = 1 + (start + n) / position
+        if n and cost + step > budget:
+            break
+        n, cost = n + 1, cost + step
+    return n, cost
 
 
 def _pow2(n: int) -> int:

@@ -301,3 +301,39 @@ def test_prompt_logprobs_of_a_prompt_prefilled_in_mixed_steps(target_dir, noisy_
     got = outs[rid]
     assert got.prompt_logprobs == ref.prompt_logprobs and len(got.prompt_logprobs) == 60
     assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
+
+
+def test_auto_budget_weighs_a_chunk_by_its_position(target_dir):
+    """"auto" while requests decode counts a prompt token at position p as 1 + p / P (P: where its
+    attention costs what its linear layers do), so chunks shrink as the prompt grows; a number
+    given is a plain count of tokens; the output is the whole prefill's."""
+    from quickdraft.config import AUTO_ATTENTION_COST, AUTO_BATCHED_TOKENS
+    from quickdraft.engine import _weighted_chunk, attention_position
+
+    assert _weighted_chunk(0, 100, 10, 10.0) == (7, pytest.approx(9.1))  # 1.0 + 1.1 + ... + 1.6 (+ 1.7 > 10)
+    assert _weighted_chunk(50, 100, 3, 10.0) == (1, 6.0)  # always one token, even past the budget
+    assert _weighted_chunk(0, 3, 10, 10.0) == (3, pytest.approx(3.3))
+    llm = LLM(target_dir, method="none", compile=False, policy="fixed")
+    exact_or_skip(llm)
+    eng = llm.engine
+    P = attention_position(llm.target.config)
+    assert P == pytest.approx(36864 / (AUTO_ATTENTION_COST * 128))  # the test model: 36,864 multiply-adds per token in its linears, 128 per key in attention
+    calls = spy_packed(eng)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = eng.add_request(prompt(10, 1), params)
+    eng.step()
+    long_ = prompt(200, 2)
+    rid = eng.add_request(long_, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    sizes = [c[1][1] for c in calls]
+    start = 0
+    for n in sizes:  # each chunk the longest within the budget left beside the running row's token
+        assert n == _weighted_chunk(start, 200 - start, AUTO_BATCHED_TOKENS[0] - 1, P)[0]
+        start += n
+    assert start == 200 and sizes[0] > sizes[-2] >= 1
+    whole = LLM(target_dir, method="none", compile=False, policy="fixed", max_num_batched_tokens=None).engine
+    assert outs[rid].token_ids == whole.generate([(long_, SamplingParams(max_tokens=4, temperature=0,
+                                                                          ignore_eos=True))])[0].token_ids
+    assert outs[first].token_ids == whole.generate([(prompt(10, 1), params)])[0].token_ids
