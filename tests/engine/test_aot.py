@@ -59,21 +59,24 @@ def test_package_equals_eager(target_step, rows, start):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # the package wrote the same rows and slots
 
 
-def _steps_other_threads_ran_during(runner, model, calls: int = 20) -> int:
-    """How often a thread that only counts (and yields the GIL) ran while `calls` decode steps ran
-    through `runner`, with Python's switch interval set past the test's length: the counter can
-    move only where the step itself releases the GIL."""
+def _steps_other_threads_ran_during(runner, model, seconds: float = 0.5) -> int:
+    """How often a thread that counts (and yields the GIL) ran while a step was running, decode
+    steps run through `runner` back to back for `seconds`, with Python's switch interval set past
+    the test's length: then the counting thread gets the GIL only where this one releases it, and
+    between steps (a tensor freed may release it) it does not count. (The test model's steps take
+    well under a millisecond: the counting thread, once the OS runs it, takes the GIL only if a
+    step is running then, which is most of the time when steps release it.)"""
     import sys
     import threading
 
     cache = KVCache.for_model(model, 2, 64)
     view = cache.rows(0, 2)
     args = (torch.tensor([[5], [6]]), torch.tensor([[3], [4]]), torch.arange(8), view.k, view.v)
-    count, started, stop = [0], threading.Event(), [False]
+    count, inside, started, stop = [0], [False], threading.Event(), [False]
 
     def counter():
         while not stop[0]:
-            count[0] += 1
+            count[0] += inside[0]
             started.set()
             time.sleep(0)  # hands the GIL back, then waits for it
 
@@ -85,15 +88,17 @@ def _steps_other_threads_ran_during(runner, model, calls: int = 20) -> int:
             runner(*args)  # (a first call allocates)
             thread.start()
             started.wait()  # (waiting releases the GIL): the counter now waits for it
-            seen = count[0]
-            for _ in range(calls):
-                runner(*args)
-            ran = count[0] - seen
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                inside[0] = True
+                out = runner(*args)
+                inside[0] = False
+                out = None  # noqa: F841 - (the outputs freed outside the step)
     finally:
         stop[0] = True
         sys.setswitchinterval(before)
         thread.join()
-    return ran
+    return count[0]
 
 
 def test_steps_release_the_gil(target_step, monkeypatch):
