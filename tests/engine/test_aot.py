@@ -421,19 +421,22 @@ def test_packed_package_gives_each_block_its_own_bits(packed_step):
         assert torch.equal(a[:B], d[:B])  # the running rows' keys and values too
 
 
-@pytest.mark.parametrize("method", ["none", "draft"])
+@pytest.mark.parametrize("method", ["none", "draft", "eagle3"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_aot_steps_mix_a_long_prompt_and_change_no_output(target_dir, draft_dir, packed_step, monkeypatch,
+def test_aot_steps_mix_a_long_prompt_and_change_no_output(target_dir, draft_dir, head_dir, packed_step, monkeypatch,
                                                           method, seeded):
     """With the AOT steps (compile="aot") a prompt arriving while two requests decode is prefilled in
-    chunks that ride in their steps on the packed package; every output (tokens, logprobs) is what
-    the request gives alone on the same engine, and a lone prompt's chunks run that package too."""
+    chunks that ride in their steps on the packed package (for an EAGLE-3 head, its variant that
+    returns the layers' states the head reads); every output (tokens, logprobs) is what the request
+    gives alone on the same engine, and a lone prompt's chunks run that package too."""
     monkeypatch.setenv("QUICKDRAFT_AOT_MIXED", "1")
-    kw = dict(num_speculative_tokens=3) if method == "draft" else {}
-    llm = LLM(target_dir, draft_dir if method == "draft" else None, method=method, compile="aot",
+    kw = dict(num_speculative_tokens=3) if method != "none" else {}
+    draft = {"none": None, "draft": draft_dir, "eagle3": head_dir}[method]
+    llm = LLM(target_dir, draft, method=method, compile="aot",
               dtype="float32", policy="fixed", max_num_batched_tokens=24, max_num_seqs=4, **kw)
     eng = llm.engine
     assert eng._forward.packed_runner is not None and eng.mixes_prefill()
+    assert (eng._forward.hidden_at is not None) == (method == "eagle3")  # the head reads the states it returns
     calls = []
     real = eng._forward.packed
 
