@@ -744,8 +744,9 @@ class Engine:
         keep = len(self.running) + len(self.prefilling)  # the prefilling rows' computed positions too
         if c is None:
             self.cache = KVCache.for_model(self.target, *shape)
-        else:
-            c.resize(*shape, keep)
+        else:  # (only the positions the kept rows have cached are copied)
+            length = max([len(r.tokens) - 1 for r in self.running] + [r.num_computed for r in self.prefilling] + [0])
+            c.resize(*shape, keep, length)
         if self.proposer is not None:
             self.proposer.resize(*shape, keep)
         self.budget.claim("rows", shape[0] * row_bytes(self.budget.token_bytes, shape[1]))

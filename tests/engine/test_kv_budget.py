@@ -62,10 +62,12 @@ def eagle3_head(target_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["none", "draft", "draft-tree", "eagle3"])
-def test_growth_mid_run_changes_no_token_or_logprob(target_dir, draft_dir, eagle3_head, method):
+def test_growth_mid_run_changes_no_token_or_logprob(target_dir, draft_dir, eagle3_head, method, monkeypatch):
     """Requests arriving while others run make the caches (the target's and the proposer's)
     grow under the running rows; every token and logprob equals a run whose caches were sized
-    for everything from the start (same arrivals, same batches)."""
+    for everything from the start (same arrivals, same batches). Every cache on zero pages (the
+    test model's are smaller than a real model's, which take them by size)."""
+    monkeypatch.setattr("quickdraft.cache.ZERO_PAGES_MIN_BYTES", 0)
     kw = dict(none=dict(method="none"), draft=dict(draft=draft_dir, num_speculative_tokens=3),
               eagle3=dict(draft=eagle3_head, method="eagle3", num_speculative_tokens=3),
               **{"draft-tree": dict(draft=draft_dir, num_speculative_tokens=3, spec_options={"tree_width": 2})})[method]
@@ -79,6 +81,31 @@ def test_growth_mid_run_changes_no_token_or_logprob(target_dir, draft_dir, eagle
     ref, ref_shapes = _run(fixed)
     assert set(ref_shapes) == {(8, fixed._full_capacity())}
     _same(outs, ref)
+
+
+def test_cpu_caches_take_zero_pages_and_growth_copies_the_cached_positions_only():
+    """A CPU cache of a real model's size is the operating system's zero pages (nothing filled,
+    memory taken where written); growing it keeps the kept rows' cached positions bit for bit,
+    and the rest reads zero."""
+    import torch
+
+    from quickdraft.cache import ZERO_PAGES_MIN_BYTES, zeros
+
+    big = zeros((2, 3, 1025, 64), torch.float32, "cpu")  # 1.5 MiB
+    assert big.nbytes >= ZERO_PAGES_MIN_BYTES and not big.any() and big.is_contiguous()
+    other = zeros((2, 3, 1025, 64), torch.float32, "cpu")
+    big[1, 2, 1000] = 3.0
+    assert big.sum() == 64 * 3.0 and not other.any()  # memory of its own
+    assert torch.equal(zeros((2, 3), torch.bfloat16, "cpu"), torch.zeros(2, 3, dtype=torch.bfloat16))
+    cache = KVCache(2, 2, 3, 1024, 64, torch.float32, "cpu")
+    for t in cache.k + cache.v:
+        t.normal_()
+    before = [t.clone() for t in cache.k + cache.v]
+    cache.resize(4, 2048, keep=2, length=700)
+    for old, new in zip(before, cache.k + cache.v):
+        assert new.shape == (4, 3, 2049, 64)
+        assert torch.equal(new[:2, :, :700], old[:2, :, :700])
+        assert not new[:2, :, 700:].any() and not new[2:].any()
 
 
 def test_caches_stay_within_the_budget_and_requests_wait(target_dir, draft_dir):
