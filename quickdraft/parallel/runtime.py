@@ -224,11 +224,11 @@ class ShardedKVCache(KVCache):
             return
         self._send("grow", dict(capacity=capacity), local=lambda: KVCache.grow(self, capacity))
 
-    def resize(self, max_slots: int, capacity: int, keep: int) -> None:
+    def resize(self, max_slots: int, capacity: int, keep: int, length: int | None = None) -> None:
         if max_slots == self.max_slots and capacity == self.capacity:
             return
-        self._send("resize", dict(slots=max_slots, capacity=capacity, keep=keep),
-                   local=lambda: KVCache.resize(self, max_slots, capacity, keep))
+        self._send("resize", dict(slots=max_slots, capacity=capacity, keep=keep, length=length),
+                   local=lambda: KVCache.resize(self, max_slots, capacity, keep, length))
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._send("compact", {}, (src, dst), local=lambda: KVCache.compact(self, src, dst))
@@ -263,7 +263,7 @@ def follow(shard: nn.Module, group: TPGroup, step=None) -> None:
             elif op == "grow":
                 caches[meta["cache"]].grow(meta["capacity"])
             elif op == "resize":
-                caches[meta["cache"]].resize(meta["slots"], meta["capacity"], meta["keep"])
+                caches[meta["cache"]].resize(meta["slots"], meta["capacity"], meta["keep"], meta.get("length"))
             elif op == "compact":
                 caches[meta["cache"]].compact(*tensors)
             elif op == "stop":
