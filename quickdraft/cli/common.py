@@ -204,7 +204,8 @@ MAX_NUM_BATCHED_TOKENS = typer.Option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "--max-num
                                       help="Tokens one step computes at most: the running requests' verify positions "
                                       "and a chunk of a prompt being prefilled (a longer prompt is prefilled in "
                                       "chunks, within the running requests' steps). auto (the default): on a CPU "
-                                      f"{AUTO_BATCHED_TOKENS[0]} while requests are decoding, "
+                                      f"{AUTO_BATCHED_TOKENS[0]} while requests are decoding (a prompt token at position p "
+                                      "counting 1 + p / P, P from the model's shape: deep chunks cost more attention), "
                                       f"{AUTO_BATCHED_TOKENS[1]} "
                                       f"when none is, {AUTO_BATCHED_TOKENS_GPU} on a GPU; or a number for every step.",
                                       callback=checked(check_max_num_batched_tokens))
