@@ -54,7 +54,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     writes every byte at once, taking every page). Elsewhere torch.zeros."""
     device = torch.device(device)
     count = math.prod(shape)
-    size = count * torch.empty((), dtype=dtype).element_size()
+    size = count * dtype.itemsize
     if device.type != "cpu" or size < ZERO_PAGES_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype, count=count).view(shape)

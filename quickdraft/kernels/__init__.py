@@ -95,11 +95,10 @@ def source_digest() -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:12]
 
 
-def _build_dir() -> Path:
-    """The folder of this source's library (named by the source, the flags and PyTorch's version),
-    created private (0700) where missing."""
-    digest = source_digest()
-    tag = f"torch{torch.__version__.split('+')[0]}-{digest}"
+def _build_dir(prefix: str = "", digest: str | None = None) -> Path:
+    """The folder of a library (the kernels', else `prefix`'s), named by its sources' `digest`
+    (default: the kernels' source_digest()) and PyTorch's version, created private (0700) where missing."""
+    tag = f"{prefix}torch{torch.__version__.split('+')[0]}-{digest or source_digest()}"
     root = _kernel_root()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = root / tag
@@ -282,11 +281,8 @@ def aot_package_class():
         return None
     try:
         digest = hashlib.sha256(RUNNER_SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
-        root = _kernel_root()
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        build = root / f"aot-runner-torch{torch.__version__.split('+')[0]}-{digest}"
-        build.mkdir(mode=0o700, exist_ok=True)
-        problem = unsafe_to_load(root, build, build / RUNNER_LIBRARY)
+        build = _build_dir("aot-runner-", digest)
+        problem = unsafe_to_load(_kernel_root(), build, build / RUNNER_LIBRARY)
         if problem:
             raise QuickdraftError(f"not loaded from a folder or file others can change: {problem}")
         if not (build / RUNNER_LIBRARY).exists():
