@@ -47,6 +47,12 @@ def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> to
 ZERO_PAGES_MIN_BYTES = 1 << 20  # CPU tensors this large come from zeros()'s anonymous memory
 
 
+def anonymous(size: int) -> mmap.mmap:
+    """`size` bytes of fresh private anonymous memory (zeros until written; a private mapping, so
+    neither a forked process's writes nor shmem's rules on huge pages apply to it)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of zeros. On a CPU, from ZERO_PAGES_MIN_BYTES up, in fresh anonymous memory (an
     mmap of its own, freed with the tensor): the operating system maps a zeroed page at its first
@@ -57,7 +63,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     size = count * dtype.itemsize
     if device.type != "cpu" or size < ZERO_PAGES_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype, count=count).view(shape)
+    return torch.frombuffer(anonymous(size), dtype=dtype, count=count).view(shape)
 
 
 @dataclass

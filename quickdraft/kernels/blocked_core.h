@@ -187,8 +187,11 @@ void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, 
 // One row reads four blocks at once (four streams) on Intel: 4-8% faster than two there (the
 // Emerald Rapids Xeon, SmolLM2's and the bundled target's shapes). On an AMD EPYC (Zen 4) one
 // row took 30-50% longer with four streams than two rows with two (SmolLM2's 576 x 49152
-// lm_head 4489 vs 2942 us, 1 thread), so there a row gets two. Either way the same FMAs in the
-// same order per output: the bits do not change.
+// lm_head 4489 vs 2942 us, 1 thread), and with the weights on 2 MiB pages (kernels.
+// weights_memory) one stream beat two: SmolLM2 float32 decoding 8-11% faster, 1 thread, 3
+// alternating pairs, the same as the AVX2 path's one stream. So on AMD the float32 and bfloat16
+// kernels give one row one stream. Either way the same FMAs in the same order per output: the
+// bits do not change.
 bool four_streams() {
   static const bool yes = !__builtin_cpu_is("amd");
   return yes;
@@ -537,7 +540,7 @@ void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
     for (; b + 3 < b1; b += 4)
       run_rows<W, 4>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                      std::min(4 * NB, n - b * NB));
-  if (M <= 3)
+  if (M <= 3 && (M > 1 || four_streams()))
     for (; b + 1 < b1; b += 2)
       run_rows<W, 2>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                      std::min(2 * NB, n - b * NB));

@@ -36,6 +36,7 @@ or int8, every other tensor shared with the target.
 from __future__ import annotations
 
 import copy
+import ctypes
 import itertools
 
 import torch
@@ -131,7 +132,21 @@ def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None =
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, make_linear([child], fmt))
+    if p.device.type == "cpu":
+        return_freed_memory()
     return model
+
+
+def return_freed_memory() -> None:
+    """Give the C heap's free memory back to the OS (glibc's malloc_trim; nothing elsewhere).
+    Loading frees the checkpoint's tensors and the unpacked weights; glibc keeps much of that
+    resident for later allocations, and the packed weights live in their own mappings
+    (kernels.weights_memory), so nothing would reuse it: SmolLM2 float32 held 1.29 GB after
+    loading, 0.90 GB after this."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator's own policy
+        pass
 
 
 def quantized_copy(model: nn.Module, quantization: str) -> nn.Module:
