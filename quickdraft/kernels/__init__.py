@@ -381,11 +381,11 @@ def weights_memory(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of the CPU tensor t in memory the OS may back with 2 MiB pages, packed
     weights of one model one after another in shared mappings (freed when the last tensor in
     one goes). The matmul kernels stream every weight once a token; on 4 KiB pages a core's
-    hardware prefetchers stop at every page and each page costs a TLB walk: SmolLM2's weights
-    streamed at 21 GB/s on 4 KiB pages and 27.5 GB/s on 2 MiB pages on one AMD EPYC (Zen 4) core
-    (the same kernel, where Linux's transparent huge pages are `madvise`, its default on many
-    distributions; PyTorch's allocator does not advise them). Elsewhere (another device, a tensor
-    under 64 KiB, huge_pages() off) `t.contiguous()`."""
+    hardware prefetchers stop at every page and each page costs a TLB walk: a SmolLM2 float32
+    decode step took 10-17% less time on 2 MiB pages on one AMD EPYC (Zen 4) core, where Linux's
+    transparent huge pages are `madvise` (the default of many distributions; PyTorch's allocator
+    does not advise them). Elsewhere (another device, a tensor under 64 KiB, huge_pages() off)
+    `t.contiguous()`."""
     global _arena
     size = t.numel() * t.element_size()
     if t.device.type != "cpu" or size < 64 << 10 or not huge_pages():
