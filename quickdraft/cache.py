@@ -50,7 +50,9 @@ ZERO_PAGES_MIN_BYTES = 1 << 20  # CPU tensors this large come from zeros()'s ano
 def anonymous(size: int) -> mmap.mmap:
     """`size` bytes of fresh private anonymous memory (zeros until written; a private mapping, so
     neither a forked process's writes nor shmem's rules on huge pages apply to it)."""
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: anonymous memory has no sharing flags
+        return mmap.mmap(-1, size)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", mmap.MAP_ANON))
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
