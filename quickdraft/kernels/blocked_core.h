@@ -56,6 +56,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <cstdint>
 #include <limits>
@@ -192,10 +193,17 @@ void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, 
 // alternating pairs, the same as the AVX2 path's one stream. So on AMD the float32 and bfloat16
 // kernels give one row one stream. Either way the same FMAs in the same order per output: the
 // bits do not change.
-bool four_streams() {
-  static const bool yes = !__builtin_cpu_is("amd");
-  return yes;
+// QUICKDRAFT_ROW_STREAMS (1, 2 or 4) overrides the choice (read once; benchmarks compare them).
+int row_streams() {
+  static const int n = [] {
+    const char* env = std::getenv("QUICKDRAFT_ROW_STREAMS");
+    const int asked = env ? std::atoi(env) : 0;
+    if (asked == 1 || asked == 2 || asked == 4) return asked;
+    return __builtin_cpu_is("amd") ? 1 : 4;
+  }();
+  return n;
 }
+bool four_streams() { return row_streams() == 4; }
 
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
 // M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead). Only the
@@ -540,7 +548,7 @@ void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
     for (; b + 3 < b1; b += 4)
       run_rows<W, 4>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                      std::min(4 * NB, n - b * NB));
-  if (M <= 3 && (M > 1 || four_streams()))
+  if (M <= 3 && (M > 1 || row_streams() != 1))
     for (; b + 1 < b1; b += 2)
       run_rows<W, 2>(a.x, a.ldx, M, a.w + b * K * NB, K, at_block(a.bias, b), a.y + b * NB, n,
                      std::min(2 * NB, n - b * NB));
