@@ -379,8 +379,8 @@ def _new_arena(size: int) -> tuple[mmap.mmap, int]:
 
 def weights_memory(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of the CPU tensor t in memory the OS may back with 2 MiB pages, packed
-    weights of one model one after another in shared mappings (freed when the last tensor in
-    one goes). The matmul kernels stream every weight once a token; on 4 KiB pages a core's
+    weights one after another in common private mappings (a mapping is freed when the last
+    tensor in it goes). The matmul kernels stream every weight once a token; on 4 KiB pages a core's
     hardware prefetchers stop at every page and each page costs a TLB walk: a SmolLM2 float32
     decode step took 10-17% less time on 2 MiB pages on one AMD EPYC (Zen 4) core, where Linux's
     transparent huge pages are `madvise` (the default of many distributions; PyTorch's allocator
