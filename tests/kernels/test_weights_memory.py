@@ -35,6 +35,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasa
 @linux_only
 def test_packed_weights_are_private_huge_page_memory_shared_by_weights(monkeypatch):
     monkeypatch.setenv("QUICKDRAFT_HUGE_PAGES", "1")
+    monkeypatch.setattr(kernels, "_arena", None)  # a mapping of this test's own (earlier tests' weights may live on)
     w = [torch.randn(576, 1000), torch.randn(1536, 576)]
     packed = [kernels.pack(t) for t in w]
     for t, p in zip(w, packed):
