@@ -142,7 +142,7 @@ def return_freed_memory() -> None:
     Loading frees the checkpoint's tensors and the unpacked weights; glibc keeps much of that
     resident for later allocations, and the packed weights live in their own mappings
     (kernels.weights_memory), so nothing would reuse it: SmolLM2 float32 held 1.29 GB after
-    loading, 0.90 GB after this."""
+    loading, 0.95 GB after this."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator's own policy
