@@ -366,6 +366,9 @@ def load_tensor_parallel(path: Path, world: int, dtype=None, device: torch.devic
         group = init_torchrun(world, device, timeout_s)
         if group.rank != 0:
             _worker(spec, group)
+            # leave the group before the interpreter exits: a gloo group still open at exit can
+            # abort the process ("terminate called without an active exception") while rank 0 leaves
+            dist.destroy_process_group()
             raise SystemExit(0)
     else:
         group = start_spawned(world, device, timeout_s, spawned_worker_main, (spec,))
