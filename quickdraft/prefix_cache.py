@@ -56,14 +56,14 @@ log = logging.getLogger("quickdraft")
 BLOCK_SIZE = 16  # tokens per block (vLLM's default); measured against 32 in docs/server.md
 
 
+def _tensors(cache: KVCache) -> list[torch.Tensor]:
+    """The cache's tensors in block order: layer 0's keys, its values, layer 1's keys ..."""
+    return [t for pair in zip(cache.k, cache.v) for t in pair]
+
+
 def _views(cache: KVCache, row: int, start: int, size: int) -> list[torch.Tensor]:
     """Positions [start, start + size) of one row: per layer its keys' and values' views (H_kv, size, D)."""
-    return [t[row, :, start:start + size] for pair in zip(cache.k, cache.v) for t in pair]
-
-
-def _parts(block: torch.Tensor) -> list[torch.Tensor]:
-    """A block's (layers, 2, H_kv, size, D) as _views' list."""
-    return list(block.flatten(0, 1).unbind(0))
+    return [t[row, :, start:start + size] for t in _tensors(cache)]
 
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -72,25 +72,34 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dst, src)
 
 
+def _span(cache: KVCache, row: int, start: int, count: int, size: int) -> list[torch.Tensor]:
+    """Positions [start, start + count size) of one row as `count` blocks: per layer its keys' and
+    values' (count, H_kv, size, D) views (one strided view per tensor, not one per block)."""
+    return [t[row, :, start:start + count * size].unflatten(1, (count, size)).transpose(0, 1) for t in _tensors(cache)]
+
+
 def read_blocks(cache: KVCache, row: int, start: int, count: int, size: int) -> list[torch.Tensor]:
     """`count` blocks of `size` positions of one row from `start` on, each a new (layers, 2, H_kv,
-    size, D) tensor."""
+    size, D) tensor with memory of its own (evicting a block frees it). One strided copy per
+    layer's keys and values gathers them all, then each block is copied out: 2 x layers + count
+    copies instead of 2 x layers x count small ones (each a view made and copied in Python's
+    time: thousands for a long prompt)."""
+    if count <= 0:
+        return []
     _, H, _, D = cache.k[0].shape
-    blocks = [cache.k[0].new_empty(len(cache.k), 2, H, size, D) for _ in range(count)]
-    _copy([p for b in blocks for p in _parts(b)],
-          [v for j in range(count) for v in _views(cache, row, start + j * size, size)])
-    return blocks
+    whole = cache.k[0].new_empty(count, 2 * len(cache.k), H, size, D)
+    _copy(list(whole.unbind(1)), _span(cache, row, start, count, size))
+    return [b.unflatten(0, (len(cache.k), 2)).clone() for b in whole.unbind(0)]
 
 
 def write_blocks(cache: KVCache, row: int, blocks: list[torch.Tensor]) -> int:
     """Blocks (read_blocks') into positions 0, size, 2 size ... of one row; returns the positions written."""
-    at, dst, src = 0, [], []
-    for b in blocks:
-        dst += _views(cache, row, at, b.shape[3])
-        src += _parts(b)
-        at += b.shape[3]
-    _copy(dst, src)
-    return at
+    if not blocks:
+        return 0
+    size = blocks[0].shape[3]  # (a cache's blocks are all block_size long)
+    whole = torch.stack(blocks).flatten(1, 2)  # (count, layers x 2, H_kv, size, D): then one copy per tensor
+    _copy(_span(cache, row, 0, len(blocks), size), list(whole.unbind(1)))
+    return len(blocks) * size
 
 
 @dataclass(eq=False)

@@ -223,6 +223,28 @@ def test_prefix_cache_blocks_lru_and_byte_limit():
     assert small.num_cached_tokens == 32 and len(small.match(a, need_extra=False)) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_read_and_written_whole_are_the_rows_bits(dtype):
+    """read_blocks / write_blocks copy a layer's keys and values in one strided copy each: every
+    block is its own memory (freed with it), with exactly its positions of every layer."""
+    from quickdraft.prefix_cache import read_blocks, write_blocks
+    src = KVCache(3, 4, 2, 100, 8, dtype, torch.device("cpu"))
+    for t in src.k + src.v:
+        t.copy_(torch.randn(t.shape))
+    blocks = read_blocks(src, 2, 16, 5, 16)  # positions 16 .. 95 of row 2
+    assert len(blocks) == 5 and len({b.untyped_storage().data_ptr() for b in blocks}) == 5
+    for j, b in enumerate(blocks):
+        assert b.shape == (3, 2, 2, 16, 8) and b.is_contiguous()
+        for layer in range(3):
+            assert torch.equal(b[layer, 0], src.k[layer][2, :, 16 + 16 * j:32 + 16 * j])
+            assert torch.equal(b[layer, 1], src.v[layer][2, :, 16 + 16 * j:32 + 16 * j])
+    dst = KVCache(3, 2, 2, 100, 8, dtype, torch.device("cpu"))
+    assert write_blocks(dst, 1, blocks) == 80 and write_blocks(dst, 0, []) == 0
+    for d, s_ in zip(dst.k + dst.v, src.k + src.v):
+        assert torch.equal(d[1, :, :80], s_[2, :, 16:96])
+        assert not d[1, :, 80:].any() and not d[0].any()  # nothing else written
+
+
 def test_bad_settings_are_clear_errors(target_dir):
     with pytest.raises(QuickdraftError, match="max_num_batched_tokens"):
         LLM(target_dir, method="none", max_num_batched_tokens=0, policy="fixed")
