@@ -129,7 +129,8 @@ def serve_command(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     if not request_timeout > 0:
         fail(f"--request-timeout must be > 0, got {request_timeout}")
-    state = ServerState(load, name, max_queue=max_queue, chat_template=template, request_timeout=request_timeout)
+    state = ServerState(load, name, max_queue=max_queue, chat_template=template, request_timeout=request_timeout,
+                        freeze_gc=True)
     origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()]
     app = build_app(state, api_key=api_key or None, allowed_origins=origins, web=web)
     config = uvicorn_config(app, host, port, log_level, request_timeout)

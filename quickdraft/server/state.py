@@ -4,6 +4,7 @@ the AsyncEngine over it, and the Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -22,12 +23,15 @@ class ServerState:
     """What the routes share: the model once loaded, the engine thread, the metrics."""
 
     def __init__(self, load: Callable[[], Any], model_name: str, max_queue: int = 256,
-                 chat_template: str | None = None, request_timeout: float = 30.0):
+                 chat_template: str | None = None, request_timeout: float = 30.0, freeze_gc: bool = False):
         self._load = load  # () -> quickdraft.LLM, run on a thread at start-up
         self.model_name = model_name
         self.max_queue = max_queue
         self.chat_template = chat_template
         self.request_timeout = request_timeout  # seconds a request's body may take to arrive (then 408)
+        # the process is the server's (`quickdraft serve`): once loaded, its objects leave the garbage
+        # collector's generations (freeze_heap)
+        self.freeze_gc = freeze_gc
         self.llm = None
         self.engine: AsyncEngine | None = None
         self.load_error: str | None = None
@@ -57,6 +61,8 @@ class ServerState:
                     llm.engine.grammar_vocabulary()
                 except QuickdraftError:  # e.g. no eos token: constrained requests get the error, with a 400
                     pass
+            if self.freeze_gc:
+                freeze_heap()
             engine = AsyncEngine(llm.engine, self.max_queue, on_step=self.metrics.step_time.observe)
             engine.on_dead = self.on_engine_dead
             engine.start(loop)
@@ -92,3 +98,14 @@ class ServerState:
         if self.engine.dead is not None:
             raise APIError(503, self.engine.dead, code="engine_dead")
         return self.engine
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive now (the model, the tokenizer, the libraries: hundreds
+    of thousands) out of the garbage collector's generations (gc.freeze, as vLLM's server does).
+    A full collection walks every tracked object holding the GIL, so it would stop the engine
+    thread, and every stream, for as long as it takes (benchmarks/gc_pause.py: docs/server.md);
+    after this it walks only what the server made since. Objects alive now are never collected as
+    cycles later: for the process that serves one model for its life."""
+    gc.collect()
+    gc.freeze()

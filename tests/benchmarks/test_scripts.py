@@ -48,6 +48,12 @@ def _check_cpu_kernels(out: Path) -> None:
         assert "error" not in kernels.get(name, {}), (name, kernels.get(name))  # (packed as the kernel wants)
 
 
+def _check_gc_pause(out: Path) -> None:
+    rows = _json(out, "gc.json")["rows"]
+    loaded, frozen = rows["loaded"], rows["after freeze_heap"]
+    assert frozen["frozen_objects"] >= loaded["tracked_objects"] > 10 * frozen["tracked_objects"]
+
+
 def _check_default_pair(out: Path) -> None:
     runs = _json(out, "default_pair_cpu.json")["runs"]
     assert set(runs) == {"0.0", "0.8"} and runs["0.0"]["repeats"][0]["greedy_identical"] is True
@@ -137,6 +143,8 @@ CASES: dict[str, Case] = {
                        "--compile", "eager", "--out-dir", "{out}"], ["eagle3_cpu.json", "eagle3_cpu.md"],
                       check=_check_eagle3),
     "eagle3_parts.py": Case(["--model", "bundled", "--tiny", "--out", "{out}/parts.json"], ["parts.json"]),
+    "gc_pause.py": Case(["--repeats", "1", "--out-dir", "{out}", "--name", "gc"], ["gc.json", "gc.md"],
+                        check=_check_gc_pause),
     "gpu_check.py": Case(["--small", "--device", "cpu", "--parts", "abe", "--budget-s", "600", "--out", "{out}"],
                          ["gpu_check.json", "tune_default_pair.json", "bench_default_pair.json",
                           "bench_default_pair.md"], check=_check_gpu_check,

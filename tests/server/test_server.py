@@ -975,3 +975,23 @@ def test_a_requests_choices_share_one_compiled_constraint(target_dir, monkeypatc
         assert len(compiles) == 1
     finally:
         ts.stop()
+
+
+def test_a_server_process_freezes_its_heap_once_loaded(target_dir):
+    """`quickdraft serve` (freeze_gc): what is alive once the model is loaded leaves the garbage
+    collector's generations, so a full collection, which holds the GIL while the streams wait,
+    no longer walks it; a server in a process of someone else's (the default) leaves them."""
+    import gc
+
+    from quickdraft.server.app import ServerState
+
+    gc.unfreeze()
+    for freeze in (False, True):
+        ts = ThreadServer(ServerState(lambda: LLM(target_dir, method="none"), MODEL, freeze_gc=freeze))
+        try:
+            assert (gc.get_freeze_count() > 10_000) == freeze
+            body = {"model": MODEL, "prompt": "def f(", "max_tokens": 4, "temperature": 0}
+            assert httpx.post(f"{ts.url}/v1/completions", json=body, timeout=60).status_code == 200
+        finally:
+            ts.stop()
+            gc.unfreeze()
