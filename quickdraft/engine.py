@@ -867,16 +867,13 @@ class Engine:
         for r, c in zip(requests, chunks):
             r.num_computed += len(c)
         done = [r for r in requests if r.num_computed == len(r.prompt)]  # the first rows (the budget went in order)
-        if self.prefix_cache is not None:  # a long prompt's whole blocks as its chunks complete them, a few
-            bs = self.prefix_cache.block_size  # a step, not all in the step of its last chunk
+        if self.prefix_cache is not None:  # the prompts' KV, for requests that arrive while these run: a long
+            bs = self.prefix_cache.block_size  # prompt's blocks as its chunks complete them, a few a step
             for i, (r, c) in enumerate(zip(requests, chunks)):
-                if r.num_computed < len(r.prompt) and r.num_computed // bs > (r.num_computed - len(c)) // bs:
+                if r.num_computed == len(r.prompt) or r.num_computed // bs > (r.num_computed - len(c)) // bs:
                     self._store_prefix(r, start + i, r.num_computed)
         if done:
             self._first_tokens(done, logits[:len(done)])
-            if self.prefix_cache is not None:  # the prompts' KV, for requests that arrive while these run
-                for i, r in enumerate(done):
-                    self._store_prefix(r, start + i, len(r.prompt))
             self.running.extend(done)
             del self.prefilling[:len(done)]
             self._batch_sampling = None
