@@ -84,13 +84,24 @@ class CacheView:
 
 
 class KVCache:
+    """Per layer, keys and values of (slots, kv heads, capacity + 1, head dim): row = slot.
+
+    reserve_rows (CPU): the address space of that many rows is mapped at once (zero pages: memory
+    is taken only where entries are written), the tensors viewing the first max_slots rows, so
+    that growing the rows at the same capacity is a view of more of the same memory: no copy and
+    no new page faults for the rows kept (a running batch otherwise stalls while a copy of every
+    cached position it holds is written, page by page, into new memory). A growth past the
+    reservation, or of the capacity, copies as before."""
+
     def __init__(self, num_layers: int, max_slots: int, num_kv_heads: int, capacity: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, reserve_rows: int = 0):
         self.capacity = capacity  # positions per slot
         self.max_slots = max_slots
-        shape = (max_slots, num_kv_heads, capacity + 1, head_dim)  # +1: the trash column
-        self.k = [zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.reserve_rows = reserve_rows if torch.device(device).type == "cpu" else 0
+        self._k_all, self._v_all = self._allocate(num_layers, max_slots, num_kv_heads, capacity, head_dim, dtype,
+                                                  device)
+        self.k = [t[:max_slots] for t in self._k_all]
+        self.v = [t[:max_slots] for t in self._v_all]
         if torch.device(device).type == "cuda":
             # Compiled steps write the cache in place; CUDA graphs allow that only for inputs
             # whose address never changes, which these are (allocated once).
@@ -100,15 +111,22 @@ class KVCache:
                 except (AttributeError, RuntimeError):  # an older torch: CUDA graphs may be skipped
                     break
 
+    def _allocate(self, num_layers: int, rows: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                  device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of max(rows, reserve_rows) rows (the reservation, class doc)."""
+        shape = (max(rows, self.reserve_rows), heads, capacity + 1, head_dim)  # +1: the trash column
+        return [zeros(shape, dtype, device) for _ in range(num_layers)], \
+            [zeros(shape, dtype, device) for _ in range(num_layers)]
+
     @classmethod
-    def for_model(cls, model, max_slots: int, capacity: int) -> KVCache:
+    def for_model(cls, model, max_slots: int, capacity: int, reserve_rows: int = 0) -> KVCache:
         make = getattr(model, "new_kv_cache", None)  # a tensor-parallel target: its shard's heads, on every rank
         if make is not None:
             return make(max_slots, capacity)
         cfg = model.config
         p = model.model.embed_tokens.weight
         return cls(cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, capacity,
-                   cfg.head_dim, p.dtype, p.device)
+                   cfg.head_dim, p.dtype, p.device, reserve_rows=reserve_rows)
 
     @staticmethod
     def token_bytes(model) -> int:
@@ -140,15 +158,27 @@ class KVCache:
         peak is one layer more than the larger of the two sizes."""
         if max_slots == self.max_slots and capacity == self.capacity:
             return
+        if capacity == self.capacity and self.max_slots < max_slots <= self._k_all[0].shape[0]:
+            # more rows of the reservation (class doc): never written, so zeros
+            self.k = [t[:max_slots] for t in self._k_all]
+            self.v = [t[:max_slots] for t in self._v_all]
+            self.max_slots = max_slots
+            return
         rows, cols = min(keep, max_slots, self.max_slots), min(capacity, self.capacity)
         if length is not None:
             cols = min(cols, length)
-        for layers in (self.k, self.v):
-            for i, t in enumerate(layers):
-                new = zeros((max_slots, t.shape[1], capacity + 1, t.shape[3]), t.dtype, t.device)
+        # a reservation of no more bytes than before at the new capacity
+        self.reserve_rows = self.reserve_rows * (self.capacity + 1) // (capacity + 1)
+        for old, kept in ((self._k_all, self.k), (self._v_all, self.v)):
+            for i, t in enumerate(kept):
+                new = zeros((max(max_slots, self.reserve_rows), t.shape[1], capacity + 1, t.shape[3]), t.dtype,
+                            t.device)
                 new[:rows, :, :cols] = t[:rows, :, :cols]
-                layers[i] = new
+                old[i] = new
                 del t
+                kept[i] = None  # the old memory goes as each layer is copied
+        self.k = [t[:max_slots] for t in self._k_all]
+        self.v = [t[:max_slots] for t in self._v_all]
         self.max_slots, self.capacity = max_slots, capacity
         if self.k and self.k[0].device.type == "cuda":
             for t in self.k + self.v:
@@ -161,11 +191,13 @@ class KVCache:
         """Make room for `capacity` positions per slot, keeping what is cached."""
         if capacity <= self.capacity:
             return
-        for layers in (self.k, self.v):
+        for layers in (self._k_all, self._v_all):
             for i, t in enumerate(layers):
                 bigger = zeros((t.shape[0], t.shape[1], capacity + 1, t.shape[3]), t.dtype, t.device)
                 bigger[:, :, : self.capacity] = t[:, :, : self.capacity]
                 layers[i] = bigger
+        self.k = [t[:self.max_slots] for t in self._k_all]
+        self.v = [t[:self.max_slots] for t in self._v_all]
         self.capacity = capacity
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -742,8 +742,9 @@ class Engine:
                                                (rows, max(c0, capacity)), (max(r0, rows), capacity))
                           if r * row_bytes(token_bytes, p) <= free), (rows, capacity))
         keep = len(self.running) + len(self.prefilling)  # the prefilling rows' computed positions too
-        if c is None:
-            self.cache = KVCache.for_model(self.target, *shape)
+        if c is None:  # the address space of as many rows as the budget could ever hold here (KVCache)
+            afford = self.budget.free_for("rows") // row_bytes(self.budget.token_bytes, shape[1])
+            self.cache = KVCache.for_model(self.target, *shape, reserve_rows=min(self.config.max_num_seqs, afford))
         else:  # (only the positions the kept rows have cached are copied)
             length = max([len(r.tokens) - 1 for r in self.running] + [r.num_computed for r in self.prefilling] + [0])
             c.resize(*shape, keep, length)

@@ -108,6 +108,32 @@ def test_cpu_caches_take_zero_pages_and_growth_copies_the_cached_positions_only(
         assert not new[:2, :, 700:].any() and not new[2:].any()
 
 
+def test_rows_grow_within_the_reservation_without_a_copy():
+    """A cache with reserved rows grows its rows at the same capacity as a view of the same memory
+    (no copy: the kept rows' entries stay where they are), the new rows read zero; past the
+    reservation, or at a new capacity, it copies the kept positions as before."""
+    import torch
+
+    cache = KVCache(2, 2, 3, 1024, 64, torch.float32, "cpu", reserve_rows=8)
+    for t in cache.k + cache.v:
+        t.normal_()
+    before = [t.clone() for t in cache.k + cache.v]
+    where = [t.data_ptr() for t in cache.k + cache.v]
+    cache.resize(4, 1024, keep=2, length=700)
+    assert [t.data_ptr() for t in cache.k + cache.v] == where
+    for old, new in zip(before, cache.k + cache.v):
+        assert new.shape == (4, 3, 1025, 64) and new.is_contiguous()
+        assert torch.equal(new[:2], old) and not new[2:].any()
+    cache.k[0][3, 1, 5] = 2.0  # the new rows are the cache's own memory
+    assert cache.k[0][3, 1, 5, 0] == 2.0
+    cache.resize(16, 1024, keep=4, length=700)  # past the reservation: a copy
+    assert cache.k[0].data_ptr() != where[0] and cache.k[0].shape == (16, 3, 1025, 64)
+    assert torch.equal(cache.k[1][:2, :, :700], before[1][:, :, :700]) and cache.k[0][3, 1, 5, 0] == 2.0
+    assert not cache.k[1][:2, :, 700:].any() and not cache.k[1][4:].any()
+    cache.resize(16, 2048, keep=16, length=700)  # a new capacity: a copy
+    assert cache.k[0].shape == (16, 3, 2049, 64) and cache.k[0][3, 1, 5, 0] == 2.0
+
+
 def test_caches_stay_within_the_budget_and_requests_wait(target_dir, draft_dir):
     """A budget holding about two of these requests: the others wait in the queue (none is
     refused), memory never exceeds the budget, and the output is what an unbounded run gives."""
