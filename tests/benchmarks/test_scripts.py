@@ -54,6 +54,12 @@ def _check_gc_pause(out: Path) -> None:
     assert frozen["frozen_objects"] >= loaded["tracked_objects"] > 10 * frozen["tracked_objects"]
 
 
+def _check_kv_growth(out: Path) -> None:
+    runs = _json(out, "kv.json")["runs"]
+    assert set(runs) == {"reserved rows (view)", "no reservation (copy)"}
+    assert all(r["rows"][1] > r["rows"][0] for rs in runs.values() for r in rs)  # the admission grew the rows
+
+
 def _check_default_pair(out: Path) -> None:
     runs = _json(out, "default_pair_cpu.json")["runs"]
     assert set(runs) == {"0.0", "0.8"} and runs["0.0"]["repeats"][0]["greedy_identical"] is True
@@ -143,6 +149,8 @@ CASES: dict[str, Case] = {
                        "--compile", "eager", "--out-dir", "{out}"], ["eagle3_cpu.json", "eagle3_cpu.md"],
                       check=_check_eagle3),
     "eagle3_parts.py": Case(["--model", "bundled", "--tiny", "--out", "{out}/parts.json"], ["parts.json"]),
+    "kv_growth.py": Case(["--repeats", "1", "--decoded", "8", "--out-dir", "{out}", "--name", "kv"], ["kv.json", "kv.md"],
+                         check=_check_kv_growth),
     "gc_pause.py": Case(["--repeats", "1", "--out-dir", "{out}", "--name", "gc"], ["gc.json", "gc.md"],
                         check=_check_gc_pause),
     "gpu_check.py": Case(["--small", "--device", "cpu", "--parts", "abe", "--budget-s", "600", "--out", "{out}"],

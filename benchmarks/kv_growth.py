@@ -1,0 +1,105 @@
+"""The step that admits one more request while others stream, when that admission grows the KV
+cache's rows: with the rows' address space reserved (the default on a CPU: more rows are a view
+of the same memory) against without (`reserve_rows=0`: a new cache and a copy of every cached
+position of the running rows, written page by page into fresh memory). Every running stream waits
+for that step: it is an inter-token gap.
+
+In one process, alternating the two per repeat: `--streams` requests of `--stream-prompt` tokens
+decode `--decoded` tokens each (the cache then holds about prompt + decoded positions per row),
+then a request of `--new-prompt` tokens arrives; the table gives the step that admits it (its
+first prefill chunk rides in it), the next step, and the streams' steady step (median of 20).
+
+    taskset -c 1 python benchmarks/kv_growth.py --out-dir benchmarks/results --name kv_growth_cpu
+    python benchmarks/kv_growth.py --repeats 1 --decoded 8 --out-dir /tmp/x      # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="a model name, folder or GGUF (default: the bundled target)")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--stream-prompt", type=int, default=100)
+    ap.add_argument("--decoded", type=int, default=600, help="tokens each stream decodes before the new request")
+    ap.add_argument("--new-prompt", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=4, help="per mode, alternating")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--name", default="kv_growth")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from quickdraft import LLM, SamplingParams
+    from quickdraft.bench.hardware import loadavg, provenance, provenance_line
+    from quickdraft.cache import KVCache
+
+    torch.set_num_threads(args.threads)
+    reserved = KVCache.for_model.__func__
+
+    def copying(cls, model, max_slots, capacity, reserve_rows=0):
+        return reserved(cls, model, max_slots, capacity, 0)
+
+    modes = {"reserved rows (view)": classmethod(reserved), "no reservation (copy)": classmethod(copying)}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    load_before = loadavg()
+    stream = SamplingParams(temperature=0, max_tokens=args.decoded + 50, ignore_eos=True)
+    for rep in range(args.repeats):
+        for mode in (list(modes) if rep % 2 == 0 else list(modes)[::-1]):
+            KVCache.for_model = modes[mode]
+            try:
+                engine = LLM(args.target, method="none").engine
+                for i in range(args.streams):
+                    engine.add_request([(7 * i + j) % 200 + 3 for j in range(args.stream_prompt)], stream)
+                for _ in range(args.decoded):
+                    engine.step()
+                steady = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    steady.append(time.perf_counter() - t0)
+                rows_before = engine.cache.max_slots
+                engine.add_request([j % 250 + 9 for j in range(args.new_prompt)],
+                                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                steps = []
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    steps.append(time.perf_counter() - t0)
+                runs[mode].append({"admission_ms": 1e3 * steps[0], "next_ms": 1e3 * steps[1],
+                                   "steady_ms": 1e3 * statistics.median(steady), "rows": [rows_before,
+                                                                                          engine.cache.max_slots],
+                                   "capacity": engine.cache.capacity})
+                print(mode, runs[mode][-1], flush=True)
+            finally:
+                KVCache.for_model = classmethod(reserved)
+            del engine
+    summary = {m: {key: statistics.median(r[key] for r in rs) for key in ("admission_ms", "next_ms", "steady_ms")}
+               for m, rs in runs.items()}
+    result = {"target": args.target or "bundled", "args": {k: str(v) for k, v in vars(args).items()},
+              "runs": runs, "summary": summary, "load": [load_before, loadavg()], "provenance": provenance()}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    first = next(iter(runs.values()))[0]
+    lines = [f"# The step that admits a request and grows the KV rows ({result['target']}, {args.streams} streams)", "",
+             f"Rows {first['rows'][0]} -> {first['rows'][1]} at {first['capacity']} positions; the streams held about "
+             f"{args.stream_prompt + args.decoded} positions each; the new prompt {args.new_prompt} tokens; "
+             f"{args.threads} thread(s); medians of {args.repeats} runs per mode, alternating.", "",
+             "| KV rows | admission step ms | next step ms | steady step ms |", "|---|---:|---:|---:|"]
+    for m, s in summary.items():
+        lines.append(f"| {m} | {s['admission_ms']:.1f} | {s['next_ms']:.1f} | {s['steady_ms']:.1f} |")
+    lines += ["", f"Load average (1 min) {result['load'][0]} before, {result['load'][1]} after.", "",
+              provenance_line(result["provenance"])]
+    (args.out_dir / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
