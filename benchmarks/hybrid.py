@@ -66,6 +66,19 @@ def fresh_memory(llm: LLM) -> None:
         p.model_steps = 0
 
 
+def steps_of(llm: LLM) -> str:
+    """Which steps a row runs: the target's and its model proposer's, eager or compiled (an engine
+    on a fresh cache runs eager steps until its AOT packages are built; steady_steps)."""
+    p = llm.engine.proposer
+    model = p.model if isinstance(p, HybridProposer) else p
+    parts = ["target " + ("eager" if llm.engine.runs_eagerly() else "compiled")]
+    if hasattr(model, "_step") and hasattr(model, "model"):
+        parts.append("draft " + ("eager" if model._step is model.model else "compiled"))
+    elif hasattr(model, "_head") and hasattr(model, "head"):
+        parts.append("head " + ("eager" if model._head is model.head else "compiled"))
+    return ", ".join(parts)
+
+
 def workloads(model: str, llm: LLM, n: int) -> dict[str, list[list[int]]]:
     docs = load_corpus(None).heldout
     if model == "bundled":
@@ -104,7 +117,8 @@ def bench_model(model: str, args) -> dict:
     loads = {name: prompts for name, prompts in workloads(model, llms["plain"], args.prompts).items()
              if name in args.workloads}
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    result = {"rows": {r: llms[r].engine.config.spec.method for r in names}, "workloads": {}}
+    result = {"rows": {r: llms[r].engine.config.spec.method for r in names},
+              "steps": {r: steps_of(llms[r]) for r in names}, "workloads": {}}
     for llm in llms.values():  # one-time costs (and the hybrid's cost measurement) before timing
         for prompts in loads.values():
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
@@ -184,6 +198,8 @@ def markdown(result: dict) -> list[str]:
                      and ("draft" in res["rows"][h] or "eagle3" in res["rows"][h])]
             lines += ["", "Steps in which the hybrid's model member drafted (last repeat): "
                       + ("; ".join(steps) or "none (no model member)")]
+        if "steps" in res:
+            lines += ["", "Steps each row ran: " + "; ".join(f"{r}: {v}" for r, v in res["steps"].items())]
         lines += ["", "Rows drafted by each member of the hybrid (last repeat), and mean acceptance length:", ""]
         for wname, w in res["workloads"].items():
             for h in hybrids:
