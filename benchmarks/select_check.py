@@ -84,11 +84,13 @@ def markdown(result: dict) -> str:
              f"{result['load_after'][0]} at the end, on a 2-core machine shared with other work; one core pinned. "
              "Ratios of paired runs are meaningful under load; absolute tok/s are not.", "",
              f"## 1. select ({sel['seconds']:.0f} s)", "",
-             "| # | configuration | speedup | tokens/step |", "|---|---|---|---|"]
+             "| # | configuration | speedup | measured again (near-ties) | tokens/step |", "|---|---|---|---|---|"]
     for i, r in enumerate(sel["rows"], 1):
-        lines.append(f"| {i} | {label(r['method'], r['draft'], r['k'])} | {r['speedup']:.2f}x | "
+        again = f"{r['runoff']['speedup']:.2f}x" if "runoff" in r else ""
+        lines.append(f"| {i} | {label(r['method'], r['draft'], r['k'])} | {r['speedup']:.2f}x | {again} | "
                      f"{r['tokens_per_step']:.2f} |")
-    lines += ["", f"Choice: **{sel['choice']}** ({sel['choice_speedup']:.2f}x in select's own measurement).", "",
+    lines += ["", f"Choice: **{sel['choice']}** ({sel['choice_speedup']:.2f}x in select's own measurement; "
+              "with a runoff, the mean of its two).", "",
               "## 2. The choice and the next configurations of the ranking, measured again side by side", "",
               "| configuration | speedup (median of paired ratios) | per repeat | output = plain |", "|---|---|---|---|"]
     for r in check["rows"]:
@@ -131,7 +133,8 @@ def main() -> None:
     res = select(config)
     c = res.choice
     sel = {"seconds": time.perf_counter() - t0, "load_after": loadavg(), "skipped": res.skipped,
-           "rows": [{k: r[k] for k in ("method", "draft", "k", "speedup", "tokens_per_step")} for r in res.rows],
+           "rows": [{k: r[k] for k in ("method", "draft", "k", "speedup", "tokens_per_step", "runoff") if k in r}
+                    for r in res.rows],
            "choice": label(c.method, c.draft, c.k), "choice_speedup": c.speedup}
     chosen = (c.method, c.draft, c.k)
     ranked = [(r["method"], r["draft"], r["k"]) for r in res.rows]
