@@ -191,14 +191,7 @@ class KVCache:
         """Make room for `capacity` positions per slot, keeping what is cached."""
         if capacity <= self.capacity:
             return
-        for layers in (self._k_all, self._v_all):
-            for i, t in enumerate(layers):
-                bigger = zeros((t.shape[0], t.shape[1], capacity + 1, t.shape[3]), t.dtype, t.device)
-                bigger[:, :, : self.capacity] = t[:, :, : self.capacity]
-                layers[i] = bigger
-        self.k = [t[:self.max_slots] for t in self._k_all]
-        self.v = [t[:self.max_slots] for t in self._v_all]
-        self.capacity = capacity
+        KVCache.resize(self, self.max_slots, capacity, self.max_slots)  # (KVCache's: a subclass's broadcasts)
 
     def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """After tree verification: copy slots src (B, n) to dst (B, n) in rows 0..B-1,

@@ -294,7 +294,7 @@ def select(config: SelectConfig, progress: Callable[[str, float], None] | None =
     by_draft: dict[str | None, list[dict[str, Any]]] = {}
     for r in top:  # (a free method's draft is None: one runoff per draft, side by side within it)
         by_draft.setdefault(r["draft"], []).append(r)
-    for i, (draft, group) in enumerate(by_draft.items()):
+    for draft, group in by_draft.items():
         if progress:
             progress("runoff: " + ", ".join(f"{r['candidate']} k={r['k']}" for r in group), 1.0)
         gc.collect()
