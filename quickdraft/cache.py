@@ -25,6 +25,7 @@ positions, and zeroing those 1.5 GB stalled every stream for 1.3-2.4 s.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("quickdraft")
 
 
 def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -113,10 +116,18 @@ class KVCache:
 
     def _allocate(self, num_layers: int, rows: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
                   device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values of max(rows, reserve_rows) rows (the reservation, class doc)."""
+        """Keys and values of max(rows, reserve_rows) rows (the reservation, class doc); where the
+        OS refuses that much address space (strict overcommit accounting), of `rows` rows."""
         shape = (max(rows, self.reserve_rows), heads, capacity + 1, head_dim)  # +1: the trash column
-        return [zeros(shape, dtype, device) for _ in range(num_layers)], \
-            [zeros(shape, dtype, device) for _ in range(num_layers)]
+        try:
+            return [zeros(shape, dtype, device) for _ in range(num_layers)], \
+                [zeros(shape, dtype, device) for _ in range(num_layers)]
+        except OSError:  # (mmap's ENOMEM)
+            if shape[0] == rows:
+                raise
+            log.info("quickdraft: no address space for %d KV rows in reserve; growing them will copy", shape[0])
+            self.reserve_rows = 0
+            return self._allocate(num_layers, rows, heads, capacity, head_dim, dtype, device)
 
     @classmethod
     def for_model(cls, model, max_slots: int, capacity: int, reserve_rows: int = 0) -> KVCache:
@@ -158,7 +169,7 @@ class KVCache:
         peak is one layer more than the larger of the two sizes."""
         if max_slots == self.max_slots and capacity == self.capacity:
             return
-        if capacity == self.capacity and self.max_slots < max_slots <= self._k_all[0].shape[0]:
+        if capacity == self.capacity and self.max_slots < max_slots <= min(t.shape[0] for t in self._k_all + self._v_all):
             # more rows of the reservation (class doc): never written, so zeros
             self.k = [t[:max_slots] for t in self._k_all]
             self.v = [t[:max_slots] for t in self._v_all]
@@ -171,8 +182,14 @@ class KVCache:
         self.reserve_rows = self.reserve_rows * (self.capacity + 1) // (capacity + 1)
         for old, kept in ((self._k_all, self.k), (self._v_all, self.v)):
             for i, t in enumerate(kept):
-                new = zeros((max(max_slots, self.reserve_rows), t.shape[1], capacity + 1, t.shape[3]), t.dtype,
-                            t.device)
+                shape = (max(max_slots, self.reserve_rows), t.shape[1], capacity + 1, t.shape[3])
+                try:
+                    new = zeros(shape, t.dtype, t.device)
+                except OSError:  # no address space for the reservation (_allocate): the rows alone
+                    if shape[0] == max_slots:
+                        raise
+                    self.reserve_rows = 0
+                    new = zeros((max_slots,) + shape[1:], t.dtype, t.device)
                 new[:rows, :, :cols] = t[:rows, :, :cols]
                 old[i] = new
                 del t

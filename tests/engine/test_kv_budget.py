@@ -134,6 +134,44 @@ def test_rows_grow_within_the_reservation_without_a_copy():
     assert cache.k[0].shape == (16, 3, 2049, 64) and cache.k[0][3, 1, 5, 0] == 2.0
 
 
+def test_a_reservation_the_os_refuses_falls_back_to_the_rows_alone(monkeypatch):
+    """Strict overcommit accounting may refuse the reserved address space (mmap's ENOMEM): the
+    cache then holds its rows alone and grows them by copying, exactly."""
+    import torch
+
+    from quickdraft import cache as cache_module
+
+    real = cache_module.anonymous
+    row = 3 * 1025 * 64 * 4
+
+    def refusing(size):
+        if size > 4 * row:
+            raise OSError(12, "Cannot allocate memory")
+        return real(size)
+
+    monkeypatch.setattr(cache_module, "anonymous", refusing)
+    cache = KVCache(2, 2, 3, 1024, 64, torch.float32, "cpu", reserve_rows=8)
+    assert cache.reserve_rows == 0 and all(t.shape[0] == 2 for t in cache.k + cache.v)
+    for t in cache.k + cache.v:
+        t.normal_()
+    before = [t.clone() for t in cache.k + cache.v]
+    cache.resize(4, 1024, keep=2, length=1024)
+    assert all(new.shape[0] == 4 and torch.equal(new[:2, :, :1024], old[:, :, :1024]) and not new[2:].any()
+               for old, new in zip(before, cache.k + cache.v))  # (the trash column is never kept)
+    with pytest.raises(OSError):
+        cache.resize(8, 1024, keep=4)  # the rows themselves refused: the error stands
+    monkeypatch.setattr(cache_module, "anonymous", real)
+    cache = KVCache(2, 2, 3, 1024, 64, torch.float32, "cpu", reserve_rows=4)
+    for t in cache.k + cache.v:
+        t.normal_()
+    before = [t.clone() for t in cache.k + cache.v]
+    limit = 3 * 3 * 513 * 64 * 4  # three rows of 512 positions: the reservation of 7 is refused at a new capacity
+    monkeypatch.setattr(cache_module, "anonymous", lambda size: real(size) if size <= limit else refusing(1 << 40))
+    cache.resize(2, 512, keep=2, length=512)
+    assert cache.reserve_rows == 0 and all(t.shape == (2, 3, 513, 64) for t in cache.k + cache.v)
+    assert all(torch.equal(new[:, :, :512], old[:, :, :512]) for old, new in zip(before, cache.k + cache.v))
+
+
 def test_caches_stay_within_the_budget_and_requests_wait(target_dir, draft_dir):
     """A budget holding about two of these requests: the others wait in the queue (none is
     refused), memory never exceeds the budget, and the output is what an unbounded run gives."""
