@@ -101,10 +101,10 @@ class KVCache:
         self.capacity = capacity  # positions per slot
         self.max_slots = max_slots
         self.reserve_rows = reserve_rows if torch.device(device).type == "cpu" else 0
-        self._k_all, self._v_all = self._allocate(num_layers, max_slots, num_kv_heads, capacity, head_dim, dtype,
-                                                  device)
-        self.k = [t[:max_slots] for t in self._k_all]
-        self.v = [t[:max_slots] for t in self._v_all]
+        shape = (num_kv_heads, capacity + 1, head_dim)  # +1: the trash column
+        self._k_all = [self._rows(max_slots, shape, dtype, device) for _ in range(num_layers)]
+        self._v_all = [self._rows(max_slots, shape, dtype, device) for _ in range(num_layers)]
+        self._view()
         if torch.device(device).type == "cuda":
             # Compiled steps write the cache in place; CUDA graphs allow that only for inputs
             # whose address never changes, which these are (allocated once).
@@ -114,20 +114,23 @@ class KVCache:
                 except (AttributeError, RuntimeError):  # an older torch: CUDA graphs may be skipped
                     break
 
-    def _allocate(self, num_layers: int, rows: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                  device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values of max(rows, reserve_rows) rows (the reservation, class doc); where the
-        OS refuses that much address space (strict overcommit accounting), of `rows` rows."""
-        shape = (max(rows, self.reserve_rows), heads, capacity + 1, head_dim)  # +1: the trash column
-        try:
-            return [zeros(shape, dtype, device) for _ in range(num_layers)], \
-                [zeros(shape, dtype, device) for _ in range(num_layers)]
-        except OSError:  # (mmap's ENOMEM)
-            if shape[0] == rows:
-                raise
-            log.info("quickdraft: no address space for %d KV rows in reserve; growing them will copy", shape[0])
-            self.reserve_rows = 0
-            return self._allocate(num_layers, rows, heads, capacity, head_dim, dtype, device)
+    def _rows(self, rows: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """Zeros of max(rows, reserve_rows) rows of `shape` (the reservation, class doc); where the
+        OS refuses that much address space (strict overcommit accounting), of `rows` rows, and no
+        reservation from then on."""
+        if self.reserve_rows > rows:
+            try:
+                return zeros((self.reserve_rows, *shape), dtype, device)
+            except OSError:  # (mmap's ENOMEM)
+                log.info("quickdraft: no address space for %d KV rows in reserve; growing them will copy",
+                         self.reserve_rows)
+                self.reserve_rows = 0
+        return zeros((rows, *shape), dtype, device)
+
+    def _view(self) -> None:
+        """k and v: the first max_slots rows of each tensor."""
+        self.k = [t[:self.max_slots] for t in self._k_all]
+        self.v = [t[:self.max_slots] for t in self._v_all]
 
     @classmethod
     def for_model(cls, model, max_slots: int, capacity: int, reserve_rows: int = 0) -> KVCache:
@@ -169,11 +172,11 @@ class KVCache:
         peak is one layer more than the larger of the two sizes."""
         if max_slots == self.max_slots and capacity == self.capacity:
             return
-        if capacity == self.capacity and self.max_slots < max_slots <= min(t.shape[0] for t in self._k_all + self._v_all):
+        reserved = min(t.shape[0] for t in self._k_all + self._v_all)
+        if capacity == self.capacity and self.max_slots < max_slots <= reserved:
             # more rows of the reservation (class doc): never written, so zeros
-            self.k = [t[:max_slots] for t in self._k_all]
-            self.v = [t[:max_slots] for t in self._v_all]
             self.max_slots = max_slots
+            self._view()
             return
         rows, cols = min(keep, max_slots, self.max_slots), min(capacity, self.capacity)
         if length is not None:
@@ -182,21 +185,13 @@ class KVCache:
         self.reserve_rows = self.reserve_rows * (self.capacity + 1) // (capacity + 1)
         for old, kept in ((self._k_all, self.k), (self._v_all, self.v)):
             for i, t in enumerate(kept):
-                shape = (max(max_slots, self.reserve_rows), t.shape[1], capacity + 1, t.shape[3])
-                try:
-                    new = zeros(shape, t.dtype, t.device)
-                except OSError:  # no address space for the reservation (_allocate): the rows alone
-                    if shape[0] == max_slots:
-                        raise
-                    self.reserve_rows = 0
-                    new = zeros((max_slots,) + shape[1:], t.dtype, t.device)
+                new = self._rows(max_slots, (t.shape[1], capacity + 1, t.shape[3]), t.dtype, t.device)
                 new[:rows, :, :cols] = t[:rows, :, :cols]
                 old[i] = new
                 del t
                 kept[i] = None  # the old memory goes as each layer is copied
-        self.k = [t[:max_slots] for t in self._k_all]
-        self.v = [t[:max_slots] for t in self._v_all]
         self.max_slots, self.capacity = max_slots, capacity
+        self._view()
         if self.k and self.k[0].device.type == "cuda":
             for t in self.k + self.v:
                 try:
