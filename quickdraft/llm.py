@@ -176,6 +176,8 @@ class LLM:
             raise QuickdraftError(f"method {method!r} needs a draft model folder")
         dev = resolve_device(device)
         target_dir = checkpoint_dir(target)
+        if tensor_parallel_size == 1:  # ranks keep a GGUF's blocks only when asked (their cuts must fall on groups)
+            quantization = stored_quantization(quantization, target_dir, dev)
         self_copy = None  # a self-draft, made from the loaded target
         if tensor_parallel_size != 1:
             from .parallel import load_tensor_parallel
@@ -209,6 +211,7 @@ class LLM:
                                                  if draft_dtype else None), _head_quantization(draft_quantization, dev))
             elif cls.needs_draft_model and not self_draft:
                 draft_dir = checkpoint_dir(draft)
+                draft_quantization = stored_quantization(draft_quantization, draft_dir, dev)
                 self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev,
                                                       quantization=draft_quantization), draft_quantization)
                 check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
@@ -393,6 +396,21 @@ def build_aot(payload: str) -> None:
     print(f"quickdraft: AOT steps ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
+def stored_quantization(asked: str | None, model_dir: Path, device: torch.device) -> str | None:
+    """A target's or draft model's weight format: as asked ("none": dequantised as loaded); by
+    default, a GGUF stored in 4 bits (most layer matrices Q4_0 / Q4_1 / Q4_K) keeps its blocks on
+    quickdraft's int4 kernel where that runs (a CPU with AVX-512 or AVX2 + FMA, or NEON), as
+    llama.cpp runs such a file: SmolLM2's Q4_1 file decoded 2.6x faster than dequantised to
+    float32 (docs/models.md); matrices the file keeps wider run int8 (`quant.make_linear`).
+    Anything else: as loaded."""
+    if asked is not None or device.type != "cpu" or not blocked_supported():
+        return asked
+    from .model.gguf import four_bit_type, gguf_source
+
+    source = gguf_source(model_dir)
+    return "int4" if source is not None and four_bit_type(source) is not None else None
+
+
 def _head_quantization(asked: str | None, device: torch.device) -> str | None:
     """An EAGLE-3 head's weight format: as asked, else int8 on a CPU where quickdraft's int8
     kernel runs (a head's draft step is bound by reading its weights: the bundled head's step
@@ -451,15 +469,15 @@ def _check_self_draft_options(quantization: str | None, draft_quantization: str 
 
 def _check_self_draft_source(target_dir: Path) -> None:
     """A target stored in 4 bits (a GGUF of Q4_0 / Q4_1 / Q4_K layers) gets no self-draft: its
-    4-bit copy would be the target itself, which then runs as fast undrafted (quantization="int4")."""
+    4-bit copy would be the target itself, which already runs on the int4 kernel by default."""
     from .model.gguf import four_bit_type, gguf_source
 
     source = gguf_source(target_dir)
     kind = four_bit_type(source) if source is not None else None
     if kind is not None:
         raise QuickdraftError(f"the target's weights are stored in 4 bits ({kind} in {source.name}): a self-draft "
-                              "cannot pay there (its copy would be the target itself); run the target in 4 bits "
-                              "instead (quantization='int4', --quantization int4), or give a smaller draft model")
+                              "cannot pay there (its copy would be the target itself, which runs in 4 bits by "
+                              "default); give a smaller draft model, or a method that needs none")
 
 
 def _profile_choice(profile: str | Path | None, target):

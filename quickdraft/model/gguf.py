@@ -730,7 +730,17 @@ def load_gguf_model(path: str | Path, dtype: str | torch.dtype | None = None,
     model = assemble(cfg, gguf_state_dict(g, cfg, resolve_dtype(dtype, cfg, dev), dev, int4), g.path)
     for name, groups in (int4 or {}).items():
         model.get_parameter(name).gguf_int4 = groups
+    if int4 is not None:
+        mark_wide(model)
     return model
+
+
+def mark_wide(model: torch.nn.Module) -> None:
+    """Under quantization="int4", mark the matrices a GGUF stores wider than 4 bits (no 4-bit
+    blocks of their own): `quant.make_linear` runs them in int8 instead of rounding them to 4 bits."""
+    for p in model.parameters():
+        if p.dim() == 2 and getattr(p, "gguf_int4", None) is None:
+            p.gguf_wide = True
 
 
 # --- folders --------------------------------------------------------------------------------

@@ -89,6 +89,10 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
     if fmt == "int4":
         native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
         source = "GGUF blocks" if all(n is not None for n in native) else None
+        if source is None and any(getattr(lin.weight, "gguf_wide", False) for lin in linears):
+            # a GGUF keeps this matrix wider than 4 bits (SmolLM2's Q8_0 lm_head, a Q4_K_M's Q6_K
+            # layers): not rounded to 4 bits a second time, int8 as llama.cpp's 8-bit dot products
+            return make_linear(linears, "int8")
         if source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
             q, scale, zero = (torch.cat(parts) for parts in zip(*native))
         else:

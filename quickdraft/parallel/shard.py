@@ -35,7 +35,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import QuickdraftError
 from ..model import compressed
-from ..model.gguf import GGUFWeights, gguf_source, is_gguf_file
+from ..model.gguf import GGUFWeights, gguf_source, is_gguf_file, mark_wide
 from ..model.loader import assemble, resolve_dtype, weight_files
 from ..model.transformer import Transformer
 
@@ -215,6 +215,8 @@ def load_shard(path: Path, plan: ShardPlan, dtype: str | torch.dtype | None, dev
                 model.lm_head.weight.gguf_int4 = head_groups
     else:
         model.lm_head = NoLogits()
+    if int4 is not None:
+        mark_wide(model)
     return model
 
 

@@ -132,9 +132,10 @@ def random_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator) 
 
 
 def write_gguf(path: Path, model, arch: str, *, tokenizer: str | None = "gpt2", qtype: str = "F32",
-               extra=None, seed: int = 0) -> Path:
+               extra=None, seed: int = 0, head_qtype: str | None = None) -> Path:
     """`model` as llama.cpp writes it: metadata, the tokenizer, q/k rows permuted for llama,
-    1-D tensors in F32 and matrices in `qtype`."""
+    1-D tensors in F32 and matrices in `qtype` (the embedding and output in `head_qtype` when
+    given, as llama.cpp's quantizer keeps them wider)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -178,6 +179,7 @@ def write_gguf(path: Path, model, arch: str, *, tokenizer: str | None = "gpt2", 
     if extra is not None:
         extra(w)
     rng = np.random.default_rng(seed)
+    matrices = qtype
     for hf, t in model.state_dict().items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # llama.cpp writes no copy of a tied head
@@ -185,6 +187,7 @@ def write_gguf(path: Path, model, arch: str, *, tokenizer: str | None = "gpt2", 
         if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             arr = llama_permute(arr, cfg.num_attention_heads if ".q_proj." in hf else cfg.num_key_value_heads)
         name = gguf_tensor_name(hf)
+        qtype = head_qtype if head_qtype and name in ("token_embd.weight", "output.weight") else matrices
         if arr.ndim == 1 or qtype == "F32":
             w.add_tensor(name, arr.astype(np.float32))
         elif qtype == "F16":
@@ -345,6 +348,41 @@ def test_4bit_blocks_load_into_int4_as_they_are(tmp_path, qtype):
     prompt, params = [5, 9, 14, 3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(target=path, dtype="float32", quantization="int4", policy="fixed")
     assert llm.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
+
+
+def test_a_4bit_gguf_runs_on_its_own_blocks_by_default(tmp_path):
+    """With no quantization asked, a GGUF stored in 4 bits keeps its blocks on the int4 kernel
+    (where quickdraft's kernels run), its wider lm_head runs int8 (not rounded to 4 bits again),
+    a draft model stored in 4 bits does the same, speculation still gives the plain output, and
+    quantization="none" dequantises as before; a GGUF stored in 8 bits is dequantised."""
+    from quickdraft.model.formats import FastLinear
+    from quickdraft.model.quant import blocked_supported
+
+    if not blocked_supported():
+        pytest.skip("quickdraft's CPU kernels do not run here: a 4-bit GGUF is dequantised")
+    vocab = vocab_size("gpt2")
+    target = write_gguf(tmp_path / "t.gguf", hf_model("llama", vocab, **WIDE), "llama", qtype="Q4_1",
+                        head_qtype="Q8_0")
+    draft = write_gguf(tmp_path / "d.gguf", hf_model("llama", vocab, seed=1, num_hidden_layers=1), "llama",
+                       qtype="Q4_0")
+    q8 = write_gguf(tmp_path / "q8.gguf", hf_model("llama", vocab, seed=2), "llama", qtype="Q8_0")
+
+    def formats(model):
+        return {m.fmt for m in model.model.layers.modules() if isinstance(m, FastLinear)}, model.lm_head.fmt
+
+    spec = LLM(target=target, draft=draft, dtype="float32", num_speculative_tokens=3, policy="fixed")
+    assert formats(spec.target) == ({"int4"}, "int8") and formats(spec.draft) == ({"int4"}, "int4")
+    assert all("from GGUF blocks" in repr(m) for m in spec.target.model.layers.modules()
+               if isinstance(m, FastLinear))
+    asked = LLM(target=target, method="none", dtype="float32", quantization="int4")
+    assert formats(asked.target) == ({"int4"}, "int8")  # asked or not: the same model
+    plain = LLM(target=target, method="none", dtype="float32")
+    prompt, params = [5, 9, 14, 3, 5, 9], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    out = plain.generate([prompt], params)[0].token_ids
+    assert spec.generate([prompt], params)[0].token_ids == out == asked.generate([prompt], params)[0].token_ids
+    assert formats(LLM(target=target, method="none", dtype="float32", quantization="none").target) \
+        == ({"blocked"}, "blocked")
+    assert formats(LLM(target=q8, method="none", dtype="float32").target) == ({"blocked"}, "blocked")
 
 
 def test_quantised_load_into_half_precision(tmp_path):
