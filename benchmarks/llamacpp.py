@@ -53,6 +53,10 @@ Configurations (ours vs llama.cpp):
   llama.cpp runs no EAGLE-3 heads on CPU and has no draft model for SmolLM2, so these are its
   best methods here. Chat and code workloads.
 
+- shipped, prefill-shipped: the model's GGUF as quickdraft's catalogue ships it (SmolLM2's Q4_1
+  file: 4-bit layers, Q8_0 embedding and lm_head), both engines on the same file, ours with its
+  defaults (no dtype or quantization given: what `--target smollm2` runs); decode, and the
+  prompt phase as below. Skipped for models with no shipped GGUF.
 - prefill, prefill-int8-q8_0, prefill-int4-q4_0: the prompt phase of 512-token prompts
   (stretches of held-out source files, raw text, the same ids in both engines), 1 new token:
   the model's reference weights (f32; bf16 for big), int8 vs Q8_0, int4 vs Q4_0. tok/s = prompt
@@ -358,6 +362,7 @@ class ModelSet:
     pre_tokenizer: str | None  # declared to llama.cpp's converter where it cannot tell
     draft_status: str
     head: Path | None = None  # the EAGLE-3 head quickdraft ships for the model (eagle3 rows)
+    shipped: Path | None = None  # the GGUF file as the catalogue ships it (the shipped-* rows)
     # the unquantised weights both engines compare at: ours' dtype and llama.cpp's GGUF type (F32
     # for the small models; a 1.7B model's float32 copy, 6.8 GB, would only measure DRAM: BF16)
     dtype: str = "float32"
@@ -487,7 +492,8 @@ def model_set(name: str) -> ModelSet:
         status = (f"shipped ({draft})" if draft else "no smollm2 draft model shipped (llama.cpp has none either): "
                   "draft rows skipped")
         hf_draft = None if draft is None else draft if draft.is_dir() else hf_folder(draft)
-        return ModelSet(name, folder, folder, draft, hf_draft, True, None, status, head)
+        return ModelSet(name, folder, folder, draft, hf_draft, True, None, status, head,
+                        shipped=resolve_model("smollm2"))
     target, draft = default_model_dirs()
     models = peers_dir() / "models"
     return ModelSet(name, target, converter_copy(target, models / "bundled-target-hf"), draft,
@@ -684,6 +690,7 @@ class Config:
     needs: str | None = None  # a quantization quickdraft must offer
     reference: bool = False  # ours in the model's reference dtype, llama.cpp on its reference GGUF
     prefill: bool = False  # times the prompt phase of PREFILL_TOKENS-token prompts, not decoding
+    shipped: bool = False  # both engines load the GGUF file as shipped; ours with its defaults
 
     def resolved(self, models: ModelSet) -> tuple[dict, str]:
         """(ours' LLM keyword arguments, llama.cpp's GGUF kind) for this model."""
@@ -709,6 +716,9 @@ CONFIGS = {c.name: c for c in [
            PLAIN_FLAGS, needs="int8", prefill=True),
     Config("prefill-int4-q4_0", {"dtype": "float32", "quantization": "int4"}, "llama-completion", "Q4_0",
            PLAIN_FLAGS, needs="int4", prefill=True),
+    # the file as users get it (SmolLM2's Q4_1 GGUF), ours on its defaults: what `--target smollm2` runs
+    Config("shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True),
+    Config("prefill-shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True, prefill=True),
     Config("ngram", {"dtype": "float32", "method": "ngram", "num_speculative_tokens": 8}, "llama-lookup", "F32",
            ("--spec-draft-n-max", "8")),
     Config("suffix", {"dtype": "float32", "method": "suffix", "num_speculative_tokens": 8,
@@ -742,6 +752,8 @@ def skip_reason(config: Config, models: ModelSet) -> str | None:
         return models.draft_status
     if config.head and models.head is None:
         return "no EAGLE-3 head shipped for this model"
+    if config.shipped and models.shipped is None:
+        return "no GGUF file shipped for this model (it is made here from its reference weights)"
     return None
 
 
@@ -881,14 +893,15 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             continue
         draft_gguf = models.gguf(llama, "F32", draft=True) if config.draft else None
         ours_kwargs, gguf_kind = config.resolved(models)
-        peer = Peer(llama, config.peer, models.gguf(llama, gguf_kind), list(config.flags), draft_gguf)
+        peer = Peer(llama, config.peer, models.shipped if config.shipped else models.gguf(llama, gguf_kind),
+                    list(config.flags), draft_gguf)
         kwargs = {"device": "cpu", "method": "none", "compile": COMPILE_MODES[args.compile], **ours_kwargs}
         try:
             load_threads = max(args.threads)  # every configuration loads at the same thread count
             set_threads(load_threads)
             started = time.perf_counter()
             draft = models.draft if config.draft else models.head if config.head else None
-            llm = LLM(models.target, draft=draft, **kwargs, policy="fixed")
+            llm = LLM(models.shipped if config.shipped else models.target, draft=draft, **kwargs, policy="fixed")
             load_s = time.perf_counter() - started
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks
             log(f"{name} {cname}: skipped (quickdraft could not load it: {exc})")
