@@ -4,9 +4,12 @@ itself, whether the greedy output was identical, the acceptance, the text's firs
 
 The examples run alternately (edit, chat, edit, chat, ...: a change in the machine's load hits
 both alike), --runs times each; the process is pinned to --cores (its children inherit it) and
-torch uses --threads threads. Medians per example over the runs.
+torch uses --threads threads. Medians per example over the runs. --quantizations runs each
+example once per value in the same alternation (default: the command as README gives it; none,
+int8, int4: with `--quantization VALUE`), so the default's tok/s stands beside another format's.
 
     python benchmarks/first_command.py --target smollm2 --method suffix --examples edit chat --runs 3
+    python benchmarks/first_command.py --examples edit chat --quantizations default none --runs 3
 """
 
 from __future__ import annotations
@@ -29,9 +32,15 @@ SPEEDUP = re.compile(r"speedup over plain decoding: ([0-9.]+)x \(plain ([0-9.]+)
 STATS = re.compile(r"(\d+) tokens, ([0-9.]+) tok/s, acceptance rate ([0-9.]+), mean acceptance length ([0-9.]+)")
 
 
-def run_once(args, example: str) -> dict:
+def label(example: str, quantization: str) -> str:
+    return example if quantization == "default" else f"{example}, --quantization {quantization}"
+
+
+def run_once(args, example: str, quantization: str = "default") -> dict:
     cmd = [sys.executable, "-m", "quickdraft.cli", "generate", "--example", example, "--temperature", "0",
            "--compare", "--threads", str(args.threads)]
+    if quantization != "default":
+        cmd += ["--quantization", quantization]
     if args.target:
         cmd += ["--target", args.target]
     if args.method:
@@ -51,7 +60,7 @@ def run_once(args, example: str) -> dict:
     if m is None or s is None:
         raise SystemExit(f"no speedup / stats line in the output of {' '.join(cmd)}:\n{p.stderr}")
     text = p.stdout.strip()
-    return {"example": example, "speedup": float(m.group(1)), "plain_tokens_per_s": float(m.group(2)),
+    return {"example": label(example, quantization), "speedup": float(m.group(1)), "plain_tokens_per_s": float(m.group(2)),
             "steps": m.group(3), "identical": m.group(4) == "yes", "tokens": int(s.group(1)), "tokens_per_s": float(s.group(2)),
             "acceptance_rate": float(s.group(3)), "mean_acceptance_length": float(s.group(4)),
             "wall_s": wall, "load_after": loadavg(), "text_start": text[:400]}
@@ -65,13 +74,16 @@ def markdown(result: dict) -> str:
              f"one the command prints (its own paired measurement of the same prompt with plain decoding). "
              f"Load average (1 min) before: {result['load_before'][0]}, after: {result['load_after'][0]} "
              "(2 cores, shared with other work; one core pinned).", "",
-             "| example | runs: speedup printed (steps timed) | median | output = plain | acceptance rate | "
-             "mean acceptance length | tokens | wall s per run |", "|---|---|---|---|---|---|---|---|"]
+             "| example | runs: speedup printed (steps timed) | median | tok/s (plain tok/s), medians | output = plain | "
+             "acceptance rate | mean acceptance length | tokens | wall s per run |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for ex, s in result["summary"].items():
         runs = [r for r in result["runs"] if r["example"] == ex]
         printed = ", ".join(f"{r['speedup']:.2f}x ({r['steps']})" for r in runs)
         walls = ", ".join(f"{r['wall_s']:.0f}" for r in runs)
-        lines.append(f"| {ex} | {printed} | **{s['median_speedup']:.2f}x** | "
+        speed = (f"{s['median_tokens_per_s']:.1f} ({s['median_plain_tokens_per_s']:.1f})"
+                 if "median_tokens_per_s" in s else "-")  # (results before these medians have none)
+        lines.append(f"| {ex} | {printed} | **{s['median_speedup']:.2f}x** | {speed} | "
                      f"{'yes' if s['all_identical'] else 'NO'} | {s['median_acceptance_rate']:.2f} | "
                      f"{s['median_acceptance_length']:.2f} | {runs[0]['tokens']} | {walls} |")
     lines += ["", "The text each example printed (first run, its start):", ""]
@@ -86,6 +98,8 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--method", default="suffix")
     ap.add_argument("--examples", nargs="+", default=["edit", "chat"])
+    ap.add_argument("--quantizations", nargs="+", default=["default"],
+                    help="default (README's command as it is), none, int8, int4: one run of each per example")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=None, help="default: each example's own")
     ap.add_argument("--threads", type=int, default=1)
@@ -103,15 +117,19 @@ def main() -> None:
     runs = []
     for i in range(args.runs):
         for ex in args.examples:
-            runs.append(run_once(args, ex))
-            print(f"[first_command] run {i + 1} {ex}: {runs[-1]['speedup']:.2f}x", file=sys.stderr, flush=True)
+            for q in args.quantizations:
+                runs.append(run_once(args, ex, q))
+                print(f"[first_command] run {i + 1} {label(ex, q)}: {runs[-1]['speedup']:.2f}x", file=sys.stderr,
+                      flush=True)
     summary = {}
-    for ex in args.examples:
+    for ex in [label(e, q) for e in args.examples for q in args.quantizations]:
         rs = [r for r in runs if r["example"] == ex]
         summary[ex] = {"median_speedup": statistics.median(r["speedup"] for r in rs),
                        "all_identical": all(r["identical"] for r in rs),
                        "median_acceptance_rate": statistics.median(r["acceptance_rate"] for r in rs),
-                       "median_acceptance_length": statistics.median(r["mean_acceptance_length"] for r in rs)}
+                       "median_acceptance_length": statistics.median(r["mean_acceptance_length"] for r in rs),
+                       "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                       "median_plain_tokens_per_s": statistics.median(r["plain_tokens_per_s"] for r in rs)}
     generate = (f"quickdraft generate --target {args.target} --method {args.method} --example NAME --temperature 0 "
                 "--compare")
     result = {"generate": generate, "runs": runs, "summary": summary, "load_before": load_before,

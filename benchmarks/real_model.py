@@ -15,7 +15,8 @@ Rows (each block = one thread count x one temperature x one workload, all rows i
 - ours-{ngram,suffix,lookahead}-k{k} vs ours-plain and vs hf-prompt-lookup-k{k}
   (`prompt_lookup_num_tokens=k`).
 
-Both libraries load the same weights: ours dequantises the catalogue GGUF into float32 at load,
+Both libraries load the same weights: ours dequantises the catalogue GGUF into float32 at load
+(`quantization="none"`: by default quickdraft runs that 4-bit file on its int4 kernel),
 transformers loads a float32 folder converted once from that GGUF (`convert_gguf`, kept under the
 quickdraft cache). Batch 1, one prompt per call, eos ignored by both (fixed output lengths),
 temperature 0 (greedy: every output compared with ours-plain token by token) and 0.8 (no top-k /
@@ -331,7 +332,8 @@ def main() -> None:
         f"{'given' if args.draft else 'shipped'} ({draft})" if draft is not None else \
         "draft not shipped yet (rows skipped)"
 
-    kw = {"dtype": "float32", "device": "cpu", "num_speculative_tokens": args.k}
+    # float32 as transformers loads it ("none": the catalogue's Q4_1 GGUF dequantised, not its int4 default)
+    kw = {"dtype": "float32", "quantization": "none", "device": "cpu", "num_speculative_tokens": args.k}
     ours: dict[str, LLM] = {"ours-plain": LLM(MODEL, method="none", **kw)}
     if "draft" in methods:
         ours[f"ours-draft-k{args.k}"] = LLM(MODEL, draft=draft, method="draft", **kw, policy="fixed")

@@ -83,7 +83,8 @@ class LLM:
         CUDA/ROCm; on CPU the cached ahead-of-time steps, and where they are missing eager steps
         at once while a low-priority process builds them (`self.aot_build`; the engine switches
         to them when they are ready; QUICKDRAFT_AOT_BUILD=0: no such build). quantization / draft_quantization: "int8" or "int4" weight-only for the target
-        / the draft (output follows the target as loaded, quantised or not; "none": as loaded);
+        / the draft (output follows the target as loaded, quantised or not; "none": as loaded;
+        None: a GGUF stored in 4 bits runs int4 on a CPU, anything else as loaded: `stored_quantization`);
         an EAGLE-3 head on a CPU with quickdraft's kernels is int8 unless draft_quantization says
         otherwise, since its draft step streams its weights and int8 halves that at the same
         acceptance (README, "EAGLE-3"). draft_dtype: the

@@ -101,9 +101,11 @@ def _check_select_check(data: dict) -> None:
 
 
 def _check_first_command(data: dict) -> None:
-    (run,) = data["runs"]
-    assert run["example"] == "code" and run["identical"] and run["tokens"] == 4 and run["speedup"] > 0
-    assert run["steps"] == "eager"  # the tests build no AOT packages (QUICKDRAFT_AOT_BUILD=0)
+    assert [r["example"] for r in data["runs"]] == ["code", "code, --quantization int8"]
+    for run in data["runs"]:
+        assert run["identical"] and run["tokens"] == 4 and run["speedup"] > 0 and run["tokens_per_s"] > 0
+        assert run["steps"] == "eager"  # the tests build no AOT packages (QUICKDRAFT_AOT_BUILD=0)
+    assert set(data["summary"]) == {"code", "code, --quantization int8"}
 
 
 def _check_chunked_prefill(data: dict) -> None:
@@ -177,7 +179,8 @@ CASES: dict[str, Case] = {
                              "--out-dir", "{out}", "--name", "sc"], ["sc.json", "sc.md"],
                             check=lambda out: _check_select_check(_json(out, "sc.json"))),
     "first_command.py": Case(["--target", "bundled", "--method", "ngram", "--examples", "code", "--runs", "1",
-                              "--max-tokens", "4", "--cores", "0", "--out-dir", "{out}", "--name", "fc"],
+                              "--max-tokens", "4", "--quantizations", "default", "int8", "--cores", "0", "--out-dir", "{out}",
+                              "--name", "fc"],
                              ["fc.json", "fc.md"], check=lambda out: _check_first_command(_json(out, "fc.json"))),
     "chunked_prefill.py": Case(["--sizes", "16", "--repeats", "1", "--streams", "1", "--stream-tokens", "400",
                                 "--long-tokens", "200", "--steady", "1", "--out-dir", "{out}", "--name", "cp"],
