@@ -1450,8 +1450,10 @@ void q8_neon(const Q8Args& a, int64_t b0, int64_t b1) {
 // Numerics, per query row, the same on every path: the score of key j is 16 FMA chains over d
 // (chain l: d = l, l + 16, ..., as 16-float vector lanes), then one fixed tree of adds
 // (key_score16), times nothing (q is scaled first); the softmax's max, exponentials (one
-// polynomial, within 2 ulp, exp_nonpos) and sum (16 lane sums in key order, then sum_lanes16's
-// fixed order), and the weighted sum of v run in key order. A row's result
+// polynomial, within 2 ulp, exp_nonpos) and sum (16 lane sums in key order, a key's lane its rank
+// among the keys the row sees, then sum_lanes16's fixed order: ranked_total), and the weighted
+// sum of v run in key order (an unseen key's weight is 0: it adds nothing). A token tree's node
+// whose key sits in a later slot than its position gets a chain's bits. A row's result
 // depends on its own query, its mask row and the keys only, however the rows are grouped and on
 // any thread count (row-invariant): a verify step attends for a token as a decode step does.
 // Any number of query rows (a long chain, a token tree of any size, a prefill), a pass of up to
@@ -1572,6 +1574,19 @@ inline void pad_scores(const AttendPass& p) {
 }
 
 inline bool key_seen(const AttendPass& p, int r, int64_t j) { return j < p.last && p.mrow[r][j * p.ms3]; }
+
+// Row r's total weight: its 16 lane sums, a key's lane its rank among the keys the row sees (not
+// its slot), then sum_lanes16. A token tree's node whose own key sits past its position (its
+// siblings' slots between) thus gets the bits of the same token in a chain or a decode step. The
+// vector paths add whole groups of 16 seen keys as vectors (rank = slot there) into `lanes`, up to
+// the first group with an unseen key (jb; < 0: none), then rank the keys [jb, end) here
+// (`end`: past the last group with a seen key). e: the row's weights.
+inline float ranked_total(const AttendPass& p, int r, float* lanes, const float* e, int64_t jb, int64_t end) {
+  if (jb >= 0)
+    for (int64_t j = jb, n = jb; j < end; ++j)
+      if (key_seen(p, r, j)) lanes[n++ & 15] += e[j];
+  return sum_lanes16(lanes);
+}
 
 #if QD_X86
 // Keys per block of the key-blocked passes: about 32 KB of keys (or values), so a block stays in
@@ -1838,16 +1853,19 @@ __attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
     const float m = _mm512_reduce_max_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     const __m512 mv = _mm512_set1_ps(m == ninf ? 0.f : m);
+    int64_t jb = -1, jl = 0;  // (ranked_total)
     for (int64_t j = 0; j < last; j += 16) {
       const __m512 x = _mm512_loadu_ps(sr + j);
-      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(ninf), _CMP_NEQ_OQ),
-                                           exp_nonpos(_mm512_sub_ps(x, mv)));
+      const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpos(_mm512_sub_ps(x, mv)));
       _mm512_storeu_ps(sr + j, e);
-      sum = _mm512_add_ps(sum, e);
+      if (jb < 0 && seen == 0xFFFF) sum = _mm512_add_ps(sum, e);
+      else if (jb < 0) jb = j;
+      if (seen) jl = j + 16;
     }
     float lanes[16];
     _mm512_storeu_ps(lanes, sum);
-    const float l = sum_lanes16(lanes);
+    const float l = ranked_total(p, r, lanes, sr, jb, std::min(jl, last));
     inv[r] = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key gets zeros
   }
   for (int64_t j0 = 0; j0 < last; j0 += KB) {
@@ -1976,17 +1994,27 @@ __attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
     for (int l = 0; l < 8; ++l) m = std::max(m, m8[l]);
     const __m256 mv = _mm256_set1_ps(m == ninf ? 0.f : m);
     __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0-7 and 8-15 of AVX-512's sum
-    for (int64_t j = 0; j < last; j += 16)
+    int64_t jb = -1, jl = 0;  // (ranked_total)
+    for (int64_t j = 0; j < last; j += 16) {
+      __m256 e[2];
+      int seen = 0;
       for (int h = 0; h < 2; ++h) {
         const __m256 x = _mm256_loadu_ps(sr + j + 8 * h);
-        const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(ninf), _CMP_NEQ_OQ), exp_nonpos8(_mm256_sub_ps(x, mv)));
-        _mm256_storeu_ps(sr + j + 8 * h, e);
-        sum[h] = _mm256_add_ps(sum[h], e);
+        const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(ninf), _CMP_NEQ_OQ);
+        e[h] = _mm256_and_ps(keep, exp_nonpos8(_mm256_sub_ps(x, mv)));
+        _mm256_storeu_ps(sr + j + 8 * h, e[h]);
+        seen |= _mm256_movemask_ps(keep) << (8 * h);
       }
+      if (jb < 0 && seen == 0xFFFF)
+        for (int h = 0; h < 2; ++h) sum[h] = _mm256_add_ps(sum[h], e[h]);
+      else if (jb < 0)
+        jb = j;
+      if (seen) jl = j + 16;
+    }
     float lanes[16];
     _mm256_storeu_ps(lanes, sum[0]);
     _mm256_storeu_ps(lanes + 8, sum[1]);
-    const float l = sum_lanes16(lanes);
+    const float l = ranked_total(p, r, lanes, sr, jb, std::min(jl, last));
     inv[r] = l > 0.f ? 1.f / l : 0.f;
   }
   for (int64_t j0 = 0; j0 < last; j0 += KB) {
@@ -2033,9 +2061,8 @@ void attend_portable(AttendPass& p) {
     for (int64_t j = 0; j < last; ++j) {
       const float x = sr[j];
       sr[j] = (x != ninf && x == x) ? exp_nonpos1(x - mv) : 0.f;
-      lanes[j % 16] += sr[j];
     }
-    const float l = sum_lanes16(lanes);
+    const float l = ranked_total(p, r, lanes, sr, 0, last);  // every key ranked
     const float inv = l > 0.f ? 1.f / l : 0.f;
     for (int64_t d = 0; d < D; ++d) {
       float acc = 0.f;
@@ -2361,19 +2388,28 @@ void attend_neon(AttendPass& p) {
     const float m = vmaxvq_f32(mx);
     const float32x4_t mv = vdupq_n_f32(m == ninf ? 0.f : m);
     float32x4_t sum[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
-    for (int64_t j = 0; j < last; j += 16)
+    int64_t jb = -1, jl = 0;  // (ranked_total)
+    for (int64_t j = 0; j < last; j += 16) {
+      float32x4_t e[4];
+      uint32x4_t all = vdupq_n_u32(~0u), any = vdupq_n_u32(0u);
       for (int h = 0; h < 4; ++h) {
         const float32x4_t x = vld1q_f32(sr + j + 4 * h);
         // a key's weight where its score is neither -inf nor NaN (an ordered "not equal")
         const uint32x4_t keep = vandq_u32(vmvnq_u32(vceqq_f32(x, vninf)), vceqq_f32(x, x));
-        const float32x4_t e = vreinterpretq_f32_u32(
-            vandq_u32(keep, vreinterpretq_u32_f32(exp_nonpos4(vsubq_f32(x, mv)))));
-        vst1q_f32(sr + j + 4 * h, e);
-        sum[h] = vaddq_f32(sum[h], e);
+        e[h] = vreinterpretq_f32_u32(vandq_u32(keep, vreinterpretq_u32_f32(exp_nonpos4(vsubq_f32(x, mv)))));
+        vst1q_f32(sr + j + 4 * h, e[h]);
+        all = vandq_u32(all, keep);
+        any = vorrq_u32(any, keep);
       }
+      if (jb < 0 && vminvq_u32(all) != 0u)
+        for (int h = 0; h < 4; ++h) sum[h] = vaddq_f32(sum[h], e[h]);
+      else if (jb < 0)
+        jb = j;
+      if (vmaxvq_u32(any) != 0u) jl = j + 16;
+    }
     float lanes[16];
     for (int h = 0; h < 4; ++h) vst1q_f32(lanes + 4 * h, sum[h]);
-    const float l = sum_lanes16(lanes);
+    const float l = ranked_total(p, r, lanes, sr, jb, std::min(jl, last));
     inv[r] = l > 0.f ? 1.f / l : 0.f;
   }
   switch (p.rc) {

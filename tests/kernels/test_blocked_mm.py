@@ -364,6 +364,31 @@ def test_attend_is_attention_and_rows_stay_independent(B, H, Hkv, T, L, D, isa):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("pos,gap,rows", [(37, 1, 1), (300, 3, 2), (16, 2, 5), (200, 16, 14), (5, 40, 13)])
+def test_a_tree_node_gets_the_bits_of_its_chain_position(pos, gap, rows, isa):
+    """A token tree's node at position `pos` whose own key sits `gap` slots later (its siblings'
+    keys between, unseen) attends to the same keys in the same order as that token in a chain
+    (or a decode step): it gets the chain's bits, so a tree step's accepted path carries the KV
+    and hidden states plain decoding computes (a key's lane in the softmax's total is its rank
+    among the keys the row sees, not its slot). Several query rows per call: passes of 1-16 rows."""
+    g = torch.Generator().manual_seed(pos)
+    H, Hkv, D = 6, 3, 64
+    L = pos + 1 + gap + 7
+    q = torch.randn(1, rows, H, D, generator=g).transpose(1, 2)
+    k, v = torch.randn(1, Hkv, L, D, generator=g), torch.randn(1, Hkv, L, D, generator=g)
+    kt, vt = k.clone(), v.clone()
+    kt[:, :, pos + gap], vt[:, :, pos + gap] = k[:, :, pos], v[:, :, pos]  # the node's own key, later
+    kt[:, :, pos:pos + gap] = torch.randn(1, Hkv, gap, D, generator=g)  # its siblings' keys
+    slots = torch.arange(L)
+    chain = (slots <= pos).expand(1, 1, rows, L)
+    tree = ((slots < pos) | (slots == pos + gap)).expand(1, 1, rows, L)
+    got = kernels.attend(q, kt, vt, tree, D ** -0.5)
+    assert torch.equal(got, kernels.attend(q, k, v, chain, D ** -0.5))
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=chain,
+                                                            enable_gqa=True)
+    assert (got.double() - want).abs().max() < 1e-5
+
+
 def test_attend_takes_a_prefill_on_the_kernel_and_masks_by_row(isa):
     q, k, v, mask = _attention_case(2, 8, 4, 100, 300, 64)  # 100 query rows: the kernel, 4 rows a pass
     got = kernels.attend(q, k, v, mask, 0.125)

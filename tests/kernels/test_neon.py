@@ -133,6 +133,8 @@ def _attention_case(B, H, Hkv, T, L, D, seed):
     pos = torch.randint(L // 2, L, (B, T), generator=g)
     mask = (torch.arange(L) <= pos[..., None])[:, None]
     mask[..., 0, :3] = False  # a row that skips the first keys (and, where L <= 3, sees none: zeros)
+    if T > 1 and L > 2:  # a row with a hole among its keys (a token tree's node): keys ranked, not slotted
+        mask[..., T - 1, L // 2 - 1] = False
     return q, k, v, mask
 
 
