@@ -493,11 +493,22 @@ class BackgroundBuild:
 
 
 def lower_priority() -> None:
-    """For a background build: nice 10 and one thread, so that decoding keeps its cores."""
+    """For a background build: nice 10 and one thread, so that decoding keeps its cores. Where
+    Linux groups processes by session for scheduling (autogroups, on by default in most
+    distributions), a nice value counts only within the group, and the build, in a session of its
+    own, would share a busy core half and half with the decoding process: so a build that leads
+    its own session gives its group nice 10 too (/proc/self/autogroup; measured with README's
+    first command from an empty cache: benchmarks/results/first_command_fresh_smollm2_cpu.md)."""
     try:
         os.nice(10)
     except (AttributeError, OSError):  # not on this platform / not allowed: it still runs
         pass
+    if hasattr(os, "getsid") and os.getsid(0) == os.getpid():  # its own session (never a user's shell's group)
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write("10")
+        except OSError:  # no autogroups (kernel option off, not Linux): nice alone counts
+            pass
     torch.set_num_threads(1)
 
 

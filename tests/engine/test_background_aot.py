@@ -153,3 +153,21 @@ def test_background_build_switches_mid_generation(target_dir, draft_dir, empty_a
     warm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32", policy="fixed")
     assert warm.aot_build is None and isinstance(warm.engine._forward, aot.AOTStep)
     assert warm.generate([PROMPT], GREEDY)[0].token_ids == want
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no Linux autogroups here")
+def test_a_build_in_its_own_session_lowers_its_scheduling_group():
+    """A build leads its own session, so Linux schedules it in a group of its own, where its nice
+    value alone would not yield a shared core to decoding: lower_priority gives the group nice 10
+    too, and leaves the group of a process that shares its session (a user's shell) as it is."""
+    code = ("import os; from quickdraft.aot import lower_priority; lower_priority(); "
+            "print(os.nice(0), open('/proc/self/autogroup').read().split()[-1])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    own = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         start_new_session=True)
+    assert own.returncode == 0, own.stderr
+    assert own.stdout.split() == ["10", "10"]  # the process's nice and its group's
+    before = open("/proc/self/autogroup").read().split()[-1]
+    shared = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert shared.returncode == 0, shared.stderr
+    assert shared.stdout.split()[1] == before == open("/proc/self/autogroup").read().split()[-1]

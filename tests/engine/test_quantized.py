@@ -132,6 +132,22 @@ def test_speculative_output_equals_plain_past_every_row_threshold(target_dir, dt
 
 
 @pytest.mark.parametrize("dtype,quant", EXACT)
+def test_token_trees_give_the_plain_output_to_the_bit(target_dir, dtype, quant):
+    """Greedy, a draft tree (3 candidates per node) over a batch of 16 ragged prompts: the
+    tokens and their logprobs are plain decoding's to the bit, also where a node that is not its
+    parent's first child is accepted (its key sat in a later slot than its position)."""
+    needs_row_invariant_kernels()
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    plain = LLM(target_dir, method="none", dtype=dtype, quantization=quant)
+    spec = LLM(target_dir, target_dir, num_speculative_tokens=3, dtype=dtype, quantization=quant,
+               draft_dtype="float32", draft_quantization="int4", policy="fixed",
+               spec_options={"tree_width": 3})
+    want = [(o.token_ids, o.logprobs) for o in plain.generate(BATCH, greedy)]
+    assert [(o.token_ids, o.logprobs) for o in spec.generate(BATCH, greedy)] == want
+    assert 0 < spec.stats.num_accepted_tokens < spec.stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("dtype,quant", EXACT)
 def test_seeded_request_does_not_depend_on_its_batch(target_dir, draft_dir, dtype, quant):
     """A seeded sampled request (its prompt 4 tokens, so alone its prefill has 4 rows) gives the
     same tokens and logprobs (to the bit) alone and beside 15 others, plain and speculative (k = 5,
