@@ -191,8 +191,12 @@ void block_rows_generic(const float* x, int64_t ldx, int64_t rows, const W* wb, 
 // lm_head 4489 vs 2942 us, 1 thread), and with the weights on 2 MiB pages (kernels.
 // weights_memory) one stream beat two: SmolLM2 float32 decoding 8-11% faster, 1 thread, 3
 // alternating pairs, the same as the AVX2 path's one stream. So on AMD the float32 and bfloat16
-// kernels give one row one stream. Either way the same FMAs in the same order per output: the
-// bits do not change.
+// kernels give one row one stream, and the int8 and int4 kernels one stream to one to three rows
+// (two blocks at a time streamed from DRAM at half the speed there: SmolLM2-1.7B's shape, int4,
+// its 2048 x 49152 lm_head 4.2-4.6 ms per row against 2.0-2.3 ms, 1, 2 and 3 rows alike, and a
+// whole eager step 88-98 ms against 57-61 ms; int8 4.1-4.5 against 3.4-3.7 ms, the step 98-109
+// against 85-88 ms; Zen 4, 1 thread). Either way the same FMAs or integer sums in the same order
+// per output: the bits do not change.
 // QUICKDRAFT_ROW_STREAMS (1, 2 or 4) overrides the choice (read once; benchmarks compare them).
 int row_streams() {
   static const int n = [] {
@@ -800,8 +804,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
   }
 }
 
-// Rows [0, M) of NBLK adjacent blocks: four blocks for one row, two for two or three rows, one
-// block six rows at a time for more (at most 24 integer sums in registers).
+// Rows [0, M) of NBLK adjacent blocks: four blocks for one row, two for two or three rows (one on
+// AMD: row_streams), one block six rows at a time for more (at most 24 integer sums in registers).
 template <int NBLK, bool VNNI>
 void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
                  int64_t ncols) {
@@ -830,7 +834,7 @@ void q4_avx512_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
   if (M == 1 && four_streams())
     for (; b + 3 < b1; b += 4)
       run_rows_q4<4, VNNI>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
-  if (M <= 3)
+  if (M <= 3 && row_streams() != 1)
     for (; b + 1 < b1; b += 2)
       run_rows_q4<2, VNNI>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
   for (; b < b1; ++b)
@@ -1168,10 +1172,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
   }
 }
 
-// Rows [0, M) of NBLK adjacent blocks: NBLK = 2: one to three rows (two read streams: as fast as
-// one block at one row, a little faster at two and three; four blocks, the float kernel's choice
-// for one row on Intel, were slower here); 1: any, six rows at a time, 7 as 4 + 3 (at most 24
-// integer sums in registers: each weight vector serves six rows, faster than two passes of three).
+// Rows [0, M) of NBLK adjacent blocks: NBLK = 2: one to three rows on Intel (two read streams: as
+// fast as one block at one row, a little faster at two and three; four blocks, the float kernel's
+// choice for one row on Intel, were slower here; on AMD one block: row_streams); 1: any, six rows
+// at a time, 7 as 4 + 3 (at most 24 integer sums in registers: each weight vector serves six rows,
+// faster than two passes of three).
 // (Measured with a standalone timing of these functions, SmolLM2's shapes, the Intel Xeon with VNNI.)
 template <int NBLK, bool VNNI>
 void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, const float* scale, const float* bias,
@@ -1211,7 +1216,7 @@ void q8_avx512_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
                             n, std::min(NBLK * NB, n - b * NB));
   };
   int64_t b = b0;
-  if (M <= 3)
+  if (M <= 3 && row_streams() != 1)
     for (; b + 1 < b1; b += 2) run(std::integral_constant<int, 2>{}, b);
   for (; b < b1; ++b) run(std::integral_constant<int, 1>{}, b);
 }

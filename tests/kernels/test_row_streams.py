@@ -1,0 +1,64 @@
+"""The kernels' read streams (QUICKDRAFT_ROW_STREAMS, read once when the library loads): one to
+three rows take one, two or four adjacent blocks at a time (by default one on AMD, where two
+streams from DRAM ran at half the speed, four or two on Intel). Every setting must give the same
+bits, on every path and in every weight format, so each is run here whatever the CPU's default."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quickdraft import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
+
+# Runs in a fresh process (the setting is read once per process): every path, format and row count
+# of one setting, saved for the parent to compare.
+_CHILD = r"""
+import sys, torch
+from quickdraft import kernels
+K, N = 96, 600  # 3 groups of 32 inputs; 10 blocks of 64 outputs, the last one partial
+g = torch.Generator().manual_seed(0)
+x = torch.randn(7, K, generator=g)
+w = torch.randn(K, N, generator=g) / K ** 0.5
+bias = torch.randn(N, generator=g)
+q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+s8 = torch.rand(N, generator=g) / 100
+q4 = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
+s4 = torch.rand(N, K // 32, generator=g) / 50
+ops = {
+    "f32": (lambda p: lambda x: kernels.blocked_mm(x, p, bias, N))(kernels.pack(w)),
+    "bf16": (lambda p: lambda x: kernels.blocked_mm_bf16(x, p, bias, N))(kernels.pack_bf16(w)),
+    "int8": (lambda p: lambda x: kernels.blocked_mm_int8(x, p, s8, bias, N))(kernels.pack_int8(q8)),
+    "int4": (lambda p: lambda x: kernels.blocked_mm_int4(x, p, bias, N))(kernels.pack_int4(q4, s4, -8 * s4)),
+}
+out = {}
+for isa in kernels.cpu_isas():
+    with kernels.use_isa(isa):
+        for fmt, f in ops.items():
+            for m in (1, 2, 3, 7):
+                out[isa, fmt, m] = f(x[:m]).clone()
+torch.save(out, sys.argv[1])
+"""
+
+
+def _run(streams: int, path) -> dict:
+    env = dict(os.environ, QUICKDRAFT_ROW_STREAMS=str(streams))
+    subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, check=True, timeout=300)
+    return torch.load(path)
+
+
+def test_every_read_stream_setting_gives_the_same_bits(tmp_path):
+    runs = {s: _run(s, tmp_path / f"streams{s}.pt") for s in (1, 2, 4)}
+    keys = runs[1].keys()
+    assert keys and all(run.keys() == keys for run in runs.values())
+    for key in keys:
+        isa, fmt, m = key
+        for s in (2, 4):
+            assert torch.equal(runs[s][key], runs[1][key]), (s, key)
+        # and a row's bits do not depend on the rows beside it (the seventh row group included)
+        assert torch.equal(runs[1][key], runs[1][isa, fmt, 7][:m]), key
