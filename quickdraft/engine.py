@@ -744,7 +744,10 @@ class Engine:
         keep = len(self.running) + len(self.prefilling)  # the prefilling rows' computed positions too
         if c is None:  # the address space of as many rows as the budget could ever hold here (KVCache)
             afford = self.budget.free_for("rows") // row_bytes(self.budget.token_bytes, shape[1])
-            self.cache = KVCache.for_model(self.target, *shape, reserve_rows=min(self.config.max_num_seqs, afford))
+            reserve = min(self.config.max_num_seqs, afford)
+            self.cache = KVCache.for_model(self.target, *shape, reserve_rows=reserve)
+            if self.proposer is not None:  # (the budget's token bytes count the proposer's caches too)
+                self.proposer.reserve_rows(reserve)
         else:  # (only the positions the kept rows have cached are copied)
             length = max([len(r.tokens) - 1 for r in self.running] + [r.num_computed for r in self.prefilling] + [0])
             c.resize(*shape, keep, length)

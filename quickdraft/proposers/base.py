@@ -129,6 +129,11 @@ class Proposer:
     def reserve(self, max_slots: int, capacity: int) -> None:
         """Prepare state for up to `max_slots` rows of `capacity` positions."""
 
+    def reserve_rows(self, rows: int) -> None:
+        """The engine's hint, before its first allocation: caches on a CPU may map the address
+        space of this many rows at once (KVCache's reserve_rows), so that growing the rows later
+        is a view of the same memory, not a copy under the running requests. By default nothing."""
+
     def resize(self, max_slots: int, capacity: int, keep: int) -> None:
         """Hold state for `max_slots` rows of `capacity` positions from now on, keeping rows
         0..keep-1's state exactly (the engine's cache grows or shrinks under its running
@@ -213,15 +218,19 @@ class OwnKVProposer(Proposer):
     def __init__(self) -> None:
         self.cache: KVCache | None = None
         self.cached: list[int] = []  # per row: positions [0, n) of its KV built in `cache`
+        self.rows_reserved = 0  # (reserve_rows)
 
-    def new_cache(self, max_slots: int, capacity: int) -> KVCache:
+    def new_cache(self, max_slots: int, capacity: int, reserve_rows: int = 0) -> KVCache:
         raise NotImplementedError
+
+    def reserve_rows(self, rows: int) -> None:
+        self.rows_reserved = rows
 
     def reserve(self, max_slots: int, capacity: int) -> None:
         c = self.cache
         if c is None or c.max_slots < max_slots or c.capacity < capacity:
             self.cache = None  # free the old one first
-            self.cache = self.new_cache(max_slots, capacity)
+            self.cache = self.new_cache(max_slots, capacity, reserve_rows=self.rows_reserved)
         self.cached = [0] * max_slots
 
     def resize(self, max_slots: int, capacity: int, keep: int) -> None:

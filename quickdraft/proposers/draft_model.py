@@ -138,8 +138,8 @@ class DraftModelProposer(OwnKVProposer):
     def max_draft_tokens(self, k: int) -> int:
         return k * self.tree_width if self.tree_nodes is None else min(k * self.tree_width, self.tree_nodes)
 
-    def new_cache(self, max_slots: int, capacity: int) -> KVCache:
-        return KVCache.for_model(self.model, max_slots, capacity)
+    def new_cache(self, max_slots: int, capacity: int, reserve_rows: int = 0) -> KVCache:
+        return KVCache.for_model(self.model, max_slots, capacity, reserve_rows=reserve_rows)
 
     def kv_token_bytes(self) -> int:
         return KVCache.token_bytes(self.model)

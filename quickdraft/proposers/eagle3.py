@@ -77,9 +77,10 @@ class Eagle3Proposer(OwnKVProposer):
 
     # --- the engine's batch layout ------------------------------------------------------
 
-    def new_cache(self, max_slots: int, capacity: int) -> KVCache:
+    def new_cache(self, max_slots: int, capacity: int, reserve_rows: int = 0) -> KVCache:
         cfg = self.head.config
-        return KVCache(1, max_slots, cfg.num_key_value_heads, capacity, cfg.head_dim, self.head.dtype, self.head.device)
+        return KVCache(1, max_slots, cfg.num_key_value_heads, capacity, cfg.head_dim, self.head.dtype, self.head.device,
+                       reserve_rows=reserve_rows)
 
     def reserve(self, max_slots: int, capacity: int) -> None:
         super().reserve(max_slots, capacity)

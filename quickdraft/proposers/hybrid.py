@@ -267,6 +267,10 @@ class HybridProposer(Proposer):
         for m in self.members.values():
             m.resize(max_slots, capacity, keep)
 
+    def reserve_rows(self, rows: int) -> None:
+        for m in self.members.values():
+            m.reserve_rows(rows)
+
     def kv_token_bytes(self) -> int:
         return sum(m.kv_token_bytes() for m in self.members.values())
 

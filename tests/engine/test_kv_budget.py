@@ -83,6 +83,24 @@ def test_growth_mid_run_changes_no_token_or_logprob(target_dir, draft_dir, eagle
     _same(outs, ref)
 
 
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_the_proposers_cache_grows_its_rows_within_the_reservation(target_dir, draft_dir, eagle3_head, method,
+                                                                  monkeypatch):
+    """The engine's first allocation reserves the address space of as many rows as the budget
+    affords for the proposer's cache too (a draft model's, an EAGLE-3 head's), so that admitting
+    requests later grows its rows as a view of the same memory, not a copy under running rows."""
+    monkeypatch.setattr("quickdraft.cache.ZERO_PAGES_MIN_BYTES", 0)
+    kw = dict(draft=dict(draft=draft_dir), eagle3=dict(draft=eagle3_head, method="eagle3"))[method]
+    engine = LLM(target_dir, max_num_seqs=8, policy="fixed", num_speculative_tokens=3, **kw).engine
+    engine._size_cache(1, 64)
+    own = engine.proposer.cache
+    assert engine.cache.reserve_rows == own.reserve_rows == 8 and own.max_slots == 1
+    where = [t.data_ptr() for t in own.k + own.v]
+    engine._size_cache(3, 64)  # more rows at the same capacity
+    assert engine.proposer.cache is own and own.max_slots == engine.cache.max_slots == 4
+    assert [t.data_ptr() for t in own.k + own.v] == where
+
+
 def test_cpu_caches_take_zero_pages_and_growth_copies_the_cached_positions_only():
     """A CPU cache of a real model's size is the operating system's zero pages (nothing filled,
     memory taken where written); growing it keeps the kept rows' cached positions bit for bit,
