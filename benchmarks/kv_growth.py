@@ -11,6 +11,11 @@ first prefill chunk rides in it), the next step, and the streams' steady step (m
 
     taskset -c 1 python benchmarks/kv_growth.py --out-dir benchmarks/results --name kv_growth_cpu
     python benchmarks/kv_growth.py --repeats 1 --decoded 8 --out-dir /tmp/x      # a smoke test
+
+With `--method draft` (or `eagle3`) the streams speculate and the proposer's own KV cache grows
+with the target's: a third mode then reserves the target's rows but copies the proposer's (what
+the engine did before `Proposer.reserve_rows`). The streams then step until the longest holds
+`--stream-prompt` + `--decoded` positions.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-prompt", type=int, default=100)
     ap.add_argument("--decoded", type=int, default=600, help="tokens each stream decodes before the new request")
     ap.add_argument("--new-prompt", type=int, default=300)
+    ap.add_argument("--method", default="none", help="none, draft or eagle3 (the target's shipped draft / head)")
     ap.add_argument("--repeats", type=int, default=4, help="per mode, alternating")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out-dir", type=Path, required=True)
@@ -40,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     from quickdraft import LLM, SamplingParams
     from quickdraft.bench.hardware import loadavg, provenance, provenance_line
     from quickdraft.cache import KVCache
+    from quickdraft.proposers.base import OwnKVProposer
 
     torch.set_num_threads(args.threads)
     reserved = KVCache.for_model.__func__
@@ -48,17 +55,23 @@ def main(argv: list[str] | None = None) -> None:
         return reserved(cls, model, max_slots, capacity, 0)
 
     modes = {"reserved rows (view)": classmethod(reserved), "no reservation (copy)": classmethod(copying)}
+    hint = OwnKVProposer.reserve_rows
+    if args.method != "none":
+        modes["target's rows reserved, the proposer's copied"] = classmethod(reserved)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     load_before = loadavg()
-    stream = SamplingParams(temperature=0, max_tokens=args.decoded + 50, ignore_eos=True)
+    slack = 50 if args.method == "none" else 300  # (speculation: up to k + 1 tokens a step, 20 steady steps)
+    stream = SamplingParams(temperature=0, max_tokens=args.decoded + slack, ignore_eos=True)
     for rep in range(args.repeats):
         for mode in (list(modes) if rep % 2 == 0 else list(modes)[::-1]):
             KVCache.for_model = modes[mode]
+            if mode.startswith("target's"):
+                OwnKVProposer.reserve_rows = lambda self, rows: None
             try:
-                engine = LLM(args.target, method="none").engine
+                engine = LLM(args.target, method=args.method, policy="fixed").engine
                 for i in range(args.streams):
                     engine.add_request([(7 * i + j) % 200 + 3 for j in range(args.stream_prompt)], stream)
-                for _ in range(args.decoded):
+                while max([len(r.tokens) for r in engine.running] + [0]) < args.stream_prompt + args.decoded:
                     engine.step()
                 steady = []
                 for _ in range(20):
@@ -66,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                     engine.step()
                     steady.append(time.perf_counter() - t0)
                 rows_before = engine.cache.max_slots
+                positions = max(len(r.tokens) for r in engine.running)
                 engine.add_request([j % 250 + 9 for j in range(args.new_prompt)],
                                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
                 steps = []
@@ -76,21 +90,23 @@ def main(argv: list[str] | None = None) -> None:
                 runs[mode].append({"admission_ms": 1e3 * steps[0], "next_ms": 1e3 * steps[1],
                                    "steady_ms": 1e3 * statistics.median(steady), "rows": [rows_before,
                                                                                           engine.cache.max_slots],
-                                   "capacity": engine.cache.capacity})
+                                   "capacity": engine.cache.capacity, "positions": positions})
                 print(mode, runs[mode][-1], flush=True)
             finally:
                 KVCache.for_model = classmethod(reserved)
+                OwnKVProposer.reserve_rows = hint
             del engine
     summary = {m: {key: statistics.median(r[key] for r in rs) for key in ("admission_ms", "next_ms", "steady_ms")}
                for m, rs in runs.items()}
-    result = {"target": args.target or "bundled", "args": {k: str(v) for k, v in vars(args).items()},
+    result = {"target": args.target or "bundled", "method": args.method, "args": {k: str(v) for k, v in vars(args).items()},
               "runs": runs, "summary": summary, "load": [load_before, loadavg()], "provenance": provenance()}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     first = next(iter(runs.values()))[0]
-    lines = [f"# The step that admits a request and grows the KV rows ({result['target']}, {args.streams} streams)", "",
-             f"Rows {first['rows'][0]} -> {first['rows'][1]} at {first['capacity']} positions; the streams held about "
-             f"{args.stream_prompt + args.decoded} positions each; the new prompt {args.new_prompt} tokens; "
+    lines = [f"# The step that admits a request and grows the KV rows ({result['target']}, method {args.method}, "
+             f"{args.streams} streams)", "",
+             f"Rows {first['rows'][0]} -> {first['rows'][1]} at {first['capacity']} positions; the streams held up to "
+             f"{first['positions']} positions each; the new prompt {args.new_prompt} tokens; "
              f"{args.threads} thread(s); medians of {args.repeats} runs per mode, alternating.", "",
              "| KV rows | admission step ms | next step ms | steady step ms |", "|---|---:|---:|---:|"]
     for m, s in summary.items():
