@@ -1132,13 +1132,16 @@ class Engine:
                 rnd.exponential(Stream.FINAL, p.shape[-1]), (anc, depth))
         D = path.shape[1]
         steps = torch.arange(D, device=device)
-        self.cache.compact(torch.where(path >= 0, L[:, None] + path, -1), L[:, None] + steps)
+        host = _read_back(tokens=out, path=path, num_accepted=num_accepted[:, None], num_drafted=valid.sum(1)[:, None],
+                          target_tokens=argmax if self._wants_target_tokens else None)
+        # the accepted path's entries to their chain slots; where every accepted node already sits at
+        # its chain slot (node j at depth j + 1: a draft's first branch, the common case), nothing moves
+        if any(0 <= node != j for row in host["path"] for j, node in enumerate(row)):
+            self.cache.compact(torch.where(path >= 0, L[:, None] + path, -1), L[:, None] + steps)
         lps = None
         if any(r.params.logprobs is not None for r in self.running):  # emitted token j came from the root or path[j-1]
             at = torch.cat([path.new_zeros(B, 1), (path + 1).clamp(min=0)], 1)  # (B, D + 1)
             lps = self._logprobs(self.running, raw.gather(1, at[..., None].expand(-1, -1, raw.shape[-1])), out)
-        host = _read_back(tokens=out, path=path, num_accepted=num_accepted[:, None], num_drafted=valid.sum(1)[:, None],
-                          target_tokens=argmax if self._wants_target_tokens else None)
         return StepOutcome(tokens=host["tokens"], num_accepted=[n for n, in host["num_accepted"]],
                            num_drafted=[d for d, in host["num_drafted"]],
                            accepted_nodes=[[i for i in row if i >= 0] for row in host["path"]],
