@@ -57,6 +57,10 @@ Configurations (ours vs llama.cpp):
   file: 4-bit layers, Q8_0 embedding and lm_head), both engines on the same file, ours with its
   defaults (no dtype or quantization given: what `--target smollm2` runs); decode, and the
   prompt phase as below. Skipped for models with no shipped GGUF.
+- gguf-q4_0, prefill-gguf-q4_0: both engines load the one Q4_0 GGUF llama-quantize made from the
+  reference weights (the same bytes: its 4-bit layers as they are, symmetric int4 on our side,
+  and its wider token embedding / lm_head), ours with its defaults, as for shipped; decode, and the
+  prompt phase as below.
 - prefill, prefill-int8-q8_0, prefill-int4-q4_0: the prompt phase of 512-token prompts
   (stretches of held-out source files, raw text, the same ids in both engines), 1 new token:
   the model's reference weights (f32; bf16 for big), int8 vs Q8_0, int4 vs Q4_0. tok/s = prompt
@@ -691,6 +695,7 @@ class Config:
     reference: bool = False  # ours in the model's reference dtype, llama.cpp on its reference GGUF
     prefill: bool = False  # times the prompt phase of PREFILL_TOKENS-token prompts, not decoding
     shipped: bool = False  # both engines load the GGUF file as shipped; ours with its defaults
+    same_gguf: bool = False  # both engines load llama.cpp's GGUF of kind `gguf`; ours with its defaults
 
     def resolved(self, models: ModelSet) -> tuple[dict, str]:
         """(ours' LLM keyword arguments, llama.cpp's GGUF kind) for this model."""
@@ -719,6 +724,9 @@ CONFIGS = {c.name: c for c in [
     # the file as users get it (SmolLM2's Q4_1 GGUF), ours on its defaults: what `--target smollm2` runs
     Config("shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True),
     Config("prefill-shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True, prefill=True),
+    # one file for both: llama.cpp's Q4_0 GGUF (ours runs its 4-bit blocks as they are)
+    Config("gguf-q4_0", {}, "llama-completion", "Q4_0", PLAIN_FLAGS, same_gguf=True),
+    Config("prefill-gguf-q4_0", {}, "llama-completion", "Q4_0", PLAIN_FLAGS, same_gguf=True, prefill=True),
     Config("ngram", {"dtype": "float32", "method": "ngram", "num_speculative_tokens": 8}, "llama-lookup", "F32",
            ("--spec-draft-n-max", "8")),
     Config("suffix", {"dtype": "float32", "method": "suffix", "num_speculative_tokens": 8,
@@ -893,15 +901,16 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             continue
         draft_gguf = models.gguf(llama, "F32", draft=True) if config.draft else None
         ours_kwargs, gguf_kind = config.resolved(models)
-        peer = Peer(llama, config.peer, models.shipped if config.shipped else models.gguf(llama, gguf_kind),
-                    list(config.flags), draft_gguf)
+        peer_file = models.shipped if config.shipped else models.gguf(llama, gguf_kind)
+        peer = Peer(llama, config.peer, peer_file, list(config.flags), draft_gguf)
         kwargs = {"device": "cpu", "method": "none", "compile": COMPILE_MODES[args.compile], **ours_kwargs}
         try:
             load_threads = max(args.threads)  # every configuration loads at the same thread count
             set_threads(load_threads)
             started = time.perf_counter()
             draft = models.draft if config.draft else models.head if config.head else None
-            llm = LLM(models.shipped if config.shipped else models.target, draft=draft, **kwargs, policy="fixed")
+            target = peer_file if config.shipped or config.same_gguf else models.target
+            llm = LLM(target, draft=draft, **kwargs, policy="fixed")
             load_s = time.perf_counter() - started
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks
             log(f"{name} {cname}: skipped (quickdraft could not load it: {exc})")

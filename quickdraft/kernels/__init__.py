@@ -464,19 +464,21 @@ def blocked_mm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.quickdraft.blocked_mm_bf16.default(x, packed, bias, n)
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     """Group-wise 4-bit weights in the int4 kernel's layout. q (out, in) in 0..15, scale and offset
     (out, in / 32): w = q * scale + offset over each group of 32 inputs. Returns uint8
     (ceil(out / 64), in / 32, 1280): per 64-output block and group, 8 quads of 4 inputs, each two
     64-byte chunks h = 0, 1 whose byte 4i + j is q[32h + i][4c + j] | q[32h + 16 + i][4c + j] << 4
     (quad c, i < 16, j < 4: each 32-bit lane four inputs of one output, as integer dot-product
     instructions take them), then the 64 scales and the 64 offsets as float16.
+    offset None: the symmetric layout, w = (q - 8) * scale (a GGUF's Q4_0), 1152 bytes a group
+    without the offsets (the kernel takes -8 * scale: the same bits as the offsets stored).
     Raises ValueError where a scale or offset does not fit float16."""
     n, k = q.shape
-    if k % GROUP or scale.shape != (n, k // GROUP) or offset.shape != scale.shape:
+    if k % GROUP or scale.shape != (n, k // GROUP) or (offset is not None and offset.shape != scale.shape):
         raise ValueError(f"int4 blocks need in % {GROUP} == 0 and (out, in / {GROUP}) scales; got q {tuple(q.shape)}, "
-                         f"scale {tuple(scale.shape)}, offset {tuple(offset.shape)}")
-    half = [t.to(torch.float16) for t in (scale, offset)]
+                         f"scale {tuple(scale.shape)}, offset {None if offset is None else tuple(offset.shape)}")
+    half = [t.to(torch.float16) for t in (scale, offset) if t is not None]
     if not all(bool(torch.isfinite(h).all()) for h in half):
         raise ValueError("int4 scales or offsets beyond float16's range")
     blocks, groups = -(-n // BLOCK), k // GROUP
@@ -490,11 +492,17 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tor
         h = torch.cat([h, h.new_zeros(pad, groups)]) if pad else h
         return h.view(blocks, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
-    return weights_memory(torch.cat([nibbles, per_output(half[0]), per_output(half[1])], dim=2))
+    return weights_memory(torch.cat([nibbles, *map(per_output, half)], dim=2))
+
+
+def int4_symmetric(packed: torch.Tensor) -> bool:
+    """Whether a `pack_int4`ed weight is in the symmetric layout (no offsets: w = (q - 8) * scale)."""
+    return packed.shape[-1] == GROUP * BLOCK // 2 + 2 * BLOCK
 
 
 def unpack_int4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `pack_int4`: (q (n, in) uint8, scale, offset (n, in / 32) float16)."""
+    """The inverse of `pack_int4`: (q (n, in) uint8, scale, offset (n, in / 32) float16); the
+    symmetric layout's offset is -8 * scale."""
     blocks, groups, _ = packed.shape
     nib = packed[..., :GROUP * BLOCK // 2].reshape(blocks, groups, 8, 2, 16, 4)  # (blocks, groups, c, h, i, j)
     qb = torch.stack([nib & 15, nib >> 4], dim=-1)  # (..., c, h, i, j, hi)
@@ -505,7 +513,8 @@ def unpack_int4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
         return h.transpose(1, 2).reshape(blocks * BLOCK, groups)[:n]
 
     size = GROUP * BLOCK // 2
-    return q, per_output(size), per_output(size + 2 * BLOCK)
+    scale = per_output(size)
+    return q, scale, -8 * scale if int4_symmetric(packed) else per_output(size + 2 * BLOCK)
 
 
 def blocked_mm_int4(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:

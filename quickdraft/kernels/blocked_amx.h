@@ -193,10 +193,10 @@ QD_AMX void q8_amx(const Q8Args& a, int64_t b0, int64_t b1) {
 // A block's nibbles as int8 in the int8 layout (B's): group g's quad c at u + 2048 g + 256 c, its
 // column j (outputs 16 j .. 16 j + 15) 64 bytes at + 64 j. (Chunk h of quad c: its low nibbles
 // are column 2h, its high ones column 2h + 1: blocked_core.h's int4 layout.)
-QD_AMX void unpack_q4_block(const uint8_t* wb, int64_t G, int8_t* u) {
+QD_AMX void unpack_q4_block(const uint8_t* wb, int64_t G, int64_t gb, int8_t* u) {
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* piece = wb + g * QGB;
+    const uint8_t* piece = wb + g * gb;
     int8_t* ug = u + g * Q8B;
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c)
@@ -212,8 +212,8 @@ QD_AMX void unpack_q4_block(const uint8_t* wb, int64_t G, int8_t* u) {
 // Rows [0, MT) of one block from its unpacked nibbles u, a column at a time: per group,
 // t = float(I_g) * d_g, y = fma(t, s_g, y), y = fma(X_g, o_g, y), from y = bias (or 0).
 template <int MT>
-QD_AMX void block_rows_q4_amx(const Q4Act& x, const int8_t* u, const uint8_t* wb, const float* bias, float* y,
-                              int64_t ldy, int64_t ncols) {
+QD_AMX void block_rows_q4_amx(const Q4Act& x, const int8_t* u, const uint8_t* wb, int64_t gb, const float* bias,
+                              float* y, int64_t ldy, int64_t ncols) {
   alignas(64) int32_t c[2][16 * 16];
   const int64_t G = x.G;
   for (int j = 0; j < 4 && 16 * j < ncols; ++j) {
@@ -230,9 +230,10 @@ QD_AMX void block_rows_q4_amx(const Q4Act& x, const int8_t* u, const uint8_t* wb
       }
       if (g > 0) {
         const int32_t* cg = c[(g - 1) & 1];
-        const uint8_t* piece = wb + (g - 1) * QGB;
+        const uint8_t* piece = wb + (g - 1) * gb;
         const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 32 * j)));
-        const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * j)));
+        const __m512 of = gb == QGB_SYM ? _mm512_mul_ps(sc, _mm512_set1_ps(-8.f))
+                                        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * j)));
 #pragma GCC unroll 16
         for (int r = 0; r < MT; ++r) {
           const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cg + 16 * r)), _mm512_set1_ps(x.d[r * G + g - 1]));
@@ -246,16 +247,16 @@ QD_AMX void block_rows_q4_amx(const Q4Act& x, const int8_t* u, const uint8_t* wb
 }
 
 QD_AMX void q4_amx(const Q4Args& a, int64_t b0, int64_t b1) {
-  const int64_t stride = a.G * QGB;
+  const int64_t stride = a.G * a.gb;
   thread_local std::vector<int8_t> unpacked;  // one block's nibbles as bytes (2 KB a group), 64-byte aligned
   if ((int64_t)unpacked.size() < a.G * Q8B + 64) unpacked.resize(a.G * Q8B + 64);
   int8_t* u = unpacked.data() + (-reinterpret_cast<uintptr_t>(unpacked.data()) & 63);
   Tiles tiles(int(std::min<int64_t>(a.M, 16)));
   for (int64_t b = b0; b < b1; ++b) {
-    unpack_q4_block(a.w + b * stride, a.G, u);  // (once per block, for every tile of rows)
+    unpack_q4_block(a.w + b * stride, a.G, a.gb, u);  // (once per block, for every tile of rows)
     row_tiles_mt(a.M, [&](auto mt, int64_t m) {
       const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
-      block_rows_q4_amx<decltype(mt)::value>(xm, u, a.w + b * stride, a.bias ? a.bias + b * NB : nullptr,
+      block_rows_q4_amx<decltype(mt)::value>(xm, u, a.w + b * stride, a.gb, a.bias ? a.bias + b * NB : nullptr,
                                              a.y + m * a.n + b * NB, a.n, std::min(NB, a.n - b * NB));
     });
   }

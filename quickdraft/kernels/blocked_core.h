@@ -577,7 +577,10 @@ void blocks_portable(const MatArgs<W>& a, int64_t b0, int64_t b1) {
 // 1280-byte piece (so a block is a single read stream): 8 quads of inputs (k = 4c .. 4c + 3,
 // c = 0..7) of 128 bytes each, two 64-byte chunks h = 0, 1 per quad, byte 4i + j of chunk h
 // (i = 0..15, j = 0..3) holding q[32h + i][4c + j] | q[32h + 16 + i][4c + j] << 4 (q in 0..15,
-// [output][input]); then 64 float16 scales s, then 64 float16 offsets o: w = q s + o. A chunk's
+// [output][input]); then 64 float16 scales s, then 64 float16 offsets o: w = q s + o (the
+// symmetric layout, QGB_SYM bytes, stores no offsets: o = -8 s, computed in float32 where the
+// other layout loads it, so a GGUF's Q4_0 matrix runs at its own 4.5 bits per weight; an
+// offset -8 s stored as float16 is the same float, so both layouts give the same bits). A chunk's
 // low nibbles are outputs 32h .. 32h + 15 and its high nibbles 32h + 16 .. 32h + 31, each 32-bit
 // lane four consecutive inputs of one output: the operand of vpdpbusd (and of maddubs + madd,
 // NEON's vmull + vpadal) against four activation bytes broadcast to every lane.
@@ -599,6 +602,7 @@ void blocks_portable(const MatArgs<W>& a, int64_t b0, int64_t b1) {
 // every path, at any row count, beside any other rows and on any thread count.
 constexpr int64_t QG = 32;                         // inputs per group
 constexpr int64_t QGB = QG * NB / 2 + 2 * NB * 2;  // bytes per (block, group): 1024 + 256
+constexpr int64_t QGB_SYM = QG * NB / 2 + NB * 2;  // the symmetric layout's: 1024 + 128 (no offsets)
 
 // The integer dot-product instructions where the CPU has them (AVX-512 VNNI, AVX-VNNI), else
 // maddubs + madd: exact integer sums either way, so the bits are the same; off forces the latter
@@ -653,10 +657,11 @@ inline int32_t quad_at(const int8_t* p) {
 struct Q4Args {
   Q4Act x;  // the rows' quantised activations
   int64_t M, G;
-  const uint8_t* w;  // packed (nblk, G, QGB)
+  const uint8_t* w;  // packed (nblk, G, gb)
   const float* bias;
   float* y;
   int64_t n;
+  int64_t gb = QGB;  // bytes per (block, group): QGB, or QGB_SYM for the symmetric layout (o = -8 s)
 };
 
 // The portable int4 path: the same integer sums and the same epilogue, one row at a time.
@@ -681,21 +686,22 @@ inline int32_t q4_at(const uint8_t* piece, int64_t n, int64_t k) {
   return hi ? byte >> 4 : byte & 15;
 }
 
-void block_rows_q4_generic(const Q4Act& x, int64_t rows, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
-                           int64_t ncols) {
+void block_rows_q4_generic(const Q4Act& x, int64_t rows, const uint8_t* wb, int64_t gb, const float* bias, float* y,
+                           int64_t ldy, int64_t ncols) {
   const int64_t G = x.G;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[NB];
     for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && n < ncols) ? bias[n] : 0.f;
     const int8_t* a = x.q + r * x.ldq;
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = wb + g * QGB;
+      const uint8_t* piece = wb + g * gb;
       const float dg = x.d[r * G + g], xs = x.xs[r * G + g];
       for (int64_t n = 0; n < NB; ++n) {
         int32_t isum = 0;
         for (int64_t k = 0; k < QG; ++k) isum += int32_t(a[g * QG + k]) * q4_at(piece, n, k);
-        const float t = float(isum) * dg;
-        acc[n] = std::fma(xs, half_to_float(piece + 1152 + 2 * n), std::fma(t, half_to_float(piece + 1024 + 2 * n), acc[n]));
+        const float t = float(isum) * dg, sc = half_to_float(piece + 1024 + 2 * n);
+        const float of = gb == QGB_SYM ? -8.f * sc : half_to_float(piece + 1152 + 2 * n);
+        acc[n] = std::fma(xs, of, std::fma(t, sc, acc[n]));
       }
     }
     for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] = acc[n];
@@ -704,8 +710,8 @@ void block_rows_q4_generic(const Q4Act& x, int64_t rows, const uint8_t* wb, cons
 
 void q4_portable(const Q4Args& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b)
-    block_rows_q4_generic(a.x, a.M, a.w + b * a.G * QGB, a.bias ? a.bias + b * NB : nullptr, a.y + b * NB, a.n,
-                          std::min(NB, a.n - b * NB));
+    block_rows_q4_generic(a.x, a.M, a.w + b * a.G * a.gb, a.gb, a.bias ? a.bias + b * NB : nullptr, a.y + b * NB,
+                          a.n, std::min(NB, a.n - b * NB));
 }
 
 #if QD_X86
@@ -743,8 +749,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i finish4x16
 // weight vector serves all MR rows.
 template <int MR, int NBLK, bool VNNI>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(const Q4Act& x, const uint8_t* wb,
-                                                                               const float* bias, float* y,
-                                                                               int64_t ldy, int64_t ncols) {
+                                                                               int64_t gb, const float* bias,
+                                                                               float* y, int64_t ldy, int64_t ncols) {
   constexpr int V = 4 * NBLK;
   const int64_t G = x.G;
   const __m512i low = _mm512_set1_epi8(15);
@@ -768,12 +774,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
       for (int r = 0; r < MR; ++r) av[r] = _mm512_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
 #pragma GCC unroll 4
       for (int blk = 0; blk < NBLK; ++blk) {
-        const uint8_t* piece = wb + (blk * G + g) * QGB;
-        // the piece's 20 lines PF bytes ahead, over the 8 quads
+        const uint8_t* piece = wb + (blk * G + g) * gb;
+        // the piece's 20 lines (18 symmetric) PF bytes ahead, over the 8 quads
         const char* ahead = reinterpret_cast<const char*>(piece) + PF;
         _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
         _mm_prefetch(ahead + 64 * (c + 8), _MM_HINT_T0);
-        if (c < 4) _mm_prefetch(ahead + 64 * (c + 16), _MM_HINT_T0);
+        if (64 * (c + 16) < gb) _mm_prefetch(ahead + 64 * (c + 16), _MM_HINT_T0);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m512i v = _mm512_loadu_si512(piece + 128 * c + 64 * h);
@@ -789,9 +795,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
     // vector j: block j / 4, outputs 16 (j % 4) ..
 #pragma GCC unroll 16
     for (int j = 0; j < V; ++j) {
-      const uint8_t* piece = wb + ((j / 4) * G + g) * QGB;
+      const uint8_t* piece = wb + ((j / 4) * G + g) * gb;
       const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 32 * (j % 4))));
-      const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
+      const __m512 of = gb == QGB_SYM ? _mm512_mul_ps(sc, _mm512_set1_ps(-8.f))
+                                      : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
       const __mmask16 mask = tail_mask(ncols - 16 * j);
 #pragma GCC unroll 6
       for (int r = 0; r < MR; ++r) {
@@ -807,38 +814,38 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 // Rows [0, M) of NBLK adjacent blocks: four blocks for one row, two for two or three rows (one on
 // AMD: row_streams), one block six rows at a time for more (at most 24 integer sums in registers).
 template <int NBLK, bool VNNI>
-void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
+void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, int64_t gb, const float* bias, float* y, int64_t ldy,
                  int64_t ncols) {
   constexpr int N2 = NBLK == 4 ? 2 : NBLK;  // (keeps the instances that cannot occur small)
   if (NBLK == 4) {
-    block_rows_q4<1, NBLK, VNNI>(x, wb, bias, y, ldy, ncols);
+    block_rows_q4<1, NBLK, VNNI>(x, wb, gb, bias, y, ldy, ncols);
     return;
   }
   if (NBLK == 2) {
-    if (M == 3) block_rows_q4<3, N2, VNNI>(x, wb, bias, y, ldy, ncols);
-    if (M == 2) block_rows_q4<2, N2, VNNI>(x, wb, bias, y, ldy, ncols);
-    if (M == 1) block_rows_q4<1, N2, VNNI>(x, wb, bias, y, ldy, ncols);
+    if (M == 3) block_rows_q4<3, N2, VNNI>(x, wb, gb, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q4<2, N2, VNNI>(x, wb, gb, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q4<1, N2, VNNI>(x, wb, gb, bias, y, ldy, ncols);
     return;
   }
   row_groups(M, [&](auto mr, int64_t m) {
     const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
-    block_rows_q4<decltype(mr)::value, 1, VNNI>(xm, wb, bias, y + m * ldy, ldy, ncols);
+    block_rows_q4<decltype(mr)::value, 1, VNNI>(xm, wb, gb, bias, y + m * ldy, ldy, ncols);
   });
 }
 
 template <bool VNNI>
 void q4_avx512_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
-  const int64_t M = a.M, n = a.n, stride = a.G * QGB;  // bytes per block
+  const int64_t M = a.M, n = a.n, stride = a.G * a.gb;  // bytes per block
   auto bias_at = [&](int64_t b) { return a.bias ? a.bias + b * NB : nullptr; };
   int64_t b = b0;
   if (M == 1 && four_streams())
     for (; b + 3 < b1; b += 4)
-      run_rows_q4<4, VNNI>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
+      run_rows_q4<4, VNNI>(a.x, M, a.w + b * stride, a.gb, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
   if (M <= 3 && row_streams() != 1)
     for (; b + 1 < b1; b += 2)
-      run_rows_q4<2, VNNI>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
+      run_rows_q4<2, VNNI>(a.x, M, a.w + b * stride, a.gb, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
   for (; b < b1; ++b)
-    run_rows_q4<1, VNNI>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
+    run_rows_q4<1, VNNI>(a.x, M, a.w + b * stride, a.gb, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
 }
 
 void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1);
@@ -873,7 +880,8 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) inline __m256i finish4x8(__m256
 // y, as block_rows_q4.
 template <int MR, int NH, bool VNNI>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act& x, int64_t g, const uint8_t* piece,
-                                                                    int t0, float* y, int64_t ldy, int64_t ncols) {
+                                                                    bool sym, int t0, float* y, int64_t ldy,
+                                                                    int64_t ncols) {
   __m256i acc[MR][2 * NH];
 #pragma GCC unroll 8
   for (int v = 0; v < 2 * NH; ++v)
@@ -922,7 +930,8 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
     if (o >= ncols) continue;
     const int64_t left = ncols - o;
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + 2 * o)));
-    const __m256 of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1152 + 2 * o)));
+    const __m256 of = sym ? _mm256_mul_ps(sc, _mm256_set1_ps(-8.f))
+                          : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1152 + 2 * o)));
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + o;
@@ -939,7 +948,7 @@ void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* pi
   const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
   for (int t0 = 0; t0 < 4; t0 += NH)
     if (32 * (t0 / 2) + 8 * (t0 % 2) < ncols)  // (a half-chunk's first output)
-      group_q4_avx2<MR, NH, VNNI>(xm, g, piece, t0, y + m * a.n, a.n, ncols);
+      group_q4_avx2<MR, NH, VNNI>(xm, g, piece, a.gb == QGB_SYM, t0, y + m * a.n, a.n, ncols);
 }
 
 // Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and half-chunk from L1),
@@ -951,15 +960,15 @@ template <bool VNNI>
 __attribute__((target("avx2,fma,f16c"))) void q4_avx2_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* wb = a.w + b * G * QGB;
+    const uint8_t* wb = a.w + b * G * a.gb;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
       for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = wb + g * QGB;
+      const uint8_t* piece = wb + g * a.gb;
 #pragma GCC unroll 4
-      for (int line = 0; line < int(QGB / 64); ++line)
+      for (int line = 0; line < int(a.gb / 64); ++line)
         _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
       row_groups(M, [&](auto mr, int64_t m) {  // 3-6 rows over one half-chunk, 2 over two, 1 over all four
         constexpr int MR = decltype(mr)::value;
@@ -2240,7 +2249,8 @@ bool cpu_arm_dotprod() {
 // 64 (s / 4) + 16 (s % 4) of each quad; low nibbles outputs 32 (s / 4) + 4 (s % 4) .. + 3, high
 // ones 16 further). The group's integer sums in registers (MR * 2NS), the running sums in y.
 template <int MR, int NS, bool DOT>
-void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, int s0, float* y, int64_t ldy, int64_t ncols) {
+void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, bool sym, int s0, float* y, int64_t ldy,
+                   int64_t ncols) {
   int32x4_t acc[MR][2 * NS];
   for (int v = 0; v < 2 * NS; ++v)
     for (int r = 0; r < MR; ++r) acc[r][v] = vdupq_n_s32(0);
@@ -2265,7 +2275,8 @@ void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, int s0, floa
     if (o >= ncols) continue;
     const int64_t left = ncols - o;
     const float32x4_t sc = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1024 + 2 * o))));
-    const float32x4_t of = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1152 + 2 * o))));
+    const float32x4_t of = sym ? vmulq_f32(sc, vdupq_n_f32(-8.f))
+                               : vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1152 + 2 * o))));
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + o;
       const float32x4_t t = vmulq_f32(vcvtq_f32_s32(acc[r][v]), vdupq_n_f32(x.d[r * x.G + g]));
@@ -2281,7 +2292,7 @@ void group_q4_rows_neon(const Q4Args& a, int64_t m, int64_t g, const uint8_t* pi
   const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
   for (int s0 = 0; s0 < 8; s0 += NS)
     if (32 * (s0 / 4) + 4 * (s0 % 4) < ncols)
-      group_q4_neon<MR, NS, DOT>(xm, g, piece, s0, y + m * a.n, a.n, ncols);
+      group_q4_neon<MR, NS, DOT>(xm, g, piece, a.gb == QGB_SYM, s0, y + m * a.n, a.n, ncols);
 }
 
 // Blocks [b0, b1), group after group, as q4_avx2: four rows at once over two quarter-chunks (16
@@ -2290,14 +2301,14 @@ template <bool DOT>
 void q4_neon_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* wb = a.w + b * G * QGB;
+    const uint8_t* wb = a.w + b * G * a.gb;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
       for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = wb + g * QGB;
-      for (int line = 0; line < int(QGB / 64); ++line) __builtin_prefetch(piece + PF + 64 * line);
+      const uint8_t* piece = wb + g * a.gb;
+      for (int line = 0; line < int(a.gb / 64); ++line) __builtin_prefetch(piece + PF + 64 * line);
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) group_q4_rows_neon<4, 2, DOT>(a, m, g, piece, y, ncols);
       switch (M - m) {

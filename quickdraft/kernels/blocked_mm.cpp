@@ -112,8 +112,9 @@ at::Tensor blocked_mm_bf16(const at::Tensor& x, const at::Tensor& packed, const 
 at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            int64_t n) {
   const char* name = "blocked_mm_int4";
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == QGB, name,
-              ": packed must be a uint8 (N/64, K/32, ", QGB, ") tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  (packed.size(2) == QGB || packed.size(2) == QGB_SYM),
+              name, ": packed must be a uint8 (N/64, K/32, ", QGB, " or ", QGB_SYM, ") tensor");
   const Checked c = check(x, packed, packed.size(1) * QG, c10::nullopt, bias, n, name);
   const int64_t M = c.M, G = packed.size(1), nblk = c.nblk;
   const float* bptr = data_or_null(bias);
@@ -130,7 +131,7 @@ at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const 
     q4_quantize(xp + r0 * ldx, ldx, r1 - r0, G, qp + r0 * G * QG, d + r0 * G, d + M * G + r0 * G);
   });
   const Q4Args a{{xq.data_ptr<int8_t>(), G * QG, d, d + M * G, G}, M, G, packed.data_ptr<uint8_t>(), bptr,
-                 y.data_ptr<float>(), n};
+                 y.data_ptr<float>(), n, packed.size(2)};
   matmul_q4(active_paths(), a, nblk, torch_threads);
   return y;
 }

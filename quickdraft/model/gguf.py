@@ -557,23 +557,39 @@ def permuted_heads(g: GGUFContents, cfg: ModelConfig, name: str) -> int | None:
 
 
 def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                    int4: dict[str, tuple[torch.Tensor, ...]] | None = None) -> dict[str, torch.Tensor]:
+                    int4: dict[str, tuple[torch.Tensor, ...]] | None = None,
+                    deferred: dict[str, Callable[[], torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """Every weight, dequantised, under its Hugging Face name. Unknown tensors keep their GGUF
     name, so the loader's unexpected-tensor check names them. With `int4` (a dict), the 4-bit
-    matrices' blocks are put there too, under the same names (see `int4_groups`)."""
+    matrices' blocks are put there too, under the same names (see `int4_groups`). With `deferred`
+    (a dict) as well, a linear layer's 4-bit matrix is not dequantised here: its entry is a
+    placeholder of its shape holding no memory, and `deferred[name]()` reads its float weight, for
+    `quant.make_linear` where it does not run the blocks as they are (a 1.7B Q4_0 file: 6.4 GB of
+    float32 and most of the load time spared)."""
+    from .loader import quantised_weights
+
+    linear = quantised_weights(cfg) if int4 is not None and deferred is not None else set()
     state: dict[str, torch.Tensor] = {}
     for hf, name in check_tensors(g, cfg).items():  # every entry checked before any is read
         t = g.tensors[name]
-        w = _dequantize(t)
         groups = int4_groups(t) if int4 is not None else None
         n_head = permuted_heads(g, cfg, name)
-        if n_head is not None:
-            w = _unpermute(w, n_head)
-            groups = groups and tuple(_unpermute(x, n_head) for x in groups)
-        state[hf] = w.to(device=device, dtype=dtype)
+        if groups is not None and n_head is not None:
+            groups = tuple(_unpermute(x, n_head) for x in groups)
+        if groups is not None and hf in linear:
+            state[hf] = torch.zeros((), dtype=dtype, device=device).expand(t.hf_shape)
+            deferred[hf] = lambda t=t, n_head=n_head: _float_weight(t, n_head).to(device=device, dtype=dtype)
+        else:
+            state[hf] = _float_weight(t, n_head).to(device=device, dtype=dtype)
         if groups is not None:
             int4[hf] = tuple(x.to(device) for x in groups)
     return state
+
+
+def _float_weight(t: GGUFTensor, n_head: int | None) -> torch.Tensor:
+    """Tensor `t` dequantised to float32, q / k un-permuted over `n_head` heads."""
+    w = _dequantize(t)
+    return w if n_head is None else _unpermute(w, n_head)
 
 
 # --- parts of tensors (tensor parallelism: each rank reads its own) --------------------------
@@ -720,16 +736,21 @@ class GGUFSlice:
 def load_gguf_model(path: str | Path, dtype: str | torch.dtype | None = None,
                     device: str | torch.device | None = None, quantization: str | None = None) -> Transformer:
     """Load a GGUF's weights, dequantised into `dtype`. `model(input_ids)` (B, T) -> logits (B, T, vocab).
-    With quantization="int4", each Q4_0 / Q4_1 / Q4_K matrix also keeps its own blocks (the
-    parameter's `gguf_int4` attribute), which `quant.prepare` packs as they are."""
+    With quantization="int4", each Q4_0 / Q4_1 / Q4_K matrix keeps its own blocks (the
+    parameter's `gguf_int4` attribute), which `quant.prepare` packs as they are; a linear layer's
+    is not dequantised unless `quant.prepare` asks (the parameter's `gguf_deferred`: it holds a
+    placeholder until then)."""
 
     g = read_gguf(path)
     cfg = ModelConfig.from_hf(hf_config(g))
     dev = resolve_device(device)
     int4: dict[str, tuple[torch.Tensor, ...]] | None = {} if quantization == "int4" else None
-    model = assemble(cfg, gguf_state_dict(g, cfg, resolve_dtype(dtype, cfg, dev), dev, int4), g.path)
+    deferred: dict[str, Callable[[], torch.Tensor]] = {}
+    model = assemble(cfg, gguf_state_dict(g, cfg, resolve_dtype(dtype, cfg, dev), dev, int4, deferred), g.path)
     for name, groups in (int4 or {}).items():
         model.get_parameter(name).gguf_int4 = groups
+    for name, read in deferred.items():
+        model.get_parameter(name).gguf_deferred = read
     if int4 is not None:
         mark_wide(model)
     return model

@@ -64,11 +64,23 @@ def blocked_supported() -> bool:
     return kernels.available() and kernels.isa() in kernels.VECTOR_ISAS
 
 
+def float_weight(p: torch.Tensor) -> torch.Tensor:
+    """A linear layer's float weight; a GGUF matrix whose dequantisation was deferred
+    (`gguf.load_gguf_model`) is read now."""
+    read = getattr(p, "gguf_deferred", None)
+    return read() if read is not None else p.detach()
+
+
 def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
     """`linears` fused along the output dimension into one layer of format `fmt` (see the module
     doc), on the kernel that runs it here: the one place a format's class is chosen."""
-    w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
     splits = [lin.out_features for lin in linears]
+    native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
+    if fmt == "int4" and all(n is not None for n in native):  # a GGUF's 4-bit blocks, as they are
+        w = linears[0].weight.new_zeros(()).expand(sum(splits), linears[0].in_features)  # (the shape only)
+    else:
+        parts = [float_weight(lin.weight) for lin in linears]
+        w = torch.cat(parts) if len(parts) > 1 else parts[0]
     biases = [lin.bias for lin in linears]
     bias = None
     if any(b is not None for b in biases):
@@ -87,7 +99,6 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
     if fmt == "int8":
         return Int8BlockedLinear(w, bias, splits) if blocked else Int8TorchLinear(w, bias, splits)
     if fmt == "int4":
-        native = [getattr(lin.weight, "gguf_int4", None) for lin in linears]
         source = "GGUF blocks" if all(n is not None for n in native) else None
         if source is None and any(getattr(lin.weight, "gguf_wide", False) for lin in linears):
             # a GGUF keeps this matrix wider than 4 bits (SmolLM2's Q8_0 lm_head, a Q4_K_M's Q6_K
@@ -99,8 +110,10 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
             q, scale, zero = int4_quantize(w)
         offset = zero - 8 * scale
         if blocked:
+            # symmetric blocks (every zero 0: a GGUF's Q4_0) store no offsets: 4.5 bits a weight, not 5
+            symmetric = not bool(zero.any())
             try:
-                qpacked = kernels.pack_int4(q, scale, offset)  # float16 scales and offsets
+                qpacked = kernels.pack_int4(q, scale, None if symmetric else offset)  # float16 scales (and offsets)
             except ValueError:  # beyond float16's range: PyTorch's kernel, bfloat16 scales
                 pass
             else:
@@ -136,6 +149,10 @@ def prepare(model: nn.Module, quantization: str | None = None, fmt: str | None =
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, make_linear([child], fmt))
+    for module in model.modules():  # a deferred GGUF matrix left outside a linear layer: read it now
+        for name, param in list(module.named_parameters(recurse=False)):
+            if getattr(param, "gguf_deferred", None) is not None:
+                setattr(module, name, nn.Parameter(float_weight(param), requires_grad=False))
     if p.device.type == "cpu":
         return_freed_memory()
     return model

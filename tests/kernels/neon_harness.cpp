@@ -13,7 +13,8 @@
 //     float32 / bfloat16, [bias (N)]
 //   int8: dims M, K, N, has_bias, pieces; x (M, K), packed int8 (ceil(N/64), 8 ceil(K/32), 256),
 //     scale (N), [bias (N)]
-//   int4: dims M, K, N, has_bias, pieces; x (M, K), packed uint8 (ceil(N/64), K/32, 1280), [bias (N)]
+//   int4: dims M, K, N, has_bias, pieces, symmetric; x (M, K), packed uint8 (ceil(N/64), K/32, 1280;
+//     1152 where symmetric: no offsets), [bias (N)]
 //   attend: dims B, H, Hkv, T, L, D, mask_rows (B or 1), pieces; the float64: scale; q (B, H, T, D),
 //     k and v (B, Hkv, L, D), mask bytes (mask_rows, T, L)
 // `pieces`: the blocks (tasks) are split into that many pieces, run last piece first (the result
@@ -87,12 +88,13 @@ std::vector<float> run_int4(Reader& in, const int64_t* d, const Paths& paths) {
   const int64_t M = d[0], K = d[1], N = d[2], nblk = (N + NB - 1) / NB, G = K / QG;
   if (K % QG) throw std::runtime_error("int4: K must be a multiple of 32");
   const float* x = in.take<float>(M * K);
-  const uint8_t* w = in.take<uint8_t>(nblk * G * QGB);
+  const int64_t gb = d[5] ? QGB_SYM : QGB;
+  const uint8_t* w = in.take<uint8_t>(nblk * G * gb);
   const float* bias = d[3] ? in.take<float>(N) : nullptr;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(2 * M * G), y(M * N);
   q4_quantize(x, K, M, G, xq.data(), dx.data(), dx.data() + M * G);
-  const Q4Args a{{xq.data(), K, dx.data(), dx.data() + M * G, G}, M, G, w, bias, y.data(), N};
+  const Q4Args a{{xq.data(), K, dx.data(), dx.data() + M * G, G}, M, G, w, bias, y.data(), N, gb};
   matmul_q4(paths, a, nblk, Pieces{d[4]});
   return y;
 }

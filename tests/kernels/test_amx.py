@@ -46,11 +46,12 @@ def _int8(k: int, n: int):
     return lambda x, b=True: kernels.blocked_mm_int8(x, packed, scale, bias if b else None, n)
 
 
-def _int4(k: int, n: int):
+def _int4(k: int, n: int, symmetric: bool = False):
     g = torch.Generator().manual_seed(k + n)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     scale = torch.rand(n, k // 32, generator=g) / 50
-    packed = kernels.pack_int4(q, scale, -8 * scale + torch.randn(n, k // 32, generator=g) / 1000)
+    offset = None if symmetric else -8 * scale + torch.randn(n, k // 32, generator=g) / 1000
+    packed = kernels.pack_int4(q, scale, offset)
     bias = torch.randn(n, generator=g)
     return lambda x, b=True: kernels.blocked_mm_int4(x, packed, bias if b else None, n)
 
@@ -88,9 +89,10 @@ def test_int8_on_amx_is_the_vector_paths_bits(k, n, threads):
 
 
 @needs_amx
+@pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("k,n", [(32, 70), (96, 323), (576, 200), (64, 1), (2048, 130)])
-def test_int4_on_amx_is_the_vector_paths_bits(k, n, threads):
-    _amx_against_the_vector_paths(_int4(k, n), k, threads)
+def test_int4_on_amx_is_the_vector_paths_bits(k, n, symmetric, threads):
+    _amx_against_the_vector_paths(_int4(k, n, symmetric), k, threads)
 
 
 @needs_amx

@@ -225,6 +225,29 @@ def test_int4_blocks_are_the_group_wise_matmul_and_rows_stay_independent(m, k, n
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("k,n", [(96, 70), (576, 200), (64, 1)])
+def test_int4_symmetric_layout_is_the_offsets_minus_8_scales_stored(k, n, isa):
+    """A symmetric int4 weight (a GGUF's Q4_0: w = (q - 8) * scale) packs without its offsets,
+    1152 bytes a group instead of 1280, and gives the bits of the offsets -8 * scale stored, at
+    every row count; its scales are float16 already, as a GGUF's are (-8 * scale is then the
+    same float16 whichever way it is rounded)."""
+    q, scale, _ = int4_case(n, k, seed=k + n)
+    scale = scale.half().float()
+    sym, stored = kernels.pack_int4(q, scale, None), kernels.pack_int4(q, scale, -8 * scale)
+    assert sym.shape == (-(-n // 64), k // 32, 1152) and kernels.int4_symmetric(sym)
+    assert not kernels.int4_symmetric(stored) and torch.equal(sym, stored[..., :1152])
+    q2, s2, o2 = kernels.unpack_int4(sym, n)
+    assert torch.equal(q2, q) and torch.equal(s2, scale.half()) and torch.equal(o2, (-8 * scale).half())
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    for m in (1, 2, 3, 4, 5, 7, 16, 65):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        for b in (bias, None):
+            assert torch.equal(kernels.blocked_mm_int4(x, sym, b, n), kernels.blocked_mm_int4(x, stored, b, n)), m
+    # control: any other offset changes the result
+    other = kernels.pack_int4(q, scale, -7.5 * scale)
+    assert not torch.equal(kernels.blocked_mm_int4(x, sym, None, n), kernels.blocked_mm_int4(x, other, None, n))
+
+
 def test_int4_pack_puts_four_inputs_of_one_output_in_each_32_bit_lane():
     n, k = 64, 32
     q = (torch.arange(n)[:, None] * 3 + torch.arange(k)[None]) % 16
@@ -256,6 +279,8 @@ def test_int4_bad_operands_are_one_clear_error():
         kernels.blocked_mm_int4(x[:, :63], packed, None, 64)
     with pytest.raises(RuntimeError, match="uint8"):
         kernels.blocked_mm_int4(x, packed.float(), None, 64)
+    with pytest.raises(RuntimeError, match="1280 or 1152"):
+        kernels.blocked_mm_int4(x, packed[..., :1200], None, 64)
     with pytest.raises(RuntimeError, match="bias must be"):
         kernels.blocked_mm_int4(x, packed, torch.zeros(65), 64)
     with pytest.raises(ValueError, match="float16's range"):

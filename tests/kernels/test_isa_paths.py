@@ -85,12 +85,14 @@ def test_float32_and_int8_matmuls_are_the_same_bits_on_every_path(k, n, threads)
                                            (True, False)), f"int8 m={m}")
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("k,n", [(32, 70), (96, 323), (576, 200), (64, 1)])
-def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, threads):
+def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, symmetric, threads):
     g = torch.Generator().manual_seed(k + n)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     scale = torch.rand(n, k // 32, generator=g) / 50
-    packed = kernels.pack_int4(q, scale, -8 * scale + torch.randn(n, k // 32, generator=g) / 1000)
+    offset = None if symmetric else -8 * scale + torch.randn(n, k // 32, generator=g) / 1000
+    packed = kernels.pack_int4(q, scale, offset)
     bias = torch.randn(n, generator=g)
     for m in ROWS:
         x = _x(m, k, m)

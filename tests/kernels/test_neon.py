@@ -98,30 +98,33 @@ def _matmul_cases(kernel: str, k: int, n: int):
         packed = kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
         scale = torch.rand(n, generator=g) / 100
         lib, extra = lambda x, b: kernels.blocked_mm_int8(x, packed, scale, b, n), [scale]
-    else:
+    else:  # int4, int4-sym (the symmetric layout: no offsets)
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
         s = torch.rand(n, k // 32, generator=g) / 50
-        packed = kernels.pack_int4(q, s, -8 * s + torch.randn(n, k // 32, generator=g) / 1000)
+        offset = None if kernel == "int4-sym" else -8 * s + torch.randn(n, k // 32, generator=g) / 1000
+        packed = kernels.pack_int4(q, s, offset)
         lib, extra = lambda x, b: kernels.blocked_mm_int4(x, packed, b, n), []
     for m in ROWS:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         b = bias if m % 2 else None  # with and without a bias, alternately
         pieces = 1 if m < 5 else 3
         arrays = [x, packed, *extra] + ([b] if b is not None else [])
-        yield f"{kernel} {k}x{n} m={m} bias={b is not None} pieces={pieces}", lib(x, b), [m, k, n, int(b is not None), pieces], arrays
+        dims = [m, k, n, int(b is not None), pieces] + ([1] if kernel == "int4-sym" else [])
+        yield f"{kernel} {k}x{n} m={m} bias={b is not None} pieces={pieces}", lib(x, b), dims, arrays
 
 
 MATMULS = [("f32", 33, 200), ("f32", 577, 323), ("f32", 1, 5), ("bf16", 33, 200), ("bf16", 577, 323), ("bf16", 2, 64),
            ("int8", 33, 200), ("int8", 577, 323), ("int8", 64, 1), ("int8", 576, 130), ("int4", 32, 70), ("int4", 96, 323),
-           ("int4", 576, 200), ("int4", 64, 1), ("int4", 2048, 130)]
+           ("int4", 576, 200), ("int4", 64, 1), ("int4", 2048, 130), ("int4-sym", 96, 323), ("int4-sym", 576, 70)]
 
 
 @pytest.mark.parametrize("kernel,k,n", MATMULS)
 def test_neon_matmuls_are_the_x86_librarys_bits(kernel, k, n, neon, tmp_path):
     # int8 and int4: with sdot (qemu's CPU has the dot-product extension) and without (vmull + vpadal)
-    for path in ("neon", "neon-novnni") if kernel in ("int8", "int4") else ("neon",):
+    for path in ("neon", "neon-novnni") if kernel.startswith("int") else ("neon",):
         for what, want, dims, arrays in _matmul_cases(kernel, k, n):
-            got = _harness(lambda *a: neon(*a, path=path), tmp_path, kernel, dims, 0.0, arrays, tuple(want.shape))
+            got = _harness(lambda *a: neon(*a, path=path), tmp_path, kernel.split("-")[0], dims, 0.0, arrays,
+                           tuple(want.shape))
             _same_bits(got, want, f"{path} {what}")
 
 
@@ -163,11 +166,11 @@ def test_neon_attend_is_the_x86_librarys_bits(B, H, Hkv, T, L, D, neon, tmp_path
 @pytest.mark.parametrize("kernel,k,n", MATMULS[::2])
 def test_the_native_harness_gives_the_librarys_bits_on_every_x86_path(kernel, k, n, native, tmp_path):
     """The harness's reading, splitting and writing, checked where no emulator is involved."""
-    paths = kernels.cpu_isas() + tuple(f"{p}-novnni" for p in kernels.cpu_isas() if kernel in ("int8", "int4"))
+    paths = kernels.cpu_isas() + tuple(f"{p}-novnni" for p in kernels.cpu_isas() if kernel.startswith("int"))
     for path in paths:  # (int8 and int4 with and without the integer dot-product instructions)
         for what, want, dims, arrays in _matmul_cases(kernel, k, n):
-            _same_bits(_harness(native, tmp_path, kernel, dims, 0.0, arrays, tuple(want.shape), path), want,
-                       f"{path} {what}")
+            _same_bits(_harness(native, tmp_path, kernel.split("-")[0], dims, 0.0, arrays, tuple(want.shape), path),
+                       want, f"{path} {what}")
 
 
 def test_the_native_harness_attends_as_the_library(native, tmp_path):

@@ -34,7 +34,8 @@ ops = {
     "f32": (lambda p: lambda x: kernels.blocked_mm(x, p, bias, N))(kernels.pack(w)),
     "bf16": (lambda p: lambda x: kernels.blocked_mm_bf16(x, p, bias, N))(kernels.pack_bf16(w)),
     "int8": (lambda p: lambda x: kernels.blocked_mm_int8(x, p, s8, bias, N))(kernels.pack_int8(q8)),
-    "int4": (lambda p: lambda x: kernels.blocked_mm_int4(x, p, bias, N))(kernels.pack_int4(q4, s4, -8 * s4)),
+    "int4": (lambda p: lambda x: kernels.blocked_mm_int4(x, p, bias, N))(kernels.pack_int4(q4, s4, s4 / 3)),
+    "int4-symmetric": (lambda p: lambda x: kernels.blocked_mm_int4(x, p, bias, N))(kernels.pack_int4(q4, s4, None)),
 }
 out = {}
 for isa in kernels.cpu_isas():

@@ -132,10 +132,11 @@ def random_blocks(qtype: str, shape: tuple[int, int], rng: np.random.Generator) 
 
 
 def write_gguf(path: Path, model, arch: str, *, tokenizer: str | None = "gpt2", qtype: str = "F32",
-               extra=None, seed: int = 0, head_qtype: str | None = None) -> Path:
+               extra=None, seed: int = 0, head_qtype: str | None = None, kept: dict[str, str] | None = None) -> Path:
     """`model` as llama.cpp writes it: metadata, the tokenizer, q/k rows permuted for llama,
     1-D tensors in F32 and matrices in `qtype` (the embedding and output in `head_qtype` when
-    given, as llama.cpp's quantizer keeps them wider)."""
+    given, as llama.cpp's quantizer keeps them wider; a tensor whose GGUF name ends with a key of
+    `kept` in that type, as a Q4_K_M file keeps some layers' attn_v in Q6_K)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -188,6 +189,7 @@ def write_gguf(path: Path, model, arch: str, *, tokenizer: str | None = "gpt2", 
             arr = llama_permute(arr, cfg.num_attention_heads if ".q_proj." in hf else cfg.num_key_value_heads)
         name = gguf_tensor_name(hf)
         qtype = head_qtype if head_qtype and name in ("token_embd.weight", "output.weight") else matrices
+        qtype = next((kind for end, kind in (kept or {}).items() if name.endswith(end)), qtype)
         if arr.ndim == 1 or qtype == "F32":
             w.add_tensor(name, arr.astype(np.float32))
         elif qtype == "F16":
@@ -348,6 +350,51 @@ def test_4bit_blocks_load_into_int4_as_they_are(tmp_path, qtype):
     prompt, params = [5, 9, 14, 3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(target=path, dtype="float32", quantization="int4", policy="fixed")
     assert llm.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
+
+
+def test_4bit_layer_matrices_are_dequantised_only_where_a_format_needs_them(tmp_path):
+    """Under quantization="int4" a linear layer's 4-bit matrix is not dequantised at load (a
+    placeholder of its shape, no memory; llama.cpp's 1.7B Q4_0 file loaded in 6 s, not 24): the
+    blocks run as they are, a Q4_0 matrix in the symmetric layout (no offsets); where a fused
+    projection mixes it with a wider matrix (a Q4_K_M file's attn_v), its float weight is read then.
+    Every packed weight equals the one built from a load that dequantised everything, and no
+    placeholder is left in the prepared model."""
+    from quickdraft.model.build import assemble
+    from quickdraft.model.formats import FastLinear
+    from quickdraft.model.gguf import gguf_state_dict, hf_config, mark_wide
+    from quickdraft.config import ModelConfig
+    from quickdraft.model.quant import blocked_supported, prepare
+
+    if not blocked_supported():
+        pytest.skip("quickdraft's CPU kernels do not run here: a 4-bit GGUF is dequantised")
+    path = write_gguf(tmp_path / "m.gguf", hf_model("llama", vocab_size("gpt2")), "llama", qtype="Q4_0",
+                      head_qtype="Q8_0", kept={"attn_v.weight": "Q8_0"})
+    loaded = load_model(path, dtype="float32", quantization="int4")
+    attn = loaded.model.layers[0].self_attn
+    assert attn.q_proj.weight.stride() == (0, 0) and attn.q_proj.weight.gguf_deferred is not None
+    assert attn.v_proj.weight.stride() != (0, 0) and getattr(attn.v_proj.weight, "gguf_deferred", None) is None
+    assert loaded.model.embed_tokens.weight.abs().sum() > 0  # the embedding is read
+    model = prepare(loaded, "int4")
+    assert not any(getattr(p, "gguf_deferred", None) is not None or 0 in p.stride() for p in model.parameters())
+
+    g = read_gguf(path)  # the reference: everything dequantised at load, as before
+    cfg = ModelConfig.from_hf(hf_config(g))
+    int4: dict = {}
+    ref = assemble(cfg, gguf_state_dict(g, cfg, torch.float32, "cpu", int4), g.path)
+    for name, groups in int4.items():
+        ref.get_parameter(name).gguf_int4 = groups
+    mark_wide(ref)
+    ref = prepare(ref, "int4")
+    mine = {n: m for n, m in model.named_modules() if isinstance(m, FastLinear)}
+    theirs = {n: m for n, m in ref.named_modules() if isinstance(m, FastLinear)}
+    assert mine.keys() == theirs.keys()
+    for name, m in mine.items():
+        assert repr(m) == repr(theirs[name])
+        for a, b in zip(m._read(), theirs[name]._read(), strict=True):
+            assert torch.equal(a, b), name
+    layer = mine["model.layers.0.mlp.gate_up_proj"]
+    assert layer.fmt == "int4" and layer.qpacked.shape[-1] == 1152  # Q4_0: the symmetric layout
+    assert mine["model.layers.0.self_attn.qkv_proj"].fmt == "int8"  # q / k Q4_0 beside a Q8_0 v: read
 
 
 def test_a_4bit_gguf_runs_on_its_own_blocks_by_default(tmp_path):
