@@ -747,11 +747,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i finish4x16
 // MR rows over NBLK adjacent blocks, all groups. A group's integer sums stay in registers (MR * 4 *
 // NBLK); the running float sums live in y itself (in L1), updated once per group; each unpacked
 // weight vector serves all MR rows.
-template <int MR, int NBLK, bool VNNI>
+template <int MR, int NBLK, bool VNNI, bool SYM>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(const Q4Act& x, const uint8_t* wb,
-                                                                               int64_t gb, const float* bias,
-                                                                               float* y, int64_t ldy, int64_t ncols) {
+                                                                               const float* bias, float* y,
+                                                                               int64_t ldy, int64_t ncols) {
   constexpr int V = 4 * NBLK;
+  constexpr int64_t gb = SYM ? QGB_SYM : QGB;
   const int64_t G = x.G;
   const __m512i low = _mm512_set1_epi8(15);
 #pragma GCC unroll 16
@@ -797,8 +798,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
     for (int j = 0; j < V; ++j) {
       const uint8_t* piece = wb + ((j / 4) * G + g) * gb;
       const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 32 * (j % 4))));
-      const __m512 of = gb == QGB_SYM ? _mm512_mul_ps(sc, _mm512_set1_ps(-8.f))
-                                      : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
+      const __m512 of = SYM ? _mm512_mul_ps(sc, _mm512_set1_ps(-8.f))
+                            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
       const __mmask16 mask = tail_mask(ncols - 16 * j);
 #pragma GCC unroll 6
       for (int r = 0; r < MR; ++r) {
@@ -813,39 +814,46 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 
 // Rows [0, M) of NBLK adjacent blocks: four blocks for one row, two for two or three rows (one on
 // AMD: row_streams), one block six rows at a time for more (at most 24 integer sums in registers).
-template <int NBLK, bool VNNI>
-void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, int64_t gb, const float* bias, float* y, int64_t ldy,
+template <int NBLK, bool VNNI, bool SYM>
+void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
                  int64_t ncols) {
   constexpr int N2 = NBLK == 4 ? 2 : NBLK;  // (keeps the instances that cannot occur small)
   if (NBLK == 4) {
-    block_rows_q4<1, NBLK, VNNI>(x, wb, gb, bias, y, ldy, ncols);
+    block_rows_q4<1, NBLK, VNNI, SYM>(x, wb, bias, y, ldy, ncols);
     return;
   }
   if (NBLK == 2) {
-    if (M == 3) block_rows_q4<3, N2, VNNI>(x, wb, gb, bias, y, ldy, ncols);
-    if (M == 2) block_rows_q4<2, N2, VNNI>(x, wb, gb, bias, y, ldy, ncols);
-    if (M == 1) block_rows_q4<1, N2, VNNI>(x, wb, gb, bias, y, ldy, ncols);
+    if (M == 3) block_rows_q4<3, N2, VNNI, SYM>(x, wb, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q4<2, N2, VNNI, SYM>(x, wb, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q4<1, N2, VNNI, SYM>(x, wb, bias, y, ldy, ncols);
     return;
   }
   row_groups(M, [&](auto mr, int64_t m) {
     const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
-    block_rows_q4<decltype(mr)::value, 1, VNNI>(xm, wb, gb, bias, y + m * ldy, ldy, ncols);
+    block_rows_q4<decltype(mr)::value, 1, VNNI, SYM>(xm, wb, bias, y + m * ldy, ldy, ncols);
   });
 }
 
-template <bool VNNI>
-void q4_avx512_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
-  const int64_t M = a.M, n = a.n, stride = a.G * a.gb;  // bytes per block
+template <bool VNNI, bool SYM>
+void q4_avx512_rows(const Q4Args& a, int64_t b0, int64_t b1) {
+  const int64_t M = a.M, n = a.n, stride = a.G * (SYM ? QGB_SYM : QGB);  // bytes per block
   auto bias_at = [&](int64_t b) { return a.bias ? a.bias + b * NB : nullptr; };
   int64_t b = b0;
   if (M == 1 && four_streams())
     for (; b + 3 < b1; b += 4)
-      run_rows_q4<4, VNNI>(a.x, M, a.w + b * stride, a.gb, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
+      run_rows_q4<4, VNNI, SYM>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
   if (M <= 3 && row_streams() != 1)
     for (; b + 1 < b1; b += 2)
-      run_rows_q4<2, VNNI>(a.x, M, a.w + b * stride, a.gb, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
+      run_rows_q4<2, VNNI, SYM>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
   for (; b < b1; ++b)
-    run_rows_q4<1, VNNI>(a.x, M, a.w + b * stride, a.gb, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
+    run_rows_q4<1, VNNI, SYM>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
+}
+
+// (the symmetric layout's offsets -8 s computed, its stride a constant, in a copy of its own)
+template <bool VNNI>
+void q4_avx512_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
+  if (a.gb == QGB_SYM) return q4_avx512_rows<VNNI, true>(a, b0, b1);
+  q4_avx512_rows<VNNI, false>(a, b0, b1);
 }
 
 void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1);
@@ -878,10 +886,9 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) inline __m256i finish4x8(__m256
 // 64 (t / 2) + 32 (t % 2) of each quad; its low nibbles are outputs 32 (t / 2) + 8 (t % 2) .. + 7,
 // its high ones 16 further). The group's integer sums in registers (MR * 2NH), the running sums in
 // y, as block_rows_q4.
-template <int MR, int NH, bool VNNI>
+template <int MR, int NH, bool VNNI, bool SYM>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act& x, int64_t g, const uint8_t* piece,
-                                                                    bool sym, int t0, float* y, int64_t ldy,
-                                                                    int64_t ncols) {
+                                                                    int t0, float* y, int64_t ldy, int64_t ncols) {
   __m256i acc[MR][2 * NH];
 #pragma GCC unroll 8
   for (int v = 0; v < 2 * NH; ++v)
@@ -930,7 +937,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
     if (o >= ncols) continue;
     const int64_t left = ncols - o;
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + 2 * o)));
-    const __m256 of = sym ? _mm256_mul_ps(sc, _mm256_set1_ps(-8.f))
+    const __m256 of = SYM ? _mm256_mul_ps(sc, _mm256_set1_ps(-8.f))
                           : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1152 + 2 * o)));
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
@@ -943,12 +950,12 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
 }
 
 // Rows [m, m + MR) of one group of one block, NH half-chunks (16 NH outputs) at a time.
-template <int MR, int NH, bool VNNI>
+template <int MR, int NH, bool VNNI, bool SYM>
 void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* piece, float* y, int64_t ncols) {
   const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
   for (int t0 = 0; t0 < 4; t0 += NH)
     if (32 * (t0 / 2) + 8 * (t0 % 2) < ncols)  // (a half-chunk's first output)
-      group_q4_avx2<MR, NH, VNNI>(xm, g, piece, a.gb == QGB_SYM, t0, y + m * a.n, a.n, ncols);
+      group_q4_avx2<MR, NH, VNNI, SYM>(xm, g, piece, t0, y + m * a.n, a.n, ncols);
 }
 
 // Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and half-chunk from L1),
@@ -956,26 +963,33 @@ void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* pi
 // at a time with its unpacked weights kept (10-12 sums), 3-4 rows one with their activation quads
 // kept (6-8 sums), 2 rows two, 1 row all four. (Groups of 4 before: 6-row groups cut the passes
 // and their unpacking by a third and keep 12 dot products in flight.)
-template <bool VNNI>
-__attribute__((target("avx2,fma,f16c"))) void q4_avx2_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
+template <bool VNNI, bool SYM>
+__attribute__((target("avx2,fma,f16c"))) void q4_avx2_rows(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
+  constexpr int64_t gb = SYM ? QGB_SYM : QGB;
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* wb = a.w + b * G * a.gb;
+    const uint8_t* wb = a.w + b * G * gb;
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
       for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = wb + g * a.gb;
+      const uint8_t* piece = wb + g * gb;
 #pragma GCC unroll 4
-      for (int line = 0; line < int(a.gb / 64); ++line)
+      for (int line = 0; line < int(gb / 64); ++line)
         _mm_prefetch(reinterpret_cast<const char*>(piece) + PF + 64 * line, _MM_HINT_T0);
       row_groups(M, [&](auto mr, int64_t m) {  // 3-6 rows over one half-chunk, 2 over two, 1 over all four
         constexpr int MR = decltype(mr)::value;
-        group_q4_rows_avx2<MR, MR >= 3 ? 1 : MR == 2 ? 2 : 4, VNNI>(a, m, g, piece, y, ncols);
+        group_q4_rows_avx2<MR, MR >= 3 ? 1 : MR == 2 ? 2 : 4, VNNI, SYM>(a, m, g, piece, y, ncols);
       });
     }
   }
+}
+
+template <bool VNNI>
+void q4_avx2_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
+  if (a.gb == QGB_SYM) return q4_avx2_rows<VNNI, true>(a, b0, b1);
+  q4_avx2_rows<VNNI, false>(a, b0, b1);
 }
 
 // AVX-VNNI's vpdpbusd on 8 lanes where the CPU has it (Intel since Alder Lake / Sapphire Rapids,
