@@ -9,7 +9,8 @@ style folder, so a GGUF is met halfway:
   path, size and mtime, plus `gguf.json` naming the file. Tokenizer, eos ids and chat template
   then come from that folder exactly as from any checkpoint.
 - `load_gguf_model(path)` (what `load_model` does for a .gguf file or such a folder) reads the
-  weights straight from the GGUF, dequantised at load into the requested dtype: no copy on disk.
+  weights straight from the GGUF, dequantised at load into the requested dtype: no copy on disk
+  (under quantization="int4" a layer's 4-bit matrix is dequantised only if its format asks).
 - `convert_gguf(path, out_dir)` writes a complete Hugging Face folder (model.safetensors too).
 - `GGUFWeights(path)` opens the weights like safetensors' `safe_open` (keys, get_tensor,
   get_slice(name)[rows] / [:, cols]): a tensor-parallel rank reads only its own blocks (`read_part`).
