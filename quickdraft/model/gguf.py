@@ -493,13 +493,16 @@ def _dequantize(t: GGUFTensor) -> torch.Tensor:
     return values.reshape(t.hf_shape)
 
 
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # the 4-bit types whose blocks the int4 format keeps as they are
+
+
 def int4_groups(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A Q4_0 / Q4_1 / Q4_K matrix in the int4 weight format's terms, without re-quantising: q in
     0..15 (out, in) uint8, scale and zero (out, in / 32) float32 with w = (q - 8) * scale + zero.
     Q4_0 stores w = d (q - 8); Q4_1 w = d q + m; Q4_K, per 32 values of a 256-value block,
     w = (d sc) q - (dmin m) with 6-bit sc and m. None for any other type."""
     kind = t.tensor_type.name
-    if kind not in ("Q4_0", "Q4_1", "Q4_K") or len(t.shape) != 2:
+    if kind not in FOUR_BIT or len(t.shape) != 2:
         return None
     out_f, in_f = t.hf_shape
     raw = torch.from_numpy(t.data)
@@ -527,7 +530,7 @@ def four_bit_type(path: str | Path) -> str | None:
     when most are wider: a self-draft in 4 bits of such a target would be the target itself."""
     kinds = [t.tensor_type.name for n, t in read_gguf(path).tensors.items()
              if n.startswith("blk.") and len(t.shape) == 2]
-    four = [k for k in kinds if k in ("Q4_0", "Q4_1", "Q4_K")]
+    four = [k for k in kinds if k in FOUR_BIT]
     return max(set(four), key=four.count) if kinds and 2 * len(four) > len(kinds) else None
 
 
@@ -563,28 +566,36 @@ def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, devic
     """Every weight, dequantised, under its Hugging Face name. Unknown tensors keep their GGUF
     name, so the loader's unexpected-tensor check names them. With `int4` (a dict), the 4-bit
     matrices' blocks are put there too, under the same names (see `int4_groups`). With `deferred`
-    (a dict) as well, a linear layer's 4-bit matrix is not dequantised here: its entry is a
-    placeholder of its shape holding no memory, and `deferred[name]()` reads its float weight, for
-    `quant.make_linear` where it does not run the blocks as they are (a 1.7B Q4_0 file: 6.4 GB of
-    float32 and most of the load time spared)."""
+    (a dict) as well, a linear layer's 4-bit matrix is not read here: its entry is a placeholder
+    of its shape holding no memory, its `int4` entry a function that reads its blocks, and
+    `deferred[name]()` reads its float weight, for `quant.make_linear` where it does not run the
+    blocks as they are (a 1.7B Q4_0 file: most of the load time and a float32 copy spared, and the
+    blocks unpacked one layer at a time)."""
     from .loader import quantised_weights
 
     linear = quantised_weights(cfg) if int4 is not None and deferred is not None else set()
     state: dict[str, torch.Tensor] = {}
     for hf, name in check_tensors(g, cfg).items():  # every entry checked before any is read
         t = g.tensors[name]
-        groups = int4_groups(t) if int4 is not None else None
         n_head = permuted_heads(g, cfg, name)
-        if groups is not None and n_head is not None:
-            groups = tuple(_unpermute(x, n_head) for x in groups)
-        if groups is not None and hf in linear:
+        four = int4 is not None and t.tensor_type.name in FOUR_BIT and len(t.shape) == 2
+        if four and hf in linear:
             state[hf] = torch.zeros((), dtype=dtype, device=device).expand(t.hf_shape)
             deferred[hf] = lambda t=t, n_head=n_head: _float_weight(t, n_head).to(device=device, dtype=dtype)
+            int4[hf] = lambda t=t, n_head=n_head: _groups(t, n_head, device)
         else:
             state[hf] = _float_weight(t, n_head).to(device=device, dtype=dtype)
-        if groups is not None:
-            int4[hf] = tuple(x.to(device) for x in groups)
+            if four:
+                int4[hf] = _groups(t, n_head, device)
     return state
+
+
+def _groups(t: GGUFTensor, n_head: int | None, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """4-bit matrix `t`'s int4 groups (`int4_groups`), q / k rows un-permuted over `n_head` heads."""
+    groups = int4_groups(t)
+    if n_head is not None:
+        groups = tuple(_unpermute(x, n_head) for x in groups)
+    return tuple(x.to(device) for x in groups)
 
 
 def _float_weight(t: GGUFTensor, n_head: int | None) -> torch.Tensor:
@@ -738,9 +749,9 @@ def load_gguf_model(path: str | Path, dtype: str | torch.dtype | None = None,
                     device: str | torch.device | None = None, quantization: str | None = None) -> Transformer:
     """Load a GGUF's weights, dequantised into `dtype`. `model(input_ids)` (B, T) -> logits (B, T, vocab).
     With quantization="int4", each Q4_0 / Q4_1 / Q4_K matrix keeps its own blocks (the
-    parameter's `gguf_int4` attribute), which `quant.prepare` packs as they are; a linear layer's
-    is not dequantised unless `quant.prepare` asks (the parameter's `gguf_deferred`: it holds a
-    placeholder until then)."""
+    parameter's `gguf_int4` attribute: the groups, or for a linear layer's a function that reads
+    them), which `quant.prepare` packs as they are; a linear layer's is not dequantised unless
+    `quant.prepare` asks (the parameter's `gguf_deferred`: it holds a placeholder until then)."""
 
     g = read_gguf(path)
     cfg = ModelConfig.from_hf(hf_config(g))

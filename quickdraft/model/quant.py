@@ -105,6 +105,7 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
             # layers): not rounded to 4 bits a second time, int8 as llama.cpp's 8-bit dot products
             return make_linear(linears, "int8")
         if source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
+            native = [n() if callable(n) else n for n in native]  # (a GGUF's, read now: gguf_state_dict)
             q, scale, zero = (torch.cat(parts) for parts in zip(*native))
         else:
             q, scale, zero = int4_quantize(w)
