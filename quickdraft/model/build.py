@@ -79,6 +79,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in meta_model(cfg).named_parameters()}  # a tied lm_head is deduplicated
 
 
+def quantised_weights(cfg: ModelConfig) -> set[str]:
+    """The checkpoint names of the weights `quant.prepare` replaces: every nn.Linear's (a tied
+    lm_head is the embedding's, which stays in the model's dtype)."""
+    return {f"{name}.weight" for name, module in meta_model(cfg).named_modules()
+            if isinstance(module, torch.nn.Linear) and not (cfg.tie_word_embeddings and name == "lm_head")}
+
+
 def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> Transformer:
     """A Transformer holding exactly `state` (Hugging Face parameter names, already on the
     device and in the dtype wanted): a missing, unexpected or misshapen tensor is an error."""

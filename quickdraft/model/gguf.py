@@ -43,7 +43,7 @@ import torch
 
 from ..config import ModelConfig, RopeConfig
 from ..errors import QuickdraftError, UnsupportedModelError
-from .build import assemble, expected_shapes, resolve_device, resolve_dtype
+from .build import assemble, expected_shapes, quantised_weights, resolve_device, resolve_dtype
 from .sources import cache_dir
 from .transformer import Transformer, rope_inv_freq
 
@@ -571,8 +571,6 @@ def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, devic
     `deferred[name]()` reads its float weight, for `quant.make_linear` where it does not run the
     blocks as they are (a 1.7B Q4_0 file: most of the load time and a float32 copy spared, and the
     blocks unpacked one layer at a time)."""
-    from .loader import quantised_weights
-
     linear = quantised_weights(cfg) if int4 is not None and deferred is not None else set()
     state: dict[str, torch.Tensor] = {}
     for hf, name in check_tensors(g, cfg).items():  # every entry checked before any is read

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from ..config import ModelConfig
 from ..errors import QuickdraftError
 from . import compressed
-from .build import assemble, meta_model, resolve_device, resolve_dtype  # noqa: F401 - re-exported
+from .build import assemble, meta_model, quantised_weights, resolve_device, resolve_dtype  # noqa: F401 - re-exported
 from .transformer import Transformer
 
 # Tensors some checkpoints carry that we recompute rather than load.
@@ -113,10 +113,3 @@ def _quantises_from_checkpoint(quantization: str | None, device: torch.device, d
     type until it does (CPU, int8 / int4, a float32 model): a 1.7B model's float32 copy is 6.8 GB,
     and the quantisers widen a 16-bit weight exactly, so the quantised bits are the same."""
     return quantization in ("int8", "int4") and device.type == "cpu" and dtype == torch.float32
-
-
-def quantised_weights(cfg: ModelConfig) -> set[str]:
-    """The checkpoint names of the weights `quant.prepare` replaces: every nn.Linear's (a tied
-    lm_head is the embedding's, which stays in the model's dtype)."""
-    return {f"{name}.weight" for name, module in meta_model(cfg).named_modules()
-            if isinstance(module, torch.nn.Linear) and not (cfg.tie_word_embeddings and name == "lm_head")}
