@@ -1,7 +1,9 @@
 """The kernels' read streams (QUICKDRAFT_ROW_STREAMS, read once when the library loads): one to
 three rows take one, two or four adjacent blocks at a time (by default one on AMD, where two
-streams from DRAM ran at half the speed, four or two on Intel). Every setting must give the same
-bits, on every path and in every weight format, so each is run here whatever the CPU's default."""
+streams from DRAM ran at half the speed, four or two on Intel); and their software prefetch
+(QUICKDRAFT_PREFETCH, bytes ahead: none by default on AMD, where the hardware's prefetchers alone
+streamed faster, 4096 on Intel). Every setting must give the same bits, on every path and in
+every weight format, so each is run here whatever the CPU's default."""
 
 from __future__ import annotations
 
@@ -47,19 +49,21 @@ torch.save(out, sys.argv[1])
 """
 
 
-def _run(streams: int, path) -> dict:
-    env = dict(os.environ, QUICKDRAFT_ROW_STREAMS=str(streams))
+def _run(streams: int, path, prefetch: int = 4096) -> dict:
+    env = dict(os.environ, QUICKDRAFT_ROW_STREAMS=str(streams), QUICKDRAFT_PREFETCH=str(prefetch))
     subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, check=True, timeout=300)
     return torch.load(path)
 
 
 def test_every_read_stream_setting_gives_the_same_bits(tmp_path):
     runs = {s: _run(s, tmp_path / f"streams{s}.pt") for s in (1, 2, 4)}
+    runs["no prefetch"] = _run(1, tmp_path / "none.pt", prefetch=0)
+    runs["far prefetch"] = _run(2, tmp_path / "far.pt", prefetch=16384)
     keys = runs[1].keys()
     assert keys and all(run.keys() == keys for run in runs.values())
     for key in keys:
         isa, fmt, m = key
-        for s in (2, 4):
+        for s in (2, 4, "no prefetch", "far prefetch"):
             assert torch.equal(runs[s][key], runs[1][key]), (s, key)
         # and a row's bits do not depend on the rows beside it (the seventh row group included)
         assert torch.equal(runs[1][key], runs[1][isa, fmt, 7][:m]), key
