@@ -496,14 +496,19 @@ def _dequantize(t: GGUFTensor) -> torch.Tensor:
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # the 4-bit types whose blocks the int4 format keeps as they are
 
 
+def _four_bit(t: GGUFTensor) -> bool:
+    """Whether `t` is a matrix whose blocks the int4 format keeps (`int4_groups`)."""
+    return t.tensor_type.name in FOUR_BIT and len(t.shape) == 2
+
+
 def int4_groups(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A Q4_0 / Q4_1 / Q4_K matrix in the int4 weight format's terms, without re-quantising: q in
     0..15 (out, in) uint8, scale and zero (out, in / 32) float32 with w = (q - 8) * scale + zero.
     Q4_0 stores w = d (q - 8); Q4_1 w = d q + m; Q4_K, per 32 values of a 256-value block,
     w = (d sc) q - (dmin m) with 6-bit sc and m. None for any other type."""
-    kind = t.tensor_type.name
-    if kind not in FOUR_BIT or len(t.shape) != 2:
+    if not _four_bit(t):
         return None
+    kind = t.tensor_type.name
     out_f, in_f = t.hf_shape
     raw = torch.from_numpy(t.data)
     if kind == "Q4_K":
@@ -576,13 +581,14 @@ def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, devic
     for hf, name in check_tensors(g, cfg).items():  # every entry checked before any is read
         t = g.tensors[name]
         n_head = permuted_heads(g, cfg, name)
-        four = int4 is not None and t.tensor_type.name in FOUR_BIT and len(t.shape) == 2
+        four = int4 is not None and _four_bit(t)
+        read = lambda t=t, n_head=n_head: _float_weight(t, n_head).to(device=device, dtype=dtype)  # noqa: E731
         if four and hf in linear:
             state[hf] = torch.zeros((), dtype=dtype, device=device).expand(t.hf_shape)
-            deferred[hf] = lambda t=t, n_head=n_head: _float_weight(t, n_head).to(device=device, dtype=dtype)
+            deferred[hf] = read
             int4[hf] = lambda t=t, n_head=n_head: _groups(t, n_head, device)
         else:
-            state[hf] = _float_weight(t, n_head).to(device=device, dtype=dtype)
+            state[hf] = read()
             if four:
                 int4[hf] = _groups(t, n_head, device)
     return state
