@@ -843,10 +843,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 // and at six rows spills). The same integer sums and the same epilogue per output in the same group
 // order: the same bits. Measured on an AMD EPYC Zen 4, 1 thread, weights from DRAM on 2 MiB pages
 // (SmolLM2-1.7B's layer shapes, 12 layers, the two kernels in alternating processes): six rows
-// 0.75-0.80x block_rows_q4's time (2048 x 16384: 15.9-16.5 ms against 20.7-21.5), five 0.78-0.86x;
-// but four rows 1.0-1.2x, and blocks of fewer than 64 groups (K < 2048: SmolLM2's K = 576, 1.3-1.4x;
-// 1536, 1.05-1.1x) slower: each half re-reads the block's lines from DRAM at every other line, which
-// streams more slowly, and only a long block's saved epilogue pays for it.
+// 0.74-0.92x block_rows_q4's time (2048 x 16384: 17.2-18.3 ms against 20.5-22.6), five 0.78-0.86x,
+// nine (6 + 3) 0.92-0.96x; but four rows 1.0-1.2x, and blocks of fewer than 64 groups (SmolLM2's
+// K = 576: 1.3-1.4x; 1536: 1.05-1.1x) slower: each half reads every other line of the block from DRAM, which streams
+// more slowly, and only a long block's saved epilogue pays for it. (The same split of int8's blocks,
+// two lines of every four, took 2.7x the time there: a pattern of reads can cost more than it
+// saves.) So it runs where the kernels read one stream (row_streams: AMD, or
+// QUICKDRAFT_ROW_STREAMS=1), the choice measured; Intel keeps block_rows_q4 (not measured there).
 constexpr int64_t HALVES_MIN_GROUPS = 64;
 template <int MR, bool VNNI, bool SYM>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_halves(const Q4Act& x, const uint8_t* wb,
@@ -922,7 +925,8 @@ void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias
     constexpr int MR = decltype(mr)::value;
     const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
     if constexpr (MR >= 5)
-      if (x.G >= HALVES_MIN_GROUPS) return block_rows_q4_halves<MR, VNNI, SYM>(xm, wb, bias, y + m * ldy, ldy, ncols);
+      if (x.G >= HALVES_MIN_GROUPS && row_streams() == 1)
+        return block_rows_q4_halves<MR, VNNI, SYM>(xm, wb, bias, y + m * ldy, ldy, ncols);
     block_rows_q4<MR, 1, VNNI, SYM>(xm, wb, bias, y + m * ldy, ldy, ncols);
   });
 }

@@ -2,8 +2,10 @@
 three rows take one, two or four adjacent blocks at a time (by default one on AMD, where two
 streams from DRAM ran at half the speed, four or two on Intel); and their software prefetch
 (QUICKDRAFT_PREFETCH, bytes ahead: none by default on AMD, where the hardware's prefetchers alone
-streamed faster, 4096 on Intel). Every setting must give the same bits, on every path and in
-every weight format, so each is run here whatever the CPU's default."""
+streamed faster, 4096 on Intel). With one stream, int4's groups of 5-6 rows over 64+ groups run
+on AVX-512 a block's two halves in turn (blocked_core.h's block_rows_q4_halves). Every setting must
+give the same bits, on every path and in every weight format, so each is run here whatever the
+CPU's default."""
 
 from __future__ import annotations
 
