@@ -403,8 +403,14 @@ constexpr int64_t PANEL = 16;  // rows per panel (sums: PANEL x 64 floats, 4 KB)
 
 // MR rows x outputs [c0, c0 + 8V) over block rows [0, kc) of a chunk (src: its first row), the
 // sums in sums[r * 64 + c0 ..] (loaded, updated, stored). Pass `pass` of `passes` over the chunk
-// prefetches the rows k of the next chunk with k % passes == pass into L2 (each line once per chunk;
-// into L1 measured slower: the fill buffers a DRAM line holds all its latency are few).
+// prefetches the rows k of the chunk after next with k % passes == pass into L2 (each line once per
+// chunk; past the block's end, the next block's first rows: the blocks are contiguous). Into L1
+// measured slower (the fill buffers a DRAM line holds all its latency are few); the next chunk
+// rather than the one after it, slower on an AMD EPYC Zen 4 (1 thread, float32, 3 alternating
+// processes each): 6 rows of SmolLM2's 576 x 49152 lm_head 5.35-5.58 ms against 4.97-5.28 two
+// chunks ahead, the 1.7B shape's 2048 x 16384 6.66-6.90 against 6.06-6.43 ms (4 rows 2-5%
+// faster, 1-2 rows and bfloat16 the same; three chunks ahead no better; the AVX-512 kernel's
+// chunks, the same change, no faster there).
 template <typename W, int MR, int V>
 __attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t ldx, const W* src, int64_t kc,
                                                          int64_t c0, float* sums, int pass, int passes) {
@@ -413,7 +419,7 @@ __attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t
   for (int j = 0; j < V; ++j)
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_loadu_ps(sums + r * NB + c0 + 8 * j);
-  const char* next = reinterpret_cast<const char*>(src + kc * NB);
+  const char* next = reinterpret_cast<const char*>(src + 2 * kc * NB);  // (the chunk after next)
   int64_t ahead = pass;  // the next row to prefetch (a counter: a division per row costs more than its FMAs)
   for (int64_t k = 0; k < kc; ++k) {
     const W* wk = src + k * NB + c0;
