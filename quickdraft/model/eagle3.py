@@ -187,6 +187,10 @@ class Eagle3Head(nn.Module):
         out = self.midlayer(self.embed_tokens(input_ids).to(self.dtype), hidden, cos, sin, mask, write_pos, kv, kv_len)
         return self.lm_head(self.norm(out)), out
 
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary token ids as the target's."""
+        return draft_ids if self._identity_vocab else self.draft_to_target[draft_ids]
+
     def to_target(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits (..., draft V) as target-vocabulary logits (..., V): -inf for
         every token outside the draft vocabulary (probability 0 after any processing)."""

@@ -167,10 +167,13 @@ class Eagle3Proposer(OwnKVProposer):
             noise = batch.random.draft_noise(k, self.vocab_size)
         tokens, probs = [], []
         for i in range(k):
-            q = process_logits(self.head.to_target(logits, self.vocab_size), sampling)  # (B, V) float32
-            x = q.argmax(-1) if noise is None else race(q, noise[:, i])
+            if noise is None:  # all greedy: the draft vocabulary's argmax, as a target id (no target-size tensors)
+                x = self.head.target_ids(logits.argmax(-1))
+            else:
+                q = process_logits(self.head.to_target(logits, self.vocab_size), sampling)  # (B, V) float32
+                x = race(q, noise[:, i])
+                probs.append(q)
             tokens.append(x)
-            probs.append(q)
             if i < k - 1:  # the last draft token is never fed: the target will judge it
                 logits, state = self._head(x[:, None], state[:, None], lengths - 1 + i, self.cache.rows(0, B),
                                           kv_len=kv_len + 1 + i, project=False)
