@@ -770,6 +770,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i finish4x16
   else return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
 }
 
+// A 64-byte chunk's nibbles as bytes: lo (its low nibbles: 16 outputs' quads) and hi (the high ones).
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void nibbles16(const uint8_t* chunk, __m512i& lo,
+                                                                                __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(15), v = _mm512_loadu_si512(chunk);
+  lo = _mm512_and_si512(v, low);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+}
+
 // MR rows over NBLK adjacent blocks, all groups. A group's integer sums stay in registers (MR * 4 *
 // NBLK); the running float sums live in y itself (in L1), updated once per group; each unpacked
 // weight vector serves all MR rows.
@@ -781,7 +789,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
   constexpr int V = 4 * NBLK;
   constexpr int64_t gb = SYM ? QGB_SYM : QGB;
   const int64_t G = x.G;
-  const __m512i low = _mm512_set1_epi8(15);
 #pragma GCC unroll 16
   for (int j = 0; j < V; ++j) {
     const __mmask16 mask = tail_mask(ncols - 16 * j);
@@ -812,8 +819,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          const __m512i v = _mm512_loadu_si512(piece + 128 * c + 64 * h);
-          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          __m512i lo, hi;
+          nibbles16(piece + 128 * c + 64 * h, lo, hi);
 #pragma GCC unroll 6
           for (int r = 0; r < MR; ++r) {
             acc[r][4 * blk + 2 * h] = dot4x16<VNNI>(acc[r][4 * blk + 2 * h], lo, av[r]);
@@ -863,7 +870,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
                                                                                       int64_t ldy, int64_t ncols) {
   constexpr int64_t gb = SYM ? QGB_SYM : QGB;
   const int64_t G = x.G;
-  const __m512i low = _mm512_set1_epi8(15);
   for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
     __m512 f[MR][2];
 #pragma GCC unroll 2
@@ -881,8 +887,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
       for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
-        const __m512i v = _mm512_loadu_si512(piece + 128 * c + 64 * h);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512i lo, hi;
+        nibbles16(piece + 128 * c + 64 * h, lo, hi);
 #pragma GCC unroll 6
         for (int r = 0; r < MR; ++r) {
           const __m512i a = _mm512_set1_epi32(quad_at(xq + r * x.ldq + 4 * c));
