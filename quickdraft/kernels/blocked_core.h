@@ -229,7 +229,7 @@ int row_streams() {
 bool four_streams() { return row_streams() == 4; }
 
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
-// M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead). Only the
+// M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead, but 4-5 on AMD). Only the
 // combinations that fit the registers are instantiated.
 template <typename W, int NBLK>
 void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, const float* bias, float* y, int64_t ldy,
@@ -571,7 +571,14 @@ __attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int6
 template <typename W>
 void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, K = a.K, n = a.n;
-  if (M >= 4) return chunked_avx512(a, b0, b1);
+  // 4-5 rows where one stream is the choice (AMD): one pass over each block, every sum in registers
+  // (block_rows), faster there than the chunks. On an AMD EPYC Zen 4, 1 thread, float32, the two in
+  // alternating processes (2 each): 4 rows of SmolLM2-1.7B's 2048 x 49152 lm_head 11.5-11.7 ms
+  // against 17.9-18.1, its 2048 x 16384 gate_up 3.3-3.4 against 5.2; 5 rows 12.1-12.3 against
+  // 14.9-15.3 and 3.6-3.7 against 3.8 (its 2048 x 6144 qkv 1.32 against 1.23-1.24 ms: slower); the
+  // bundled target's whole verify step T(4)/T(1) 0.97-1.01 against 1.28, T(5) 1.02 against 1.11.
+  // Six rows were 8-11% slower so, and bfloat16's 4-5 rows the same either way.
+  if (M >= 4 && !(M <= 5 && row_streams() == 1)) return chunked_avx512(a, b0, b1);
   auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
   int64_t b = b0;
   if (M == 1 && four_streams())
