@@ -89,7 +89,8 @@ def child(tree: Path, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--isas", nargs="+", default=["avx512", "avx2"], help="the kernels' paths to measure")
+    ap.add_argument("--isas", nargs="+", default=None,
+                    help="the kernels' paths to measure (default: every vector path this CPU has)")
     ap.add_argument("--keys", type=int, nargs="+", default=[512, 2000, 4000])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 3, 12, 60], help="query rows per kv head (T * G)")
     ap.add_argument("--repeats", type=int, default=7)
@@ -102,7 +103,11 @@ def main() -> None:
         print(json.dumps(measure(args.isas, args.keys, args.rows, args.calls, sdpa=False)))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from quickdraft import kernels
     from quickdraft.bench.hardware import provenance
+
+    if args.isas is None:
+        args.isas = [isa for isa in kernels.cpu_isas() if isa != "portable"] or ["portable"]
 
     here = Path(__file__).resolve().parents[1]
     load_before = list(os.getloadavg())

@@ -125,13 +125,15 @@ def markdown(result: dict, rows: list[int]) -> str:
 
 
 def main() -> None:
+    from quickdraft import kernels
     from quickdraft.bench.hardware import loadavg, provenance, steady_steps
 
     steady_steps()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="smollm2, 1.7b, bundled (the bundled target; comma-separated)")
-    p.add_argument("--isa", default="avx512,avx2", help="kernel paths (comma-separated; this CPU must have each), "
+    p.add_argument("--isa", default=None, help="kernel paths (comma-separated; this CPU must have each; default: "
+                   "every vector path it has, e.g. avx512,avx2 on an AVX-512 machine, avx2 on Zen 3), "
                    "each with :on (the default), :every or :off for AMX's setting (int8 / int4 on avx512)")
     p.add_argument("--format", default="f32,bf16,int8,int4", help=f"{', '.join(FORMATS)} (comma-separated)")
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9", help="query rows per step; the first is the baseline")
@@ -148,8 +150,13 @@ def main() -> None:
     if args.tiny:
         args.model, args.format, args.layers, args.context, args.rows = "bundled", "f32,int4", 2, 32, "1,2,6"
         args.rounds, args.calls = 1, 1
-    args.isa = args.isa.split(",")
+    has = [isa for isa in kernels.cpu_isas() if isa != "portable"]
+    args.isa = args.isa.split(",") if args.isa else has
+    if not args.isa:
+        raise SystemExit("quickdraft's kernels have no vector path on this CPU (kernels.cpu_isas())")
     for isa in args.isa:
+        if isa.partition(":")[0] not in has:
+            raise SystemExit(f"--isa {isa}: this CPU runs {', '.join(has) or 'no vector path'}")
         if isa.partition(":")[2] not in ("", "on", "every", "off"):
             raise SystemExit(f"--isa {isa}: AMX's setting is on, every or off")
     args.rows = [int(q) for q in args.rows.split(",")]
