@@ -420,7 +420,13 @@ __attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_loadu_ps(sums + r * NB + c0 + 8 * j);
   const char* next = reinterpret_cast<const char*>(src + 2 * kc * NB);  // (the chunk after next)
-  int64_t ahead = pass;  // the next row to prefetch (a counter: a division per row costs more than its FMAs)
+  // the next row to prefetch (a counter: a division per row costs more than its FMAs); none where
+  // prefetch_ahead() is 0 (AMD): on an AMD EPYC Zen 3 (AVX2 only; 1 thread, float32, a model's
+  // layers from DRAM, one process per setting, alternating) 2-3 rows took 0.71-0.97x the time
+  // without them (SmolLM2's 30 layers, 3 rows 33.7-35.9 ms against 41.4-43.2; the bundled target's
+  // 7.2-7.7 against 9.8-10.1), 4-6 rows 0.86-1.04x, one row unchanged; one chunk ahead, 8 KB
+  // chunks or the T2 hint were no better than two chunks ahead.
+  int64_t ahead = prefetch_ahead() ? pass : kc;
   for (int64_t k = 0; k < kc; ++k) {
     const W* wk = src + k * NB + c0;
     if (k == ahead) {
