@@ -11,7 +11,8 @@
 // re-read the block from cache), so k + 1 rows stream the same bytes as one row: a GEMV-like
 // kernel for every small M, where a BLAS sgemm packs the whole weight again at each call. (On
 // AVX2 and AVX-512, 2+ / 4+ rows take a block in 16 KB chunks, every row group's pass over a
-// chunk while it is in L1, the next chunk prefetched during those passes: blocks_avx2.)
+// chunk while it is in L1, a later chunk prefetched during those passes (on AVX2 only where
+// prefetch_ahead() is on: Intel): blocks_avx2.)
 // bfloat16 weights use the same layout and are widened in registers (a 16-bit shift: exact), so
 // their result is the float32 kernel's on the widened weights, bit for bit, at half the bytes.
 //
