@@ -12,7 +12,7 @@
 // kernel for every small M, where a BLAS sgemm packs the whole weight again at each call. (On
 // AVX2 and AVX-512, 2+ / 4+ rows take a block in 16 KB chunks, every row group's pass over a
 // chunk while it is in L1, a later chunk prefetched during those passes (on AMD's AVX2 path
-// for 7+ rows only): blocks_avx2.)
+// for float32 from 7 rows only): blocks_avx2.)
 // bfloat16 weights use the same layout and are widened in registers (a 16-bit shift: exact), so
 // their result is the float32 kernel's on the widened weights, bit for bit, at half the bytes.
 //
@@ -478,14 +478,15 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_
       const float* xp = a.x + p0 * a.ldx;
       int passes = 0;
       panel_passes<W>(rows, ncols, [&](auto, auto, int64_t, int64_t) { ++passes; });
-      // The chunks' software prefetches, except for panels of up to 6 rows where prefetch_ahead() is
-      // 0 (AMD). On an AMD EPYC Zen 3 (AVX2 only; 1 thread, float32, a model's layers from DRAM, one
+      // The chunks' software prefetches, except for float32 panels of up to 6 rows where
+      // prefetch_ahead() is 0 (AMD). On an AMD EPYC Zen 3 (AVX2 only; 1 thread, float32, a model's layers from DRAM, one
       // process per setting, alternating) 2-3 rows took 0.71-0.97x the time without them (SmolLM2's
       // 30 layers, 3 rows 33.7-35.9 ms against 41.4-43.2; the bundled target's 7.2-7.7 against
       // 9.8-10.1), 4-6 rows 0.86-1.04x; 7-12 rows 1.18-1.52x (SmolLM2's, 7 rows 57.1-59.1 ms against
       // 44.2-48.3, 12 rows 72.3-72.7 against 47.9-50.4). One chunk ahead, 8 KB chunks or the T2 hint were no
-      // better than two chunks ahead.
-      const int pf_passes = prefetch_ahead() || rows > 6 ? passes : 0;
+      // better than two chunks ahead. bfloat16 (4-6 rows in more passes of 16 outputs) needs them: 6 rows
+      // of SmolLM2's layers 39.1-39.5 ms without against 26.9-27.7 with.
+      const int pf_passes = prefetch_ahead() || rows > 6 || !std::is_same<W, float>::value ? passes : 0;
       for (int64_t c = 0; c < NB; c += 8) {  // the sums start from the bias (zeros past ncols)
         const __m256 b8 = bias ? load_left(bias + c, ncols - c) : _mm256_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(sums + r * NB + c, b8);
