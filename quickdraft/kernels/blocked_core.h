@@ -396,9 +396,9 @@ void row_groups(int64_t rows, F&& f) {
 // streamed it from DRAM with a fraction of the FMAs, the others from L2 with no DRAM traffic,
 // and a block of K = 8192 (2 MB) did not even fit L2: 6 rows cost 1.3-2.1x one row.)
 // Row groups: float32 has no widening to share: 2-3 rows over 32 outputs (the rows' broadcasts
-// kept, 8-12 sums). bfloat16 widens each weight vector once per group: 4-6 rows over
-// 16 outputs (the 2 weight vectors kept, 8-12 sums), 2-3 rows over 32; 7 rows as 4 + 3, more as
-// 6s first (fewer than 8 sums wait on the FMA latency).
+// kept, 8-12 sums; over 16 where the even prefetch stream runs: blocks_avx2). bfloat16 widens each
+// weight vector once per group: 4-6 rows over 16 outputs (the 2 weight vectors kept, 8-12 sums),
+// 2-3 rows over 32; 7 rows as 4 + 3, more as 6s first (fewer than 8 sums wait on the FMA latency).
 constexpr int64_t CHUNK_BYTES = 16384;
 constexpr int64_t PANEL = 16;  // rows per panel (sums: PANEL x 64 floats, 4 KB)
 
@@ -412,9 +412,30 @@ constexpr int64_t PANEL = 16;  // rows per panel (sums: PANEL x 64 floats, 4 KB)
 // chunks ahead, the 1.7B shape's 2048 x 16384 6.66-6.90 against 6.06-6.43 ms (4 rows 2-5%
 // faster, 1-2 rows and bfloat16 the same; three chunks ahead no better; the AVX-512 kernel's
 // chunks, the same change, no faster there).
+// The even prefetch stream of a panel of few rows where prefetch_ahead() is 0 (AMD; blocks_avx2
+// decides): the lines of the chunk after the current one (as many bytes as the current one; past a
+// block's end, the next block's first rows), in order, spread evenly over every iteration of every
+// pass over the current chunk (one line per iteration for 4 passes of 64 float32 block rows), so the
+// DRAM stream goes on while the passes run from L1. Bursts of a block row's lines every few
+// iterations two chunks ahead (two 16 KB chunks in flight besides the current one: more than Zen 3's
+// 32 KB L1, which the T1 hint fills too on Zen 3) were slower there than no software prefetch.
+struct EvenPrefetch {
+  const char* next;  // the next line to fetch
+  int64_t left, lines, iters, frac;  // lines left; per chunk: lines, iterations of its passes; accumulator
+  __attribute__((always_inline)) inline void step() {
+    for (frac += lines; frac >= iters; frac -= iters)
+      if (left > 0) {
+        _mm_prefetch(next, _MM_HINT_T1);
+        next += 64;
+        --left;
+      }
+  }
+};
+
 template <typename W, int MR, int V>
 __attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t ldx, const W* src, int64_t kc,
-                                                         int64_t c0, float* sums, int pass, int passes) {
+                                                         int64_t c0, float* sums, int pass, int passes,
+                                                         EvenPrefetch* even) {
   __m256 acc[MR][V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j)
@@ -431,6 +452,7 @@ __attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t
       for (int line = 0; line < int(NB * sizeof(W)); line += 64) _mm_prefetch(next + k * NB * sizeof(W) + line, _MM_HINT_T1);
       ahead += passes;
     }
+    if (even) even->step();
     fma_rows_avx2<W, MR, V>(x, ldx, k, wk, acc);
   }
 #pragma GCC unroll 8
@@ -442,9 +464,17 @@ __attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t
 // The passes of `rows` rows (rows <= PANEL) over the outputs [0, ncols) of one chunk, in order:
 // f(MR, V, first row, c0) with MR and V as std::integral_constant (the groups described above).
 template <typename W, typename F>
-void panel_passes(int64_t rows, int64_t ncols, F&& f) {
+void panel_passes(int64_t rows, int64_t ncols, bool quarters, F&& f) {
   using std::integral_constant;
   if constexpr (std::is_same<W, float>::value) {
+    if (quarters && rows <= 3) {  // (float32 with the even prefetch stream: every row over 16 outputs)
+      for (int64_t c0 = 0; c0 < ncols; c0 += 16) {
+        if (rows == 3) f(integral_constant<int, 3>{}, integral_constant<int, 2>{}, 0, c0);
+        if (rows == 2) f(integral_constant<int, 2>{}, integral_constant<int, 2>{}, 0, c0);
+        if (rows == 1) f(integral_constant<int, 1>{}, integral_constant<int, 2>{}, 0, c0);
+      }
+      return;
+    }
     for (int64_t c0 = 0; c0 < ncols; c0 += 32) {
       int64_t m = 0;
       for (; m + 3 <= rows && rows - m != 4; m += 3) f(integral_constant<int, 3>{}, integral_constant<int, 4>{}, m, c0);
@@ -476,27 +506,38 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_
     for (int64_t p0 = 0; p0 < M; p0 += PANEL) {
       const int64_t rows = std::min(PANEL, M - p0);
       const float* xp = a.x + p0 * a.ldx;
+      // Software prefetch: where prefetch_ahead() is 0 (AMD), a float32 panel of up to 7 rows and a
+      // bfloat16 panel of up to 5 stream the next chunk evenly over their passes (EvenPrefetch), float32
+      // panels of 2-3 rows in four passes of 16 outputs rather than two of 32 (the stream's rate at most
+      // a line per iteration); other panels prefetch the block rows k of the chunk after next with
+      // k % passes == pass (each row's lines at once). On an AMD EPYC Zen 3 (AVX2 only; 1 thread,
+      // SmolLM2's 30 layers and lm_head from DRAM, float32, the settings alternating in one process,
+      // medians of 9 rounds, same bits), against no software prefetch for up to 6 rows (faster there
+      // than the bursts): 2 rows 0.94x the time, 3 rows 0.91x, 4 rows 0.76x, 6 rows 0.73x (4 rows
+      // 41.0 ms against 52.2, 6 rows 42.4 against 60.2, one row 31); in the kernel alone (30 matrices
+      // of 576 x 3072, 7-11 rounds), 5 rows 0.78x, 7 rows 0.87x against the bursts; 9 and 12 rows took
+      // 1.12-1.35x (they keep the bursts). bfloat16 against its bursts: 2-5 rows 0.83-0.94x, 6 rows
+      // 0.85-1.09x, 7 rows 1.10x.
+      const bool spread = !prefetch_ahead() && rows <= (std::is_same<W, float>::value ? 7 : 5);
       int passes = 0;
-      panel_passes<W>(rows, ncols, [&](auto, auto, int64_t, int64_t) { ++passes; });
-      // The chunks' software prefetches, except for float32 panels of up to 6 rows where
-      // prefetch_ahead() is 0 (AMD). On an AMD EPYC Zen 3 (AVX2 only; 1 thread, float32, a model's layers from DRAM, one
-      // process per setting, alternating) 2-3 rows took 0.71-0.97x the time without them (SmolLM2's
-      // 30 layers, 3 rows 33.7-35.9 ms against 41.4-43.2; the bundled target's 7.2-7.7 against
-      // 9.8-10.1), 4-6 rows 0.86-1.04x; 7-12 rows 1.18-1.52x (SmolLM2's, 7 rows 57.1-59.1 ms against
-      // 44.2-48.3, 12 rows 72.3-72.7 against 47.9-50.4). One chunk ahead, 8 KB chunks or the T2 hint were no
-      // better than two chunks ahead. bfloat16 (4-6 rows in more passes of 16 outputs) needs them: 6 rows
-      // of SmolLM2's layers 39.1-39.5 ms without against 26.9-27.7 with.
-      const int pf_passes = prefetch_ahead() || rows > 6 || !std::is_same<W, float>::value ? passes : 0;
+      panel_passes<W>(rows, ncols, spread, [&](auto, auto, int64_t, int64_t) { ++passes; });
+      const int pf_passes = spread ? 0 : passes;
+      EvenPrefetch even{nullptr, 0, 0, 0, 0};
       for (int64_t c = 0; c < NB; c += 8) {  // the sums start from the bias (zeros past ncols)
         const __m256 b8 = bias ? load_left(bias + c, ncols - c) : _mm256_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(sums + r * NB + c, b8);
       }
       for (int64_t k0 = 0; k0 < K; k0 += CR) {
         const int64_t kc = std::min(CR, K - k0);
+        if (spread) {
+          const int64_t lines = kc * NB * int64_t(sizeof(W)) / 64;
+          even = {reinterpret_cast<const char*>(wb + (k0 + kc) * NB), lines, lines, passes * kc, 0};
+        }
         int pass = 0;
-        panel_passes<W>(rows, ncols, [&](auto mr, auto v, int64_t m, int64_t c0) {
+        panel_passes<W>(rows, ncols, spread, [&](auto mr, auto v, int64_t m, int64_t c0) {
           chunk_rows_avx2<W, decltype(mr)::value, decltype(v)::value>(xp + m * a.ldx + k0, a.ldx, wb + k0 * NB, kc, c0,
-                                                                      sums + m * NB, pass++, pf_passes);
+                                                                      sums + m * NB, pass++, pf_passes,
+                                                                      spread ? &even : nullptr);
         });
       }
       for (int64_t r = 0; r < rows; ++r)

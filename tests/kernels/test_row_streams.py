@@ -1,8 +1,9 @@
 """The kernels' read streams (QUICKDRAFT_ROW_STREAMS, read once when the library loads): one to
 three rows take one, two or four adjacent blocks at a time (by default one on AMD, where two
 streams from DRAM ran at half the speed, four or two on Intel); and their software prefetch
-(QUICKDRAFT_PREFETCH, bytes ahead: none by default on AMD, where the hardware's prefetchers alone
-streamed faster, 4096 on Intel). With one stream, int4's groups of 5-6 rows over 64+ groups run
+(QUICKDRAFT_PREFETCH, bytes ahead: 0 by default on AMD, where the hardware's prefetchers alone
+streamed faster, save AVX2's panels of a few rows, which then stream the next chunk evenly over
+their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). With one stream, int4's groups of 5-6 rows over 64+ groups run
 on AVX-512 a block's two halves in turn (blocked_core.h's block_rows_q4_halves). Every setting must
 give the same bits, on every path and in every weight format, so each is run here whatever the
 CPU's default."""
