@@ -413,14 +413,23 @@ def stored_quantization(asked: str | None, model_dir: Path, device: torch.device
 
 
 def _head_quantization(asked: str | None, device: torch.device) -> str | None:
-    """An EAGLE-3 head's weight format: as asked, else int8 on a CPU where quickdraft's int8
-    kernel runs (a head's draft step is bound by reading its weights: the bundled head's step
-    was 15% of a target step in float32, 9.5% in int8, with the same acceptance on both shipped
-    heads: benchmarks/results/eagle3_aot_head_cpu.md), else as loaded. On quickdraft's kernel
-    the head's matmuls are row-invariant, like the target's (`quant.row_invariant`)."""
+    """An EAGLE-3 head's weight format: as asked, else on a CPU where quickdraft's kernels run
+    int8 where its integer kernels have VNNI, int4 where they have not, else as loaded. A head's
+    draft step is bound by reading its weights, which the target's step evicts from the caches
+    between two catch-ups: the bundled head's step was 15% of a target step in float32, 9.5% in
+    int8, with the same acceptance on both shipped heads (Intel Xeon, AVX-512 VNNI:
+    benchmarks/results/eagle3_aot_head_cpu.md). Without VNNI int8 weights cost the same integer
+    operations as int4 and twice the bytes: on an AMD EPYC Zen 3 (AVX2 only) the bundled pair
+    with an int4 head ran 1.09-1.10x as fast as with an int8 one, acceptance 0.51 against 0.50
+    (benchmarks/results/eagle3_bundled_zen3_cpu.md). On quickdraft's kernels the head's matmuls
+    are row-invariant, like the target's (`quant.row_invariant`)."""
     if asked is not None:
         return asked
-    return "int8" if device.type == "cpu" and blocked_supported() else None
+    if device.type != "cpu" or not blocked_supported():
+        return None
+    from . import kernels
+
+    return "int8" if kernels.int8_uses_vnni() else "int4"
 
 
 def _check_self_draft_method(method: str | None) -> str:
