@@ -85,9 +85,9 @@ class LLM:
         to them when they are ready; QUICKDRAFT_AOT_BUILD=0: no such build). quantization / draft_quantization: "int8" or "int4" weight-only for the target
         / the draft (output follows the target as loaded, quantised or not; "none": as loaded;
         None: a GGUF stored in 4 bits runs int4 on a CPU, anything else as loaded: `stored_quantization`);
-        an EAGLE-3 head on a CPU with quickdraft's kernels is int8 unless draft_quantization says
-        otherwise, since its draft step streams its weights and int8 halves that at the same
-        acceptance (README, "EAGLE-3"). draft_dtype: the
+        an EAGLE-3 head on a CPU with quickdraft's kernels is int8 (int4 where its integer kernels
+        lack VNNI) unless draft_quantization says otherwise, since its draft step streams its
+        weights and fewer bits cut that at the same acceptance (`_head_quantization`). draft_dtype: the
         draft's precision when it should differ from the target's (`dtype`); it changes
         acceptance and speed only, never the output's distribution. kv_cache_memory: the
         KV memory budget of every request's caches (the target's and the proposer's): bytes (an
