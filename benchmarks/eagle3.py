@@ -5,7 +5,7 @@ Models: the bundled code target with `target-eagle3` (code openings from the cor
 files, raw text) and SmolLM2-135M-Instruct with a head given by --head (none ships: train one
 with `quickdraft train-eagle3`; quickdraft's chat requests through the chat template). Rows: plain decoding; eagle3 chains at each --ks; an EAGLE-2
 dynamic trees (--trees, default width 3, 8 nodes, depth 4); for the bundled target also its
-draft model (--draft-ks, default k 5).
+draft model (--draft-ks, default k 5; --draft-quantization adds rows with its weights in another format).
 Every row runs with compile="aot" by default (the AOT packages, built before timing; eagle3 rows use the
 package variant that returns the target's hidden states), float32, eos ignored, fixed k.
 
@@ -41,10 +41,13 @@ from quickdraft.train.corpus import load_corpus
 
 
 def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | None = None,
-             trees: list[str] = ("3x8x4",), draft_ks: list[int] = (5,), compile: str | bool = "aot") -> dict[str, dict]:
-    """Rows of one model's block. eagle3-k<k>: the head as the engine loads it by default (int8 on
-    a CPU with quickdraft's kernels); eagle3-k<k>-<q>head: with draft_quantization=q ("none": the
-    head's weights as stored). compile: every row's LLM(compile=...)."""
+             trees: list[str] = ("3x8x4",), draft_ks: list[int] = (5,), compile: str | bool = "aot",
+             draft_quant: list[str] = ()) -> dict[str, dict]:
+    """Rows of one model's block. eagle3-k<k>: the head as the engine loads it by default (on a
+    CPU with quickdraft's kernels int8, int4 without VNNI); eagle3-k<k>-<q>head: with
+    draft_quantization=q ("none": the head's weights as stored). draft-k<k>: the bundled draft
+    model as loaded by default (int8 on such a CPU); draft-k<k>-<q>draft: with draft_quantization=q
+    ("none": as loaded, float32 here). compile: every row's LLM(compile=...)."""
     target, draft = default_model_dirs()
     base = {"target": str(target) if model == "bundled" else "smollm2", "dtype": "float32", "compile": compile}
     if head is None and model != "bundled":  # only the bundled target's head ships
@@ -66,6 +69,9 @@ def rows_for(model: str, ks: list[int], head_quant: list[str] = (), head: str | 
     if model == "bundled":
         for k in draft_ks:
             rows[f"draft-k{k}"] = {**base, "method": "draft", "draft": str(draft), "num_speculative_tokens": k}
+            for q in draft_quant:
+                rows[f"draft-k{k}-{q}draft"] = {**base, "method": "draft", "draft": str(draft),
+                                                "num_speculative_tokens": k, "draft_quantization": q}
     return rows
 
 
@@ -137,6 +143,8 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="a head folder or name instead of the model's shipped head")
     ap.add_argument("--trees", nargs="*", default=["3x8x4"], help="EAGLE-2 trees: width x nodes x depth")
     ap.add_argument("--draft-ks", nargs="*", type=int, default=[5], help="the bundled draft model's rows")
+    ap.add_argument("--draft-quantization", nargs="*", default=[], choices=["none", "int8", "int4"],
+                    help="also draft-model rows with its weights so (draft-k<k>-<q>draft; none: as loaded)")
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0],
                     help="blocks per temperature (sampled: seeded per prompt; every row gets the same seeds)")
     ap.add_argument("--prompts", type=int, default=4)
@@ -151,7 +159,7 @@ def main() -> None:
     for model in args.models:
         llms = {}
         for name, kw in rows_for(model, args.ks, args.head_quantization, args.head, args.trees, args.draft_ks,
-                                 "aot" if args.compile == "aot" else False).items():
+                                 "aot" if args.compile == "aot" else False, args.draft_quantization).items():
             start = time.perf_counter()
             llms[name] = LLM(**dict({"policy": "fixed"}, **kw))  # k as the row names it, every step
             print(f"{model} {name}: loaded in {time.perf_counter() - start:.1f} s "

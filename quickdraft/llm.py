@@ -85,9 +85,10 @@ class LLM:
         to them when they are ready; QUICKDRAFT_AOT_BUILD=0: no such build). quantization / draft_quantization: "int8" or "int4" weight-only for the target
         / the draft (output follows the target as loaded, quantised or not; "none": as loaded;
         None: a GGUF stored in 4 bits runs int4 on a CPU, anything else as loaded: `stored_quantization`);
-        an EAGLE-3 head on a CPU with quickdraft's kernels is int8 (int4 where its integer kernels
-        lack VNNI) unless draft_quantization says otherwise, since its draft step streams its
-        weights and fewer bits cut that at the same acceptance (`_head_quantization`). draft_dtype: the
+        on a CPU with quickdraft's kernels a draft model is int8 and an EAGLE-3 head int8 (int4 where
+        the integer kernels lack VNNI) unless draft_quantization says otherwise, since a draft step
+        streams its weights and fewer bits cut that at the same acceptance
+        (`_draft_model_quantization`, `_head_quantization`). draft_dtype: the
         draft's precision when it should differ from the target's (`dtype`); it changes
         acceptance and speed only, never the output's distribution. kv_cache_memory: the
         KV memory budget of every request's caches (the target's and the proposer's): bytes (an
@@ -212,7 +213,7 @@ class LLM:
                                                  if draft_dtype else None), _head_quantization(draft_quantization, dev))
             elif cls.needs_draft_model and not self_draft:
                 draft_dir = checkpoint_dir(draft)
-                draft_quantization = _draft_model_quantization(draft_quantization, draft_dir, dev)
+                draft_quantization = _draft_model_quantization(draft_quantization, draft_dir, dev, draft_dtype)
                 self.draft = prepare(load_model(draft_dir, dtype=draft_dtype or dtype, device=dev,
                                                       quantization=draft_quantization), draft_quantization)
                 check_same_vocabulary(self.target, self.draft, self.tokenizer, Tokenizer.from_dir(draft_dir))
@@ -412,14 +413,15 @@ def stored_quantization(asked: str | None, model_dir: Path, device: torch.device
     return "int4" if source is not None and four_bit_type(source) is not None else None
 
 
-def _draft_model_quantization(asked: str | None, model_dir: Path, device: torch.device) -> str | None:
+def _draft_model_quantization(asked: str | None, model_dir: Path, device: torch.device, draft_dtype=None) -> str | None:
     """A draft model's weight format: as asked, a GGUF stored in 4 bits as `stored_quantization`
-    says, else int8 on a CPU where quickdraft's kernels run (its steps, like a head's, are bound
+    says, as loaded where a draft_dtype was asked for (that precision, not another), else int8 on
+    a CPU where quickdraft's kernels run (its steps, like a head's, are bound
     by reading weights the target's step has evicted: the bundled pair on an AMD EPYC Zen 3, k = 5,
     ran 1.97x plain decoding with an int8 draft against 1.79x in float32, int4 1.93x; an int8 draft
     had the float32 draft's acceptance there and on an Intel Xeon, docs/cpu.md), else as loaded."""
     stored = stored_quantization(asked, model_dir, device)
-    if stored is not None or asked is not None:
+    if stored is not None or asked is not None or draft_dtype is not None:
         return stored
     return "int8" if device.type == "cpu" and blocked_supported() else None
 
@@ -432,7 +434,8 @@ def _head_quantization(asked: str | None, device: torch.device) -> str | None:
     int8, with the same acceptance on both shipped heads (Intel Xeon, AVX-512 VNNI:
     benchmarks/results/eagle3_aot_head_cpu.md). Without VNNI int8 weights cost the same integer
     operations as int4 and twice the bytes: on an AMD EPYC Zen 3 (AVX2 only) the bundled pair
-    with an int4 head ran 1.09-1.10x as fast as with an int8 one, acceptance 0.51 against 0.50
+    with an int4 head ran 1.06-1.10x as fast as with an int8 one (four blocks), acceptance 0.51
+    against 0.50
     (benchmarks/results/eagle3_bundled_zen3_cpu.md). On quickdraft's kernels the head's matmuls
     are row-invariant, like the target's (`quant.row_invariant`)."""
     if asked is not None:

@@ -237,7 +237,7 @@ COMPILE = typer.Option(None, "--compile/--no-compile",
 AOT = typer.Option(False, "--aot", help="CPU: ahead-of-time compiled steps, built once per model shape (about a "
                                         "minute) and cached; later runs load them in under a second.")
 QUANTIZATION = typer.Option(None, "--quantization", help="Target weights: int8 or int4 (weight-only; int4 groups of 32), or none (dequantised into --dtype). Default: a GGUF stored in 4 bits runs int4 on a CPU (its own blocks), anything else as loaded.")
-DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 or int4 (weight-only), or none (as loaded; an EAGLE-3 head on a CPU is int8 otherwise, int4 without VNNI; --draft self int4).")
+DRAFT_QUANTIZATION = typer.Option(None, "--draft-quantization", help="Draft weights: int8 or int4 (weight-only), or none (as loaded; on a CPU a draft model is int8 otherwise, an EAGLE-3 head int8, int4 without VNNI; --draft self int4).")
 DRAFT_DTYPE = typer.Option(None, "--draft-dtype", help="The draft's precision, when it should differ from --dtype "
                            "(changes speed only, not the output).")
 SAVE_DTYPE = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: the file's float type, "

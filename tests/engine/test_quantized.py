@@ -32,7 +32,11 @@ def plain_out(target_dir):
 
 def test_default_formats_are_fused_and_packed(target_dir, draft_dir):
     llm = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
-    assert formats(llm.target) == formats(llm.draft) == {F32}  # float32 on CPU
+    assert formats(llm.target) == {F32}  # float32 on CPU
+    # a draft model is int8 where quickdraft's kernels run (its step reads weights the target's evicts)
+    assert formats(llm.draft) == ({"int8"} if blocked_supported() else {F32})
+    assert formats(LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization="none").draft) == {F32}
+    assert formats(LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_dtype="float32").draft) == {F32}
     layer = llm.target.model.layers[0]
     assert layer.self_attn.q_proj is None and layer.self_attn.qkv_proj.splits[0] == layer.self_attn.qkv_proj.in_features
     assert layer.mlp.gate_up_proj is not None and not any(isinstance(m, torch.nn.Linear) for m in llm.target.modules())
@@ -69,7 +73,7 @@ def test_mkl_float32_format_is_lossless_and_agrees_with_the_default(target_dir, 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantised_draft_is_lossless_and_smaller(target_dir, draft_dir, plain_out, quant):
-    full = LLM(target_dir, draft_dir, num_speculative_tokens=3, policy="fixed")
+    full = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization="none", policy="fixed")
     small = LLM(target_dir, draft_dir, num_speculative_tokens=3, draft_quantization=quant, policy="fixed")
     assert formats(small.draft) == {quant} and formats(small.target) == {F32}
     assert weight_bytes(small.draft) < weight_bytes(full.draft)
