@@ -418,8 +418,9 @@ def _draft_model_quantization(asked: str | None, model_dir: Path, device: torch.
     says, as loaded where a draft_dtype was asked for (that precision, not another), else int8 on
     a CPU where quickdraft's kernels run (its steps, like a head's, are bound
     by reading weights the target's step has evicted: the bundled pair on an AMD EPYC Zen 3, k = 5,
-    ran 1.97x plain decoding with an int8 draft against 1.79x in float32, int4 1.93x; an int8 draft
-    had the float32 draft's acceptance there and on an Intel Xeon, docs/cpu.md), else as loaded."""
+    ran 2.14x plain decoding with an int8 draft against 1.88x in float32, int4 2.03x at a lower
+    acceptance, benchmarks/results/eagle3_bundled_zen3_cpu.md; an int8 draft had the float32
+    draft's acceptance there and on an Intel Xeon, docs/cpu.md), else as loaded."""
     stored = stored_quantization(asked, model_dir, device)
     if stored is not None or asked is not None or draft_dtype is not None:
         return stored
@@ -434,7 +435,7 @@ def _head_quantization(asked: str | None, device: torch.device) -> str | None:
     int8, with the same acceptance on both shipped heads (Intel Xeon, AVX-512 VNNI:
     benchmarks/results/eagle3_aot_head_cpu.md). Without VNNI int8 weights cost the same integer
     operations as int4 and twice the bytes: on an AMD EPYC Zen 3 (AVX2 only) the bundled pair
-    with an int4 head ran 1.06-1.10x as fast as with an int8 one (four blocks), acceptance 0.51
+    with an int4 head ran 1.05-1.10x as fast as with an int8 one (five blocks), acceptance 0.51
     against 0.50
     (benchmarks/results/eagle3_bundled_zen3_cpu.md). On quickdraft's kernels the head's matmuls
     are row-invariant, like the target's (`quant.row_invariant`)."""
