@@ -421,8 +421,8 @@ def _draft_model_quantization(asked: str | None, model_dir: Path, device: torch.
     ran 2.14x plain decoding with an int8 draft against 1.88x in float32, int4 2.03x at a lower
     acceptance, benchmarks/results/eagle3_bundled_zen3_cpu.md; an int8 draft had the float32
     draft's acceptance there and on an Intel Xeon, docs/cpu.md), else as loaded."""
-    stored = stored_quantization(asked, model_dir, device)
-    if stored is not None or asked is not None or draft_dtype is not None:
+    stored = stored_quantization(asked, model_dir, device)  # (`asked` itself whenever given)
+    if stored is not None or draft_dtype is not None:
         return stored
     return "int8" if device.type == "cpu" and blocked_supported() else None
 

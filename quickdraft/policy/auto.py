@@ -32,8 +32,9 @@ starts from a prior acceptance length (worth `prior_steps` of its steps): pooled
 first `prior_samples` speculating row-steps, the calibration's included, then frozen and cached
 beside the costs; while it pools it is never below the neutral 1 + k_max / 2 (the calibration's
 few steps open the first request, often its least predictable part). Delete the file (or point
-QUICKDRAFT_CACHE elsewhere) to measure again, e.g. after calibrating on a loaded machine. A profile from
-`quickdraft tune` given as `profile=` makes `auto` the `goodput` policy on that profile.
+QUICKDRAFT_CACHE elsewhere) to measure again, e.g. after calibrating on a loaded machine. A
+profile from `quickdraft tune` given as `profile=` makes `auto` the `goodput` policy on that
+profile.
 
 Why frozen costs, not a running mean of the step times: the output must not depend on
 wall-clock time. Greedy output is the same whatever k (the verifier emits the target's
@@ -43,8 +44,9 @@ sequence samples other (equally distributed) tokens. With the costs frozen, the 
 a request is a function of its own tokens (its acceptance), its batch and the cached costs,
 so a seeded request is reproducible run to run once the calibration and the prior are cached.
 The first runs at a new key (the calibration, then the prior's pooling) pick k by the schedule
-and a prior still moving, and later runs differ from them; `policy="fixed"` gives the same k every step and is what tests and
-benchmarks that count steps or compare seeded samples between engines pin.
+and a prior still moving, and later runs differ from them; `policy="fixed"` gives the same k
+every step and is what tests and benchmarks that count steps or compare seeded samples between
+engines pin.
 
 While speculation is off, the batch speculates once at the best k > 0 after `probe_first`
 steps, then after twice as many each time it stays off, up to every `probe_every`-th step, so
