@@ -164,12 +164,16 @@ class KVCache:
             self.k[layer][dst, :, :length] = self.k[layer][src, :, :length]
             self.v[layer][dst, :, :length] = self.v[layer][src, :, :length]
 
-    def resize(self, max_slots: int, capacity: int, keep: int, length: int | None = None) -> None:
+    def resize(self, max_slots: int, capacity: int, keep: int, length: int | None = None,
+               reserve_rows: int | None = None) -> None:
         """Become `max_slots` rows of `capacity` positions, keeping rows 0..keep-1's entries at
         positions below min(old, new capacity, `length`) bit for bit (the caller keeps every row's
         length within the new capacity; `length`: the longest a kept row has cached, None: all).
         New memory is zeros (`zeros`); the old tensors are freed as each layer is copied, so the
-        peak is one layer more than the larger of the two sizes."""
+        peak is one layer more than the larger of the two sizes. `reserve_rows`: the rows reserved
+        where this copies (the engine's: as many as its budget affords at the new capacity, so
+        that the rows admitted next are views, not another copy under the running rows); None:
+        a reservation of the same bytes as before."""
         if max_slots == self.max_slots and capacity == self.capacity:
             return
         reserved = min(t.shape[0] for t in self._k_all + self._v_all)
@@ -181,8 +185,9 @@ class KVCache:
         rows, cols = min(keep, max_slots, self.max_slots), min(capacity, self.capacity)
         if length is not None:
             cols = min(cols, length)
-        # a reservation of no more bytes than before at the new capacity
-        self.reserve_rows = self.reserve_rows * (self.capacity + 1) // (capacity + 1)
+        if reserve_rows is None:  # a reservation of no more bytes than before at the new capacity
+            reserve_rows = self.reserve_rows * (self.capacity + 1) // (capacity + 1)
+        self.reserve_rows = reserve_rows if self._k_all and self._k_all[0].device.type == "cpu" else 0
         for old, kept in ((self._k_all, self.k), (self._v_all, self.v)):
             for i, t in enumerate(kept):
                 new = self._rows(max_slots, (t.shape[1], capacity + 1, t.shape[3]), t.dtype, t.device)

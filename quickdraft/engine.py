@@ -742,15 +742,20 @@ class Engine:
                                                (rows, max(c0, capacity)), (max(r0, rows), capacity))
                           if r * row_bytes(token_bytes, p) <= free), (rows, capacity))
         keep = len(self.running) + len(self.prefilling)  # the prefilling rows' computed positions too
-        if c is None:  # the address space of as many rows as the budget could ever hold here (KVCache)
-            afford = self.budget.free_for("rows") // row_bytes(self.budget.token_bytes, shape[1])
-            reserve = min(self.config.max_num_seqs, afford)
+        # the address space of as many rows as the budget could ever hold at this capacity (KVCache):
+        # at a new capacity too, so that the rows admitted next are views of it, not another copy
+        # of every cached position under the running rows (before, the reservation kept its bytes
+        # and shrank with each growth in capacity: on the bundled target, 2 threads, the step that
+        # admitted a fifth row beside four long streams took 3.6-4.7x a decode step, 10 ms of it
+        # the copy)
+        reserve = min(self.config.max_num_seqs, self.budget.free_for("rows") // row_bytes(self.budget.token_bytes, shape[1]))
+        if self.proposer is not None and (c is None or shape[1] != c.capacity):
+            self.proposer.reserve_rows(reserve)  # (the budget's token bytes count the proposer's caches too)
+        if c is None:
             self.cache = KVCache.for_model(self.target, *shape, reserve_rows=reserve)
-            if self.proposer is not None:  # (the budget's token bytes count the proposer's caches too)
-                self.proposer.reserve_rows(reserve)
         else:  # (only the positions the kept rows have cached are copied)
             length = max([len(r.tokens) - 1 for r in self.running] + [r.num_computed for r in self.prefilling] + [0])
-            c.resize(*shape, keep, length)
+            c.resize(*shape, keep, length, reserve_rows=reserve if shape[1] != c.capacity else None)
         if self.proposer is not None:
             self.proposer.resize(*shape, keep)
         self.budget.claim("rows", shape[0] * row_bytes(self.budget.token_bytes, shape[1]))

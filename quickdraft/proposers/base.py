@@ -130,9 +130,10 @@ class Proposer:
         """Prepare state for up to `max_slots` rows of `capacity` positions."""
 
     def reserve_rows(self, rows: int) -> None:
-        """The engine's hint, before its first allocation: caches on a CPU may map the address
-        space of this many rows at once (KVCache's reserve_rows), so that growing the rows later
-        is a view of the same memory, not a copy under the running requests. By default nothing."""
+        """The engine's hint, before its first allocation and before a resize to a new capacity:
+        caches on a CPU may map the address space of this many rows at once (KVCache's
+        reserve_rows), so that growing the rows later is a view of the same memory, not a copy
+        under the running requests. By default nothing."""
 
     def resize(self, max_slots: int, capacity: int, keep: int) -> None:
         """Hold state for `max_slots` rows of `capacity` positions from now on, keeping rows
@@ -239,7 +240,7 @@ class OwnKVProposer(Proposer):
         elif self.cache is None:
             self.reserve(max_slots, capacity)
         else:
-            self.cache.resize(max_slots, capacity, keep)
+            self.cache.resize(max_slots, capacity, keep, reserve_rows=self.rows_reserved or None)
             self.cached = (self.cached + [0] * max_slots)[:max_slots]
 
     def start(self, row: int, prompt: list[int]) -> None:

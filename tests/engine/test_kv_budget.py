@@ -99,6 +99,14 @@ def test_the_proposers_cache_grows_its_rows_within_the_reservation(target_dir, d
     engine._size_cache(3, 64)  # more rows at the same capacity
     assert engine.proposer.cache is own and own.max_slots == engine.cache.max_slots == 4
     assert [t.data_ptr() for t in own.k + own.v] == where
+    # a new capacity copies, and reserves as many rows as the budget affords there (not the old bytes'
+    # worth), so that the next rows admitted are views again, the target's and the proposer's
+    engine._size_cache(4, 512)
+    assert engine.cache.reserve_rows == own.reserve_rows == 8 and engine.cache.capacity == own.capacity == 512
+    where = [t.data_ptr() for t in engine.cache.k + engine.cache.v + own.k + own.v]
+    engine._size_cache(5, 512)
+    assert own.max_slots == engine.cache.max_slots == 8
+    assert [t.data_ptr() for t in engine.cache.k + engine.cache.v + own.k + own.v] == where
 
 
 def test_cpu_caches_take_zero_pages_and_growth_copies_the_cached_positions_only():
