@@ -388,11 +388,11 @@ void row_groups(int64_t rows, F&& f) {
 // Blocks [b0, b1): one row reads the whole block row (8 sums in registers, block_rows_avx2; bfloat16
 // on AMD takes the chunks).
 // More rows take the block in chunks of CHUNK_BYTES (64 block rows of float32, 128 of bfloat16),
-// up to PANEL rows at a time: every pass of the panel (its row groups x column
+// up to PANEL_AVX2 rows at a time: every pass of the panel (its row groups x column
 // pieces) runs over one chunk while the chunk is in L1, the sums of the panel's rows kept in a
-// 16 x 64 buffer between chunks (stored and loaded exactly: each output is still one chain of
+// 32 x 64 buffer between chunks (stored and loaded exactly: each output is still one chain of
 // FMAs in k order), and the passes spread software prefetches of the next chunk over their
-// iterations, so the weights stream from DRAM (or L3) once, overlapped with the FMAs, for up to 16
+// iterations, so the weights stream from DRAM (or L3) once, overlapped with the FMAs, for up to 32
 // rows. (Before: each row group and column piece read the whole block in turn; the first pass
 // streamed it from DRAM with a fraction of the FMAs, the others from L2 with no DRAM traffic,
 // and a block of K = 8192 (2 MB) did not even fit L2: 6 rows cost 1.3-2.1x one row.)
@@ -401,7 +401,14 @@ void row_groups(int64_t rows, F&& f) {
 // weight vector once per group: 4-6 rows over 16 outputs (the 2 weight vectors kept, 8-12 sums),
 // 2-3 rows over 32; 7 rows as 4 + 3, more as 6s first (fewer than 8 sums wait on the FMA latency).
 constexpr int64_t CHUNK_BYTES = 16384;
-constexpr int64_t PANEL = 16;  // rows per panel (sums: PANEL x 64 floats, 4 KB)
+constexpr int64_t PANEL = 16;  // rows per panel on AVX-512 (sums: PANEL x 64 floats, 4 KB)
+// rows per panel on AVX2 (sums: 8 KB). Against 16 on an AMD EPYC Zen 3 (1 thread, 24 matrices of
+// 512 x 1408 and of 576 x 1536 from DRAM, the two alternating in one process, medians of 7-9
+// rounds, same bits): float32 20 rows 0.78x the time, 24 rows 0.88-0.89x, 28 rows 0.99-1.01x,
+// 32 rows 0.93-0.94x, 40 rows 0.95x; bfloat16 0.87x, 0.94x, 1.04x, 0.98x, 0.98x (a panel of 16
+// left a few rows to a panel of their own, in passes of fewer rows: 20 as 6 + 6 + 4, then 4). 24
+// rows per panel were no better.
+constexpr int64_t PANEL_AVX2 = 32;
 
 // MR rows x outputs [c0, c0 + 8V) over block rows [0, kc) of a chunk (src: its first row), the
 // sums in sums[r * 64 + c0 ..] (loaded, updated, stored). Pass `pass` of `passes` over the chunk
@@ -462,7 +469,7 @@ __attribute__((target("avx2,fma"))) void chunk_rows_avx2(const float* x, int64_t
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(sums + r * NB + c0 + 8 * j, acc[r][j]);
 }
 
-// The passes of `rows` rows (rows <= PANEL) over the outputs [0, ncols) of one chunk, in order:
+// The passes of `rows` rows (rows <= PANEL_AVX2) over the outputs [0, ncols) of one chunk, in order:
 // f(MR, V, first row, c0) with MR and V as std::integral_constant (the groups described above).
 template <typename W, typename F>
 void panel_passes(int64_t rows, int64_t ncols, bool quarters, F&& f) {
@@ -494,7 +501,7 @@ template <typename W>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   constexpr int64_t CR = CHUNK_BYTES / (NB * int64_t(sizeof(W)));  // block rows per chunk
   const int64_t M = a.M, K = a.K;
-  alignas(32) float sums[PANEL * NB];
+  alignas(32) float sums[PANEL_AVX2 * NB];
   for (int64_t b = b0; b < b1; ++b) {
     const W* wb = a.w + b * K * NB;
     const float* bias = a.bias ? a.bias + b * NB : nullptr;
@@ -509,8 +516,8 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const MatArgs<W>& a, int64_
       block_rows_avx2<W, 1, 8>(a.x, a.ldx, wb, K, 0, bias, y, a.n, ncols, true);
       continue;
     }
-    for (int64_t p0 = 0; p0 < M; p0 += PANEL) {
-      const int64_t rows = std::min(PANEL, M - p0);
+    for (int64_t p0 = 0; p0 < M; p0 += PANEL_AVX2) {
+      const int64_t rows = std::min(PANEL_AVX2, M - p0);
       const float* xp = a.x + p0 * a.ldx;
       // Software prefetch: where prefetch_ahead() is 0 (AMD), a float32 panel of up to 7 rows and a
       // bfloat16 panel of up to 5 stream the next chunk evenly over their passes (EvenPrefetch), float32
