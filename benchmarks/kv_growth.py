@@ -12,6 +12,12 @@ first prefill chunk rides in it), the next step, and the streams' steady step (m
     taskset -c 1 python benchmarks/kv_growth.py --out-dir benchmarks/results --name kv_growth_cpu
     python benchmarks/kv_growth.py --repeats 1 --decoded 8 --out-dir /tmp/x      # a smoke test
 
+With `--first N`, a request of N prompt tokens runs first, so the caches are first sized for it
+and grow to more positions (a copy) when the streams arrive, as in a server whose first request
+was short: a third mode then keeps the reservation's bytes through that growth, fewer rows at more
+positions (what KVCache.resize did before the engine passed the rows its budget affords at the new
+capacity), so the admission copies again.
+
 With `--method draft` (or `eagle3`) the streams speculate and the proposer's own KV cache grows
 with the target's: a third mode then reserves the target's rows but copies the proposer's (what
 the engine did before `Proposer.reserve_rows`). The streams then step until the longest holds
@@ -34,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-prompt", type=int, default=100)
     ap.add_argument("--decoded", type=int, default=600, help="tokens each stream decodes before the new request")
     ap.add_argument("--new-prompt", type=int, default=300)
+    ap.add_argument("--first", type=int, default=0, help="a request of this many prompt tokens first (0: none)")
     ap.add_argument("--method", default="none", help="none, draft or eagle3 (the target's shipped draft / head)")
     ap.add_argument("--repeats", type=int, default=4, help="per mode, alternating")
     ap.add_argument("--threads", type=int, default=1)
@@ -55,9 +62,11 @@ def main(argv: list[str] | None = None) -> None:
         return reserved(cls, model, max_slots, capacity, 0)
 
     modes = {"reserved rows (view)": classmethod(reserved), "no reservation (copy)": classmethod(copying)}
-    hint = OwnKVProposer.reserve_rows
+    hint, resize = OwnKVProposer.reserve_rows, KVCache.resize
     if args.method != "none":
         modes["target's rows reserved, the proposer's copied"] = classmethod(reserved)
+    if args.first:
+        modes["reservation's bytes kept at a new capacity"] = classmethod(reserved)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     load_before = loadavg()
     slack = 50 if args.method == "none" else 300  # (speculation: up to k + 1 tokens a step, 20 steady steps)
@@ -67,8 +76,17 @@ def main(argv: list[str] | None = None) -> None:
             KVCache.for_model = modes[mode]
             if mode.startswith("target's"):
                 OwnKVProposer.reserve_rows = lambda self, rows: None
+            if mode.startswith("reservation's"):
+                KVCache.resize = lambda self, *a, reserve_rows=None, **kw: resize(self, *a, **kw)
+            if mode.startswith("no reservation"):  # (nor at a new capacity)
+                KVCache.resize = lambda self, *a, reserve_rows=None, **kw: resize(self, *a, reserve_rows=0, **kw)
             try:
                 engine = LLM(args.target, method=args.method, policy="fixed").engine
+                if args.first:
+                    engine.add_request([j % 230 + 5 for j in range(args.first)],
+                                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                    while engine.has_unfinished():
+                        engine.step()
                 for i in range(args.streams):
                     engine.add_request([(7 * i + j) % 200 + 3 for j in range(args.stream_prompt)], stream)
                 while max([len(r.tokens) for r in engine.running] + [0]) < args.stream_prompt + args.decoded:
@@ -94,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(mode, runs[mode][-1], flush=True)
             finally:
                 KVCache.for_model = classmethod(reserved)
-                OwnKVProposer.reserve_rows = hint
+                OwnKVProposer.reserve_rows, KVCache.resize = hint, resize
             del engine
     summary = {m: {key: statistics.median(r[key] for r in rs) for key in ("admission_ms", "next_ms", "steady_ms")}
                for m, rs in runs.items()}

@@ -56,7 +56,8 @@ def _check_gc_pause(out: Path) -> None:
 
 def _check_kv_growth(out: Path) -> None:
     runs = _json(out, "kv.json")["runs"]
-    assert set(runs) == {"reserved rows (view)", "no reservation (copy)", "target's rows reserved, the proposer's copied"}
+    assert set(runs) == {"reserved rows (view)", "no reservation (copy)", "target's rows reserved, the proposer's copied",
+                         "reservation's bytes kept at a new capacity"}
     assert all(r["rows"][1] > r["rows"][0] for rs in runs.values() for r in rs)  # the admission grew the rows
 
 
@@ -151,7 +152,8 @@ CASES: dict[str, Case] = {
                        "--compile", "eager", "--out-dir", "{out}"], ["eagle3_cpu.json", "eagle3_cpu.md"],
                       check=_check_eagle3),
     "eagle3_parts.py": Case(["--model", "bundled", "--tiny", "--out", "{out}/parts.json"], ["parts.json"]),
-    "kv_growth.py": Case(["--method", "draft", "--repeats", "1", "--decoded", "8", "--out-dir", "{out}", "--name", "kv"],
+    "kv_growth.py": Case(["--method", "draft", "--first", "16", "--repeats", "1", "--decoded", "8", "--out-dir", "{out}",
+                          "--name", "kv"],
                          ["kv.json", "kv.md"],
                          check=_check_kv_growth),
     "gc_pause.py": Case(["--repeats", "1", "--out-dir", "{out}", "--name", "gc"], ["gc.json", "gc.md"],
