@@ -224,7 +224,9 @@ class ShardedKVCache(KVCache):
             return
         self._send("grow", dict(capacity=capacity), local=lambda: KVCache.grow(self, capacity))
 
-    def resize(self, max_slots: int, capacity: int, keep: int, length: int | None = None) -> None:
+    def resize(self, max_slots: int, capacity: int, keep: int, length: int | None = None,
+               reserve_rows: int | None = None) -> None:
+        """(The ranks' caches reserve no rows: `reserve_rows` is not used here.)"""
         if max_slots == self.max_slots and capacity == self.capacity:
             return
         self._send("resize", dict(slots=max_slots, capacity=capacity, keep=keep, length=length),
