@@ -745,10 +745,11 @@ class Engine:
         # the address space of as many rows as the budget could ever hold at this capacity (KVCache):
         # at a new capacity too, so that the rows admitted next are views of it, not another copy
         # of every cached position under the running rows (before, the reservation kept its bytes
-        # and shrank with each growth in capacity: on the bundled target, 2 threads, the step that
-        # admitted a fifth row beside four long streams took 3.6-4.7x a decode step, 10 ms of it
-        # the copy)
-        reserve = min(self.config.max_num_seqs, self.budget.free_for("rows") // row_bytes(self.budget.token_bytes, shape[1]))
+        # and shrank with each growth in capacity: after one from 64 to 1,024 positions, the step
+        # admitting a fifth request beside four streams took 78.2 ms against 29.0 ms now, a steady
+        # step 15 ms; benchmarks/results/kv_growth_capacity_zen3_cpu.md)
+        afford = self.budget.free_for("rows") // row_bytes(self.budget.token_bytes, shape[1])
+        reserve = min(self.config.max_num_seqs, afford)
         if self.proposer is not None and (c is None or shape[1] != c.capacity):
             self.proposer.reserve_rows(reserve)  # (the budget's token bytes count the proposer's caches too)
         if c is None:
