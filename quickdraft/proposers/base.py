@@ -122,8 +122,11 @@ class Proposer:
         return k
 
     def may_draft_trees(self, k: int) -> bool:
-        """Whether drafts may be token trees (the compiled verify step is then warmed up with
-        tree attention too)."""
+        """Whether `propose` may return a tree (a Draft with parents) at depth bound k: the engine
+        then loads (or warms up) the compiled tree verify step. It must be true whenever a tree
+        can come back, even one with no more nodes than k: a tree verified eagerly between
+        compiled chain steps rounds differently from them, and greedy output then leaves plain
+        decoding's. By default: when a row may propose more nodes than k (a chain has k)."""
         return self.max_draft_tokens(k) > k
 
     def reserve(self, max_slots: int, capacity: int) -> None:

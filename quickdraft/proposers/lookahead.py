@@ -102,6 +102,9 @@ class LookaheadProposer(Proposer):
     def max_draft_tokens(self, k: int) -> int:
         return min(self.window, k) + self.guesses * min(self.ngram - 1, k)
 
+    def may_draft_trees(self, k: int) -> bool:
+        return True  # (the window and the pool's candidates in one trie, at any k)
+
     # -- rows -------------------------------------------------------------------------
 
     def reserve(self, max_slots: int, capacity: int) -> None:

@@ -316,6 +316,11 @@ class SuffixProposer(TokenRows, Proposer):
         most = max(1, self.budget(self.max_match))
         return most if self.tree else min(k, most)
 
+    def may_draft_trees(self, k: int) -> bool:
+        # (a tree at any k: at k >= max_spec_tokens its node budget is no larger than k, yet it
+        # branches wherever the counts do)
+        return self.tree
+
     @property
     def global_nodes(self) -> int:
         """Nodes of the global trie: at most held_tokens * max_tree_depth."""

@@ -63,6 +63,30 @@ def test_trees_greedy_equal_for_several_k(target_dir, noisy_draft, plain_out, me
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_out
 
 
+@pytest.mark.parametrize("k", [1, 4, 16, 24])
+@pytest.mark.parametrize("method,options", CASES, ids=IDS)
+def test_a_proposer_that_returns_a_tree_says_it_may(target_dir, noisy_draft, method, options, k):
+    """may_draft_trees(k) is what makes the engine load the compiled tree verify step: a tree
+    verified eagerly between compiled chain steps rounds differently, and greedy output left
+    plain decoding's (SmolLM2, suffix at k = 16: the budget of 16 nodes no longer exceeded k, the
+    tree package was not loaded, and 17 tree steps ran eagerly). Every proposer, at k past its
+    node budgets: if a draft comes back as a tree, the proposer said so beforehand."""
+    llm = make(target_dir, noisy_draft, method, options, k=k)
+    proposer, trees = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def recording(batch):
+        draft = propose(batch)
+        trees.append(draft.parents is not None)
+        return draft
+
+    proposer.propose = recording
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert trees  # (it proposed)
+    if any(trees):
+        assert proposer.may_draft_trees(k)
+
+
 def test_tree_beats_chain_in_acceptance_length(target_dir, noisy_draft):
     chain = make(target_dir, noisy_draft, "draft", {})
     tree = make(target_dir, noisy_draft, "draft", {"tree_width": 3})
