@@ -7,13 +7,15 @@ prompt's context in the cache (400 tokens by default), the whole model's forward
 default; --aot: the ahead-of-time package, built first and not timed). The paths take turns
 within each round (one model in memory at a time); medians over rounds of this thread's CPU
 time at 1 thread (time slices other processes take do not count), wall time otherwise.
-Writes JSON and a markdown table (issue 36, deliverable 3).
+Writes JSON and a markdown table (issue 36, deliverable 3); --kernels adds where each step's
+time goes: every kernel's share per q (torch.profiler, the eager forward).
 
     taskset -c 1 python benchmarks/verify_table.py --model smollm2,1.7b --isa avx512,avx2 \\
         --format f32,bf16,int8,int4 --out benchmarks/results/verify_table_cpu.json
     python benchmarks/verify_table.py --tiny   # a smoke test: the bundled target, f32 and int4, 2 layers, q 1, 2, 6
     taskset -c 1 python benchmarks/verify_table.py --isa avx512:on,avx512:off --format int8,int4
         # AMX (int8 / int4 from kernels.amx_rows() rows; :every on every call) against the AVX-512 kernels alone
+    taskset -c 1 python benchmarks/verify_table.py --model smollm2 --format int4 --rows 1,6 --kernels
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def measure(args, model: str, fmt: str) -> dict:
             return step(ids[:, context:context + q], torch.arange(context, context + q)[None], view,
                         kv_len=context + q)
 
+        kernel_ms: dict[str, dict[int, dict[str, list[float]]]] = {isa: {q: {} for q in rows} for isa in args.isa}
         for r in range(args.rounds):
             for isa in (args.isa if r % 2 == 0 else args.isa[::-1]):
                 path, _, amx = isa.partition(":")  # (avx512:off, avx512:every: AMX's settings; on by default)
@@ -98,12 +101,35 @@ def measure(args, model: str, fmt: str) -> dict:
                         for _ in range(args.calls):
                             call(q)
                         times[isa][q].append((clock() - start) / args.calls * 1e3)
+                        if args.kernels:  # (untimed above: the profiler's own cost stays out of T(q))
+                            for name, ms in kernel_times(lambda: call(q), args.calls).items():
+                                kernel_ms[isa][q].setdefault(name, []).append(ms)
     out = {"formats": formats, "step": type(step).__name__}
     for isa, per in times.items():
         ms = {q: statistics.median(v) for q, v in per.items()}
         out[isa] = {"ms": {str(q): round(v, 3) for q, v in ms.items()},
                     "ratio": {str(q): round(v / ms[rows[0]], 3) for q, v in ms.items()}}
+        if args.kernels:
+            out[isa]["kernels_ms"] = {str(q): {name: round(statistics.median(v), 3) for name, v in per.items()}
+                                      for q, per in kernel_ms[isa].items()}
     return out
+
+
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """ms per call of each of quickdraft's kernels (torch.profiler's self CPU time of its
+    quickdraft:: ops) and of everything else the step ran ("other ops")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    ours, total = {}, 0.0
+    for e in prof.key_averages():
+        total += e.self_cpu_time_total
+        if e.key.startswith("quickdraft::"):
+            ours[e.key.removeprefix("quickdraft::")] = e.self_cpu_time_total / calls / 1e3
+    ours["other ops"] = (total / calls / 1e3) - sum(ours.values())
+    return ours
 
 
 def markdown(result: dict, rows: list[int]) -> str:
@@ -121,6 +147,18 @@ def markdown(result: dict, rows: list[int]) -> str:
                 r = per[isa]
                 lines.append(f"| {model} | {fmt} | {isa} | {r['ms'][str(rows[0])]:.1f} | "
                              + " | ".join(f"{r['ratio'][str(q)]:.2f}" for q in rows[1:]) + " |")
+    if a.get("kernels"):
+        lines += ["", "Per kernel, ms per step (torch.profiler's self CPU time of quickdraft's ops, median of the "
+                  "rounds; \"other ops\": the rest of the forward), at each q:", "",
+                  "| model | format | path | kernel | " + " | ".join(f"q={q}" for q in rows) + " |",
+                  "|---|---|---|---|" + "---:|" * len(rows)]
+        for model, per_fmt in result["results"].items():
+            for fmt, per in per_fmt.items():
+                for isa in a["isa"]:
+                    k = per[isa]["kernels_ms"]
+                    for name in sorted({n for q in rows for n in k[str(q)]}, key=lambda n: (n == "other ops", n)):
+                        lines.append(f"| {model} | {fmt} | {isa} | {name} | "
+                                     + " | ".join(f"{k[str(q)].get(name, 0.0):.2f}" for q in rows) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -143,6 +181,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (smoke tests)")
     p.add_argument("--aot", action="store_true", help="time the ahead-of-time package (built first, not timed)")
+    p.add_argument("--kernels", action="store_true", help="also each kernel's time per step (torch.profiler, eager "
+                   "forward: the package's kernels are not ops it sees)")
     p.add_argument("--out", type=Path, default=None, help="JSON out; the markdown table beside it (.md)")
     p.add_argument("--tiny", action="store_true", help="a smoke test: the bundled target, f32 and int4, 2 layers, "
                    "a 32-token context, q 1, 2, 6, 1 round")
@@ -159,6 +199,8 @@ def main() -> None:
             raise SystemExit(f"--isa {isa}: this CPU runs {', '.join(has) or 'no vector path'}")
         if isa.partition(":")[2] not in ("", "on", "every", "off"):
             raise SystemExit(f"--isa {isa}: AMX's setting is on, every or off")
+    if args.kernels and args.aot:
+        raise SystemExit("--kernels times the eager forward's ops: drop --aot")
     args.rows = [int(q) for q in args.rows.split(",")]
     for fmt in args.format.split(","):
         if fmt not in FORMATS:

@@ -2170,13 +2170,26 @@ __attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, int
 
 // Every row's scores, four keys at a time (8 vectors of lane sums), the four keys for all rows
 // before the next four (they stay in L1: measured faster here than blocks of 128 keys a row at a
-// time); keys past `last` read key 0 and are dropped.
+// time); keys past `last` read key 0 and are dropped. The keys KV_AHEAD ahead are prefetched
+// into L1 and their values into L2, for the weighted sums after the softmax: a step's cache comes
+// from DRAM (the weights streamed through since this layer last ran), and with the hardware's
+// prefetchers alone attention waited on it. SmolLM2's steps at a 400-token context, AMD EPYC
+// Zen 3, 1 thread: attention 0.75-0.83x its time at 1 query row, 0.77-0.89x at 6, 0.83-0.94x at
+// 9 (int4 weights; float32 0.72-0.82x); 24 keys ahead measured no better than 16.
+constexpr int64_t KV_AHEAD = 16;
+
 __attribute__((target("avx2,fma"))) void scores_avx2(const AttendPass& p) {
   const int64_t D = p.D, last = p.last, nv = D / 16;
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < last; j += 4) {
     const float* kj[4];
     for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j + u < last ? j + u : 0) * p.ks;
+    for (int u = 0; u < 4; ++u)
+      if (j + KV_AHEAD + u < last)
+        for (int64_t d = 0; d < D; d += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(p.kb + (j + KV_AHEAD + u) * p.ks + d), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(p.vb + (j + KV_AHEAD + u) * p.vs + d), _MM_HINT_T1);
+        }
     for (int r = 0; r < p.rc; ++r) {
     const float* qr = p.qs + r * D;
     __m256 lo[4], hi[4];
