@@ -149,7 +149,7 @@ def markdown(result: dict, rows: list[int]) -> str:
                              + " | ".join(f"{r['ratio'][str(q)]:.2f}" for q in rows[1:]) + " |")
     if a.get("kernels"):
         lines += ["", "Per kernel, ms per step (torch.profiler's self CPU time of quickdraft's ops, median of the "
-                  "rounds; \"other ops\": the rest of the forward), at each q:", "",
+                  "rounds; \"other ops\": the forward's other ops; the Python between ops counts in T(q) alone), at each q:", "",
                   "| model | format | path | kernel | " + " | ".join(f"q={q}" for q in rows) + " |",
                   "|---|---|---|---|" + "---:|" * len(rows)]
         for model, per_fmt in result["results"].items():
