@@ -164,6 +164,20 @@ def test_engine_with_packages_is_lossless(target_dir, draft_dir, target_step):
     assert [o.token_ids for o in auto.generate(prompts, greedy)] == want
 
 
+def test_suffix_trees_past_their_node_budget_run_on_the_tree_package(target_dir, target_step):
+    """At k = 16 suffix decoding's node budget (16) no longer exceeds k, yet it drafts trees: the
+    engine must load the compiled tree step for them. Verified by the eager forward between the
+    compiled chain steps, they rounded differently, and SmolLM2's greedy answer left plain
+    decoding's (tests/proposers holds every proposer to saying it may draft trees)."""
+    prompts = [[3, 17, 42, 9, 3, 17, 42, 9, 3, 17], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = LLM(target_dir, method="suffix", num_speculative_tokens=16, compile="aot", dtype="float32", policy="fixed")
+    assert spec.engine._forward.tree_runner is not None
+    plain = LLM(target_dir, method="none", compile="aot", dtype="float32")
+    assert [o.token_ids for o in spec.generate(prompts, greedy)] == [o.token_ids for o in plain.generate(prompts, greedy)]
+    assert spec.stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantised_package(target_dir, quant):
     """int8 / int4 weights: the package runs the weight-only kernel (PyTorch's: up to DENSE_ROWS rows);
