@@ -2174,8 +2174,9 @@ __attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, int
 // into L1 and their values into L2, for the weighted sums after the softmax: a step's cache comes
 // from DRAM (the weights streamed through since this layer last ran), and with the hardware's
 // prefetchers alone attention waited on it. SmolLM2's steps at a 400-token context, AMD EPYC
-// Zen 3, 1 thread: attention 0.75-0.83x its time at 1 query row, 0.77-0.89x at 6, 0.83-0.94x at
-// 9 (int4 weights; float32 0.72-0.82x); 24 keys ahead measured no better than 16.
+// Zen 3, 1 thread: attention per step 0.61-0.92x (int4 weights, medians 0.86x at 1 query row,
+// 0.84x at 6; float32 0.84x, 0.85x: benchmarks/results/attend_prefetch_zen3_cpu.md); 24 keys
+// ahead measured no better than 16.
 constexpr int64_t KV_AHEAD = 16;
 
 __attribute__((target("avx2,fma"))) void scores_avx2(const AttendPass& p) {
