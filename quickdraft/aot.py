@@ -130,6 +130,7 @@ def shape_key(model: nn.Module) -> str:
     formats = [(name, type(m).__name__, m.out_features, m.in_features) for name, m in model.named_modules()
                if isinstance(m, FastLinear)]
     spec = {"config": asdict(model.config), "dtype": str(model.dtype), "formats": formats,
+            "kv_dtype": str(getattr(model, "kv_cache_dtype", None) or model.dtype),
             "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
             "machine": platform.machine(), "source": _source_hash()}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -58,6 +58,12 @@ def anonymous(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", mmap.MAP_ANON))
 
 
+def cache_dtype(model) -> torch.dtype:
+    """The element type of `model`'s KV cache: its kv_cache_dtype where one is set (the engine's
+    config.kv_cache_dtype), else its weights' dtype."""
+    return getattr(model, "kv_cache_dtype", None) or model.model.embed_tokens.weight.dtype
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A tensor of zeros. On a CPU, from ZERO_PAGES_MIN_BYTES up, in fresh anonymous memory (an
     mmap of its own, freed with the tensor): the operating system maps a zeroed page at its first
@@ -138,9 +144,8 @@ class KVCache:
         if make is not None:
             return make(max_slots, capacity)
         cfg = model.config
-        p = model.model.embed_tokens.weight
         return cls(cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, capacity,
-                   cfg.head_dim, p.dtype, p.device, reserve_rows=reserve_rows)
+                   cfg.head_dim, cache_dtype(model), model.model.embed_tokens.weight.device, reserve_rows=reserve_rows)
 
     @staticmethod
     def token_bytes(model) -> int:
@@ -150,7 +155,7 @@ class KVCache:
         per_rank = getattr(model, "kv_token_bytes", None)
         if per_rank is not None:
             return per_rank()
-        return model.config.kv_token_bytes(model.model.embed_tokens.weight.element_size())  # for_model's dtype
+        return model.config.kv_token_bytes(cache_dtype(model).itemsize)  # for_model's dtype
 
     def rows(self, start: int, end: int) -> CacheView:
         return CacheView([k[start:end] for k in self.k], [v[start:end] for v in self.v], self.capacity, self, start)

@@ -273,6 +273,32 @@ def check_kv_cache_memory(value: Any) -> int | float | None:
     return float(value)
 
 
+# The KV cache's element type (kv_cache_dtype, --kv-cache-dtype): "auto" (the target's dtype), or one of these.
+# A 16-bit cache halves the bytes every decode step reads per cached token (quickdraft's CPU attention widens
+# them as it reads, exactly) and doubles the tokens a KV budget holds; the model then attends over its keys and
+# values rounded to 16 bits, as llama.cpp's default f16 cache does: outputs differ from a float32 cache's,
+# and speculative output still equals plain decoding's on the same cache (every step reads the same values).
+KV_CACHE_DTYPES = {"float32": "float32", "fp32": "float32", "f32": "float32",
+                   "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
+                   "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DEFAULT_KV_CACHE_DTYPE = "auto"
+
+
+def check_kv_cache_dtype(value: Any) -> str:
+    """The KV cache's element type (LLM, EngineConfig, --kv-cache-dtype): "auto" (the default: the
+    target's dtype), "float32", "float16" or "bfloat16" (fp32 / f32, fp16 / f16 / half, bf16
+    too). Returns "auto" or the canonical name."""
+    if value is None:
+        return DEFAULT_KV_CACHE_DTYPE
+    name = value.strip().lower() if isinstance(value, str) else None
+    if name == "auto":
+        return name
+    if name not in KV_CACHE_DTYPES:
+        raise QuickdraftError(f"kv_cache_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {value!r}",
+                              field="kv_cache_dtype")
+    return KV_CACHE_DTYPES[name]
+
+
 def format_bytes(n: float) -> str:
     """A byte count for people: 1.5 GiB, 46.1 KiB."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -368,6 +394,7 @@ class EngineConfig:
     # a server). Otherwise, and on a CPU always, the caches grow as requests need them, within the budget.
     preallocate: bool = False
     kv_cache_memory: int | float | str | None = None  # the KV budget: check_kv_cache_memory
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # the target's KV cache: check_kv_cache_dtype, KV_CACHE_DTYPES
     # Automatic prefix caching (quickdraft.prefix_cache): the KV of computed tokens kept after a request, reused by
     # later requests with the same prefix. Its blocks are claimed from the KV budget and evicted (least recently
     # used first) when requests need the memory; prefix_cache_bytes caps them further (None: only the budget).
@@ -387,6 +414,7 @@ class EngineConfig:
         object.__setattr__(self, "constraint_compile_timeout",
                            check_constraint_compile_timeout(self.constraint_compile_timeout))
         object.__setattr__(self, "kv_cache_memory", check_kv_cache_memory(self.kv_cache_memory))
+        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
         object.__setattr__(self, "max_num_batched_tokens", check_max_num_batched_tokens(self.max_num_batched_tokens))
         check_prefix_cache_bytes(self.prefix_cache_bytes)
         object.__setattr__(self, "prefix_cache_check", check_prefix_cache_check(self.prefix_cache_check))

@@ -188,6 +188,7 @@ class Engine:
         if config.spec.k > 0 and proposer is None:
             raise QuickdraftError(f"method {config.spec.method!r} needs a proposer")
         self.target = target
+        _set_kv_cache_dtype(target, config.kv_cache_dtype)  # (before any cache or compiled step is made)
         self.proposer = proposer
         self.config = config
         self.tokenizer = tokenizer
@@ -1277,6 +1278,19 @@ def attention_position(cfg) -> float:
     d, H, H_kv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     linear = d * (H + 2 * H_kv) * D + H * D * d + 3 * d * cfg.intermediate_size
     return linear / (AUTO_ATTENTION_COST * 2 * H * D)
+
+
+def _set_kv_cache_dtype(target: Transformer, name: str) -> None:
+    """The target's KV cache element type (config.check_kv_cache_dtype's name; "auto": its dtype):
+    the caches, the KV budget's bytes per token and the AOT packages' keys follow it."""
+    if name == "auto":
+        target.kv_cache_dtype = None
+        return
+    if getattr(target, "new_kv_cache", None) is not None:  # a tensor-parallel target allocates its own shards
+        raise QuickdraftError("kv_cache_dtype is not available with tensor parallelism yet: leave it 'auto'",
+                              field="kv_cache_dtype")
+    dtype = getattr(torch, name)
+    target.kv_cache_dtype = None if dtype == target.dtype else dtype
 
 
 def _weighted_chunk(start: int, most: int, budget: float, position: float) -> tuple[int, float]:

@@ -15,8 +15,9 @@ from . import aot
 from .config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                      DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY, DEFAULT_SELF_DRAFT_QUANTIZATION,
                      PREFIX_CACHE_CHECK_ENV, SELF_DRAFT, EngineConfig, SpecConfig, check_constraint_compile_timeout,
-                     check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
-                     check_num_speculative_tokens, check_prefix_cache_bytes, check_prefix_cache_check)
+                     DEFAULT_KV_CACHE_DTYPE, check_kv_cache_dtype, check_kv_cache_memory, check_max_num_batched_tokens,
+                     check_max_num_seqs, check_num_speculative_tokens, check_prefix_cache_bytes,
+                     check_prefix_cache_check)
 from .errors import QuickdraftError
 from .engine import Engine, RequestOutput
 from .metrics import SpecStats
@@ -72,7 +73,7 @@ class LLM:
                  quantization: str | None = None, draft_quantization: str | None = None,
                  preallocate: bool = False, draft_dtype: str | torch.dtype | None = None,
                  tensor_parallel_size: int = 1, tensor_parallel_options: Mapping[str, Any] | None = None,
-                 kv_cache_memory: int | float | str | None = None,
+                 kv_cache_memory: int | float | str | None = None, kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
                  enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None,
                  max_num_batched_tokens: int | str | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  prefix_cache_check: bool | str | None = None,
@@ -95,7 +96,10 @@ class LLM:
         int, or "4GiB", "512MB") or a fraction of the memory available after loading ("0.5", 0.5);
         default a fraction of it (config.DEFAULT_KV_CACHE_MEMORY_CPU / _GPU). The caches grow as
         requests need them within it, and max_model_len defaults to what the model and the budget
-        allow (docs/server.md, "KV memory"). preallocate: on a GPU, allocate the caches once at
+        allow (docs/server.md, "KV memory"). kv_cache_dtype: the target's KV cache element type,
+        "auto" (its dtype), "float32", "float16" or "bfloat16": a 16-bit cache reads half the bytes per
+        cached token each step and holds twice the tokens in a budget, attending over keys and
+        values rounded to 16 bits (config.KV_CACHE_DTYPES; docs/cpu.md). preallocate: on a GPU, allocate the caches once at
         their largest (as many rows of max_model_len as the budget holds, up to max_num_seqs:
         static shapes for CUDA graphs; a server); on a CPU the caches grow as needed whatever it
         says. tensor_parallel_size: the target split over this many ranks
@@ -134,6 +138,7 @@ class LLM:
         check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
         check_max_num_seqs(max_num_seqs)
         check_kv_cache_memory(kv_cache_memory)
+        kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         check_max_num_batched_tokens(max_num_batched_tokens)
         check_prefix_cache_bytes(prefix_cache_bytes)
         if prefix_cache_check is None:  # the environment's, where there is a cache to check
@@ -221,7 +226,7 @@ class LLM:
         if compile is None:
             compile = True if dev.type == "cuda" else "auto"
         config = EngineConfig(spec=spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len, compile=compile,
-                              preallocate=preallocate, kv_cache_memory=kv_cache_memory,
+                              preallocate=preallocate, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                               enable_prefix_caching=enable_prefix_caching, prefix_cache_bytes=prefix_cache_bytes,
                               max_num_batched_tokens=max_num_batched_tokens, prefix_cache_check=prefix_cache_check,
                               constraint_compile_timeout=constraint_compile_timeout)
@@ -237,7 +242,8 @@ class LLM:
                 method=method,
                 num_speculative_tokens=num_speculative_tokens, dtype=_dtype_name(dtype), device=str(dev),
                 spec_options=dict(spec_options or {}), quantization=quantization,
-                draft_quantization=draft_quantization, draft_dtype=_dtype_name(draft_dtype)))
+                draft_quantization=draft_quantization, draft_dtype=_dtype_name(draft_dtype),
+                kv_cache_dtype=kv_cache_dtype))
 
     def _build_in_background(self, recipe: dict) -> None:
         """Start building this engine's missing AOT packages in a low-priority process (aot.

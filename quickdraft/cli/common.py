@@ -23,8 +23,8 @@ from rich.markup import escape
 from ..config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU,
                       AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
                       DEFAULT_POLICY, MAX_NUM_SPECULATIVE_TOKENS, check_constraint_compile_timeout,
-                      check_kv_cache_memory, check_max_num_batched_tokens, check_max_num_seqs,
-                      check_num_speculative_tokens)
+                      DEFAULT_KV_CACHE_DTYPE, check_kv_cache_dtype, check_kv_cache_memory, check_max_num_batched_tokens,
+                      check_max_num_seqs, check_num_speculative_tokens)
 from ..errors import QuickdraftError
 from ..sampling import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams, check_field
 
@@ -200,6 +200,12 @@ KV_CACHE_MEMORY = typer.Option(None, "--kv-cache-memory", help="KV memory budget
                                f"{DEFAULT_KV_CACHE_MEMORY_GPU:g} of the free memory on a GPU (never more than "
                                "--max-num-seqs requests of the model's context use).",
                                callback=checked(check_kv_cache_memory))
+KV_CACHE_DTYPE = typer.Option(DEFAULT_KV_CACHE_DTYPE, "--kv-cache-dtype",
+                              help="The target's KV cache element type: auto (its dtype), float32, float16 or "
+                              "bfloat16. A 16-bit cache reads half the bytes per cached token every step (long "
+                              "contexts decode faster on a CPU) and holds twice the tokens in the KV budget; the "
+                              "model attends over keys and values rounded to 16 bits (as llama.cpp's f16 cache).",
+                              callback=checked(check_kv_cache_dtype))
 MAX_NUM_BATCHED_TOKENS = typer.Option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens",
                                       help="Tokens one step computes at most: the running requests' verify positions "
                                       "and a chunk of a prompt being prefilled (a longer prompt is prefilled in "

@@ -56,6 +56,7 @@ def generate(
     tensor_parallel_timeout: float = opts.TENSOR_PARALLEL_TIMEOUT,
     threads: Optional[int] = opts.THREADS,
     kv_cache_memory: Optional[str] = opts.KV_CACHE_MEMORY,
+    kv_cache_dtype: str = opts.KV_CACHE_DTYPE,
     json_schema: Optional[Path] = opts.JSON_SCHEMA,
     json_object: bool = opts.JSON_OBJECT,
     regex: Optional[str] = opts.REGEX,
@@ -89,7 +90,7 @@ def generate(
     tp = opts.tensor_parallel_args(tensor_parallel_size, tensor_parallel_timeout)
     # what the target runs as (--compare's plain decoding runs the same: same weights, same steps)
     target_args = dict(target=target, dtype=dtype, device=device, compile="aot" if aot else compile,
-                       quantization=quantization, kv_cache_memory=kv_cache_memory,
+                       quantization=quantization, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                        constraint_compile_timeout=constraint_compile_timeout, **tp)
     llm = LLM(draft=draft, method=method, num_speculative_tokens=k, spec_options=options, policy=policy,
               profile=profile, draft_quantization=draft_quantization, draft_dtype=draft_dtype, **target_args)

@@ -36,6 +36,7 @@ def serve_command(
                                                 "answer (default: the model's context, or what --kv-cache-memory "
                                                 "holds for one request if less)."),
     kv_cache_memory: Optional[str] = opts.KV_CACHE_MEMORY,
+    kv_cache_dtype: str = opts.KV_CACHE_DTYPE,
     constraint_compile_timeout: float = opts.CONSTRAINT_COMPILE_TIMEOUT,
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients "
                                                     "send (default: the target path, or 'quickdraft-default')."),
@@ -104,7 +105,8 @@ def serve_command(
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, spec_options=options, policy=policy,
                       profile=None if profile is None else str(profile), compile="aot" if aot else compile,
                       quantization=quantization, draft_quantization=draft_quantization, draft_dtype=draft_dtype,
-                      preallocate=True, kv_cache_memory=kv_cache_memory, max_num_batched_tokens=max_num_batched_tokens,
+                      preallocate=True, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                      max_num_batched_tokens=max_num_batched_tokens,
                       constraint_compile_timeout=constraint_compile_timeout,
                       enable_prefix_caching=caching, prefix_cache_check=prefix_cache_check, **tp)
 

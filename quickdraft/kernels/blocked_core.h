@@ -100,6 +100,9 @@ constexpr int64_t NB = 64;  // outputs per block: four 16-float vectors
 struct Bf16 {
   uint16_t bits;
 };
+struct F16 {  // IEEE binary16 (a 16-bit KV cache: attend)
+  uint16_t bits;
+};
 inline float to_float(float w) { return w; }
 inline float to_float(Bf16 w) {
   const uint32_t u = uint32_t(w.bits) << 16;
@@ -138,6 +141,9 @@ __attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return
 __attribute__((target("avx512f"))) inline __m512 load16(const Bf16* p) {
   const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const F16* p) {  // (a 16-bit cache's keys and values)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // MR rows over NBLK adjacent blocks at once (NBLK read streams, MR * 4 * NBLK running sums in
@@ -268,6 +274,9 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return
 __attribute__((target("avx2,fma"))) inline __m256 load8(const Bf16* p) {
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const F16* p) {  // (a 16-bit cache's keys and values)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // Eight floats at p, of which `left` are real (the rest neither read nor written). Whole vectors
@@ -1764,16 +1773,24 @@ inline float exp_nonpos1(float x) {
   return p * two_n;
 }
 
+// The element types of the keys and values attend reads: float32, or a 16-bit cache (float16,
+// bfloat16) widened to float32 as it is loaded. The widening is exact, so a row's result is the one
+// the float32 copies of the same keys and values give, on every path; half the bytes to read.
+enum KvType : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+inline float to_float(F16 h) { return half_to_float(reinterpret_cast<const uint8_t*>(&h.bits)); }
+inline int64_t kv_bytes(int kv) { return kv == KV_F32 ? 4 : 2; }
+
 struct AttendArgs {
   const float* q;
   int64_t qs0, qs1, qs2;  // strides of q (B, H, T, D)
-  const float *k, *v;
+  const void *k, *v;      // elements of type kv (strides in elements)
   int64_t ks0, ks1, ks2, vs0, vs1, vs2;
   const bool* mask;
   int64_t ms0, ms2, ms3;  // strides of mask (B, 1, T, L); 0 where broadcast
   float* out;             // (B, T, H, D) contiguous
   int64_t H, T, D, G, L;
   float scale;
+  int kv = KV_F32;
 };
 
 // One pass of a path: query rows [0, rc) of one kv head, prepared by attend_rows.
@@ -1784,11 +1801,14 @@ struct AttendPass {
   float* s;             // rc x Lp: scores, then weights
   const bool* mrow[RC_MAX];
   int64_t ms3;
-  const float *kb, *vb;  // the kv head's keys and values, rows ks / vs apart
+  const void *kb, *vb;  // the kv head's keys and values (elements of type kv), rows ks / vs apart
   int64_t ks, vs;
+  int kv;
   float* out[RC_MAX];  // each row's D outputs
   float* qt;           // D x 16 floats of scratch (the AVX-512 path's transposed queries)
+  float* kt;           // 4 x D floats of scratch: four 16-bit keys widened
 };
+
 
 // A pass's scores past `last` as -inf (the softmax reads whole groups of 16).
 inline void pad_scores(const AttendPass& p) {
@@ -1821,15 +1841,15 @@ inline int64_t key_block(int64_t D) { return std::max<int64_t>(16, 8192 / D / 16
 // (compile-time, so the R x CW sums stay in registers), in key order, starting from zero (j0 = 0)
 // or from the sums a previous block left in out (the same chain of FMAs as one pass over all keys:
 // a float kept in memory is the float in the register).
-template <int R, int CW>
-__attribute__((target("avx512f"))) void attend_pv(const float* vb, int64_t vs, const float* p, int64_t ldp,
+template <int R, int CW, typename KV>
+__attribute__((target("avx512f"))) void attend_pv(const KV* vb, int64_t vs, const float* p, int64_t ldp,
                                                   int64_t j0, int64_t j1, float* const* out) {
   __m512 acc[R][CW];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CW; ++c) acc[r][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out[r] + 16 * c);
   for (int64_t j = j0; j < j1; ++j) {
     __m512 vv[CW];
-    for (int c = 0; c < CW; ++c) vv[c] = _mm512_loadu_ps(vb + j * vs + 16 * c);
+    for (int c = 0; c < CW; ++c) vv[c] = load16(vb + j * vs + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 w = _mm512_set1_ps(p[r * ldp + j]);
       for (int c = 0; c < CW; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
@@ -1839,8 +1859,8 @@ __attribute__((target("avx512f"))) void attend_pv(const float* vb, int64_t vs, c
     for (int c = 0; c < CW; ++c) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
 }
 
-template <int R>
-void attend_pv_rows(int cw, const float* vb, int64_t vs, const float* p, int64_t ldp, int64_t j0, int64_t j1,
+template <int R, typename KV>
+void attend_pv_rows(int cw, const KV* vb, int64_t vs, const float* p, int64_t ldp, int64_t j0, int64_t j1,
                     float* const* out) {
   switch (cw) {
     case 1: return attend_pv<R, 1>(vb, vs, p, ldp, j0, j1, out);
@@ -1850,7 +1870,8 @@ void attend_pv_rows(int cw, const float* vb, int64_t vs, const float* p, int64_t
   }
 }
 
-void attend_pv_dispatch(int rc, int cw, const float* vb, int64_t vs, const float* p, int64_t ldp, int64_t j0,
+template <typename KV>
+void attend_pv_dispatch(int rc, int cw, const KV* vb, int64_t vs, const float* p, int64_t ldp, int64_t j0,
                         int64_t j1, float* const* out) {
   switch (rc) {
     case 1: return attend_pv_rows<1>(cw, vb, vs, p, ldp, j0, j1, out);
@@ -1864,20 +1885,22 @@ void attend_pv_dispatch(int rc, int cw, const float* vb, int64_t vs, const float
 // partial sums; then the 16 vectors are summed across lanes together (sum16): ~3 instructions a
 // key instead of ~9. Keys past `last` in the final group read key 0 again (always present) and
 // are dropped.
+template <typename KV>
 __attribute__((target("avx512f"))) void scores1_avx512(const AttendPass& p, int r, int64_t j0, int64_t j1) {
   const int64_t D = p.D, last = p.last, nv = D / 16;
   const float* qr = p.qs + r * D;
+  const KV* kb = static_cast<const KV*>(p.kb);
   for (int64_t j = j0; j < j1; j += 16) {
-    const float* kj[16];
-    for (int u = 0; u < 16; ++u) kj[u] = p.kb + (j + u < last ? j + u : 0) * p.ks;
+    const KV* kj[16];
+    for (int u = 0; u < 16; ++u) kj[u] = kb + (j + u < last ? j + u : 0) * p.ks;
     __m512 acc[16];
     const __m512 q0 = _mm512_loadu_ps(qr);
 #pragma GCC unroll 16
-    for (int u = 0; u < 16; ++u) acc[u] = _mm512_mul_ps(q0, _mm512_loadu_ps(kj[u]));
+    for (int u = 0; u < 16; ++u) acc[u] = _mm512_mul_ps(q0, load16(kj[u]));
     for (int64_t c = 1; c < nv; ++c) {
       const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
 #pragma GCC unroll 16
-      for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kj[u] + 16 * c), acc[u]);
+      for (int u = 0; u < 16; ++u) acc[u] = _mm512_fmadd_ps(qc, load16(kj[u] + 16 * c), acc[u]);
     }
     __mmask16 seen = 0;
     if (p.ms3 == 1 && j + 16 <= last) {  // 16 mask bytes (0 or 1) to 16 bits
@@ -1896,18 +1919,20 @@ __attribute__((target("avx512f"))) void scores1_avx512(const AttendPass& p, int 
 // rows, and sum16 sums the 16 vectors (8 keys of row r, then the same 8 of row r + 1) in the
 // tree it uses for 16 keys of one row (lane u of its result is vector u's sum, whatever the
 // vectors are): the bits of scores1_avx512.
+template <typename KV>
 __attribute__((target("avx512f"))) void scores2_avx512(const AttendPass& p, int r, int64_t j0, int64_t j1) {
   const int64_t D = p.D, last = p.last, nv = D / 16, Lp = p.Lp;
   const float *qa = p.qs + r * D, *qb = qa + D;
+  const KV* kb = static_cast<const KV*>(p.kb);
   for (int64_t j = j0; j < j1; j += 8) {
-    const float* kj[8];
-    for (int u = 0; u < 8; ++u) kj[u] = p.kb + (j + u < last ? j + u : 0) * p.ks;
+    const KV* kj[8];
+    for (int u = 0; u < 8; ++u) kj[u] = kb + (j + u < last ? j + u : 0) * p.ks;
     __m512 acc[16];
     {
       const __m512 q0 = _mm512_loadu_ps(qa), q1 = _mm512_loadu_ps(qb);
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
-        const __m512 k = _mm512_loadu_ps(kj[u]);
+        const __m512 k = load16(kj[u]);
         acc[u] = _mm512_mul_ps(q0, k);
         acc[8 + u] = _mm512_mul_ps(q1, k);
       }
@@ -1916,7 +1941,7 @@ __attribute__((target("avx512f"))) void scores2_avx512(const AttendPass& p, int 
       const __m512 q0 = _mm512_loadu_ps(qa + 16 * c), q1 = _mm512_loadu_ps(qb + 16 * c);
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
-        const __m512 k = _mm512_loadu_ps(kj[u] + 16 * c);
+        const __m512 k = load16(kj[u] + 16 * c);
         acc[u] = _mm512_fmadd_ps(q0, k, acc[u]);
         acc[8 + u] = _mm512_fmadd_ps(q1, k, acc[8 + u]);
       }
@@ -2010,14 +2035,23 @@ __attribute__((target("avx512f"))) inline void quarter4(const float* qt, int64_t
 // where scores1_avx512 sums across lanes with shuffles (sum16: the same tree); the 16 keys' scores
 // (one vector per key, a row per lane) are then transposed to a vector of 16 keys per row. The bits
 // of scores1_avx512; about half its vector instructions per score, so it pays from ~12 rows on.
-template <int NV>
+template <int NV, typename KV>
 __attribute__((target("avx512f"))) void scores16_avx512(const AttendPass& p, int64_t j0, int64_t j1) {
   const int64_t nv = p.D / 16, last = p.last;
+  const KV* kb = static_cast<const KV*>(p.kb);
   for (int64_t j = j0; j < j1; j += 16) {
     __m512 sc[16];
     for (int g = 0; g < 4; ++g) {
-      const float* kj[4];
-      for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j + 4 * g + u < last ? j + 4 * g + u : 0) * p.ks;
+      const float* kj[4];  // (a 16-bit cache's four keys widened into p.kt: each element is broadcast, not loaded)
+      for (int u = 0; u < 4; ++u) {
+        const KV* src = kb + (j + 4 * g + u < last ? j + 4 * g + u : 0) * p.ks;
+        if constexpr (std::is_same<KV, float>::value) {
+          kj[u] = src;
+        } else {
+          for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(p.kt + u * p.D + 16 * c, load16(src + 16 * c));
+          kj[u] = p.kt + u * p.D;
+        }
+      }
       __m512 s0[4], s2[4], s1[4];
       quarter4<NV>(p.qt, nv, kj, 0, s0);
       quarter4<NV>(p.qt, nv, kj, 2, s2);
@@ -2045,7 +2079,8 @@ __attribute__((target("avx512f"))) void scores16_avx512(const AttendPass& p, int
 // Up to RC_X86 rows of one kv head: the scores of every row over a block of keys (so the block is
 // read from memory once for all rows), block after block; each row's softmax; then the weighted
 // sums of v, again block after block for all rows (4 rows x 64 outputs in registers at a time).
-__attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
+template <typename KV>
+__attribute__((target("avx512f"))) void attend_avx512_kv(AttendPass& p) {
   const int64_t D = p.D, Lp = p.Lp, last = p.last, nv = D / 16, KB = key_block(D);
   const int rc = p.rc;
   float* s = p.s;
@@ -2058,15 +2093,15 @@ __attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
     const int64_t j1 = std::min(last, j0 + KB);
     if (wide) {
       switch (nv) {  // the chains' length known at compile time for the usual head sizes
-        case 4: scores16_avx512<4>(p, j0, j1); break;
-        case 8: scores16_avx512<8>(p, j0, j1); break;
-        default: scores16_avx512<0>(p, j0, j1); break;
+        case 4: scores16_avx512<4, KV>(p, j0, j1); break;
+        case 8: scores16_avx512<8, KV>(p, j0, j1); break;
+        default: scores16_avx512<0, KV>(p, j0, j1); break;
       }
       continue;
     }
     int r = 0;
-    for (; r + 2 <= rc; r += 2) scores2_avx512(p, r, j0, j1);
-    if (r < rc) scores1_avx512(p, r, j0, j1);
+    for (; r + 2 <= rc; r += 2) scores2_avx512<KV>(p, r, j0, j1);
+    if (r < rc) scores1_avx512<KV>(p, r, j0, j1);
   }
   pad_scores(p);
   float inv[RC_MAX];
@@ -2099,7 +2134,8 @@ __attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
         const int cw = (int)std::min<int64_t>(4, nv - c0);
         float* o[4];
         for (int r = 0; r < 4 && r0 + r < rc; ++r) o[r] = p.out[r0 + r] + 16 * c0;
-        attend_pv_dispatch(std::min(4, rc - r0), cw, p.vb + 16 * c0, p.vs, s + r0 * Lp, Lp, j0, j1, o);
+        attend_pv_dispatch(std::min(4, rc - r0), cw, static_cast<const KV*>(p.vb) + 16 * c0, p.vs, s + r0 * Lp, Lp,
+                           j0, j1, o);
       }
   }
   for (int r = 0; r < rc; ++r)  // (a row whose keys are all masked: last may be 0, and its sums zeros)
@@ -2107,6 +2143,12 @@ __attribute__((target("avx512f"))) void attend_avx512(AttendPass& p) {
       float* o = p.out[r] + 16 * c;
       _mm512_storeu_ps(o, last ? _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(inv[r])) : _mm512_setzero_ps());
     }
+}
+
+void attend_avx512(AttendPass& p) {
+  if (p.kv == KV_F16) return attend_avx512_kv<F16>(p);
+  if (p.kv == KV_BF16) return attend_avx512_kv<Bf16>(p);
+  attend_avx512_kv<float>(p);
 }
 
 // ---- attention on AVX2: the same numbers with 8-float vectors ----
@@ -2147,15 +2189,16 @@ __attribute__((target("avx2,fma"))) inline __m128 score4(const __m256* lo, const
 // The running sums of sum_j p_r[j] v_j over keys [j0, j1) for R rows, 16 outputs (two vectors) at
 // a time, in key order, from zero (j0 = 0) or from the sums a previous block left in out (as the
 // AVX-512 path's attend_pv).
-template <int R>
-__attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, int r0, int64_t j0, int64_t j1) {
+template <int R, typename KV>
+__attribute__((target("avx2,fma,f16c"))) void attend_pv_avx2(const AttendPass& p, int r0, int64_t j0, int64_t j1) {
+  const KV* vb = static_cast<const KV*>(p.vb);
   for (int64_t c = 0; c < p.D; c += 16) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h)
         acc[r][h] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(p.out[r0 + r] + c + 8 * h);
     for (int64_t j = j0; j < j1; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(p.vb + j * p.vs + c), v1 = _mm256_loadu_ps(p.vb + j * p.vs + c + 8);
+      const __m256 v0 = load8(vb + j * p.vs + c), v1 = load8(vb + j * p.vs + c + 8);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256 w = _mm256_set1_ps(p.s[(r0 + r) * p.Lp + j]);
@@ -2179,17 +2222,29 @@ __attribute__((target("avx2,fma"))) void attend_pv_avx2(const AttendPass& p, int
 // ahead measured no better than 16.
 constexpr int64_t KV_AHEAD = 16;
 
-__attribute__((target("avx2,fma"))) void scores_avx2(const AttendPass& p) {
+// A 16-bit cache's four keys are widened into p.kt once for all rows.
+template <typename KV>
+__attribute__((target("avx2,fma,f16c"))) void scores_avx2(const AttendPass& p) {
   const int64_t D = p.D, last = p.last, nv = D / 16;
   const float ninf = -std::numeric_limits<float>::infinity();
+  const KV *kb = static_cast<const KV*>(p.kb), *vb = static_cast<const KV*>(p.vb);
+  constexpr int64_t line = 64 / sizeof(KV);  // elements per cache line
   for (int64_t j = 0; j < last; j += 4) {
     const float* kj[4];
-    for (int u = 0; u < 4; ++u) kj[u] = p.kb + (j + u < last ? j + u : 0) * p.ks;
+    for (int u = 0; u < 4; ++u) {
+      const KV* src = kb + (j + u < last ? j + u : 0) * p.ks;
+      if constexpr (std::is_same<KV, float>::value) {
+        kj[u] = src;
+      } else {
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(p.kt + u * D + d, load8(src + d));
+        kj[u] = p.kt + u * D;
+      }
+    }
     for (int u = 0; u < 4; ++u)
       if (j + KV_AHEAD + u < last)
-        for (int64_t d = 0; d < D; d += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(p.kb + (j + KV_AHEAD + u) * p.ks + d), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(p.vb + (j + KV_AHEAD + u) * p.vs + d), _MM_HINT_T1);
+        for (int64_t d = 0; d < D; d += line) {
+          _mm_prefetch(reinterpret_cast<const char*>(kb + (j + KV_AHEAD + u) * p.ks + d), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vb + (j + KV_AHEAD + u) * p.vs + d), _MM_HINT_T1);
         }
     for (int r = 0; r < p.rc; ++r) {
     const float* qr = p.qs + r * D;
@@ -2216,10 +2271,11 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const AttendPass& p) {
 }
 
 // Up to RC_X86 rows of one kv head; the weighted sums key-blocked as attend_avx512's.
-__attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
+template <typename KV>
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2_kv(AttendPass& p) {
   const int64_t D = p.D, Lp = p.Lp, last = p.last, KB = key_block(D);
   const float ninf = -std::numeric_limits<float>::infinity();
-  scores_avx2(p);
+  scores_avx2<KV>(p);
   pad_scores(p);
   float inv[RC_MAX];
   for (int r = 0; r < p.rc; ++r) {
@@ -2258,10 +2314,10 @@ __attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
   for (int64_t j0 = 0; j0 < last; j0 += KB) {
     const int64_t j1 = std::min(last, j0 + KB);
     for (int r0 = 0; r0 < p.rc; r0 += 4) switch (std::min(4, p.rc - r0)) {
-        case 1: attend_pv_avx2<1>(p, r0, j0, j1); break;
-        case 2: attend_pv_avx2<2>(p, r0, j0, j1); break;
-        case 3: attend_pv_avx2<3>(p, r0, j0, j1); break;
-        default: attend_pv_avx2<4>(p, r0, j0, j1); break;
+        case 1: attend_pv_avx2<1, KV>(p, r0, j0, j1); break;
+        case 2: attend_pv_avx2<2, KV>(p, r0, j0, j1); break;
+        case 3: attend_pv_avx2<3, KV>(p, r0, j0, j1); break;
+        default: attend_pv_avx2<4, KV>(p, r0, j0, j1); break;
       }
   }
   for (int r = 0; r < p.rc; ++r)  // (last 0: every row sees no key, zeros)
@@ -2271,21 +2327,29 @@ __attribute__((target("avx2,fma"))) void attend_avx2(AttendPass& p) {
     }
 }
 
+void attend_avx2(AttendPass& p) {
+  if (p.kv == KV_F16) return attend_avx2_kv<F16>(p);
+  if (p.kv == KV_BF16) return attend_avx2_kv<Bf16>(p);
+  attend_avx2_kv<float>(p);
+}
+
 #endif  // QD_X86
 
 // ---- attention, portable: the same operations one float at a time ----
-void attend_portable(AttendPass& p) {
+template <typename KV>
+void attend_portable_kv(AttendPass& p) {
   const int64_t D = p.D, Lp = p.Lp, last = p.last;
   const float ninf = -std::numeric_limits<float>::infinity();
+  const KV *kb = static_cast<const KV*>(p.kb), *vb = static_cast<const KV*>(p.vb);
   for (int r = 0; r < p.rc; ++r) {
     const float* qr = p.qs + r * D;
     float* sr = p.s + r * Lp;
     for (int64_t j = 0; j < last; ++j) {
-      const float* kj = p.kb + j * p.ks;
+      const KV* kj = kb + j * p.ks;
       float lanes[16];
-      for (int l = 0; l < 16; ++l) lanes[l] = qr[l] * kj[l];
+      for (int l = 0; l < 16; ++l) lanes[l] = qr[l] * to_float(kj[l]);
       for (int64_t c = 16; c < D; c += 16)
-        for (int l = 0; l < 16; ++l) lanes[l] = std::fma(qr[c + l], kj[c + l], lanes[l]);
+        for (int l = 0; l < 16; ++l) lanes[l] = std::fma(qr[c + l], to_float(kj[c + l]), lanes[l]);
       sr[j] = key_seen(p, r, j) ? key_score16(lanes) : ninf;
     }
   }
@@ -2304,19 +2368,28 @@ void attend_portable(AttendPass& p) {
     const float inv = l > 0.f ? 1.f / l : 0.f;
     for (int64_t d = 0; d < D; ++d) {
       float acc = 0.f;
-      for (int64_t j = 0; j < last; ++j) acc = std::fma(sr[j], p.vb[j * p.vs + d], acc);
+      for (int64_t j = 0; j < last; ++j) acc = std::fma(sr[j], to_float(vb[j * p.vs + d]), acc);
       p.out[r][d] = acc * inv;
     }
   }
 }
 
+void attend_portable(AttendPass& p) {
+  if (p.kv == KV_F16) return attend_portable_kv<F16>(p);
+  if (p.kv == KV_BF16) return attend_portable_kv<Bf16>(p);
+  attend_portable_kv<float>(p);
+}
+
 // Query rows [i0, i0 + rc) of kv head hk of batch row b (row i is query head hk * G + i / T at
 // query position i % T): the scaled queries, the keys any row sees, then the path's pass.
+// A path that reads float32 keys and values only (`kv16` false: NEON) gets a 16-bit cache's keys
+// and values [0, last) widened into buf first (the same floats the other paths widen as they load).
 void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc, std::vector<float>& buf,
-                 void (*path)(AttendPass&)) {
+                 void (*path)(AttendPass&), bool kv16) {
   const int64_t D = a.D, L = a.L, T = a.T;
   const int64_t Lp = (L + 15) / 16 * 16;
-  buf.resize(RC_MAX * (D + Lp) + 16 * D);
+  const bool widen = a.kv != KV_F32 && !kv16;
+  buf.resize(RC_MAX * (D + Lp) + 20 * D + (widen ? 2 * L * D : 0));
   AttendPass p;
   p.rc = rc;
   p.D = D;
@@ -2326,6 +2399,7 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
   p.qs = qs;
   p.s = buf.data() + RC_MAX * D;
   p.qt = buf.data() + RC_MAX * (D + Lp);
+  p.kt = p.qt + 16 * D;
   p.ms3 = a.ms3;
   for (int r = 0; r < rc; ++r) {
     const int64_t i = i0 + r, h = hk * a.G + i / T, t = i % T;
@@ -2337,10 +2411,30 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
     p.last = std::max(p.last, j);
     p.out[r] = a.out + ((b * T + t) * a.H + h) * D;
   }
-  p.kb = a.k + b * a.ks0 + hk * a.ks1;
-  p.vb = a.v + b * a.vs0 + hk * a.vs1;
+  const int64_t es = kv_bytes(a.kv);
+  p.kb = static_cast<const char*>(a.k) + (b * a.ks0 + hk * a.ks1) * es;
+  p.vb = static_cast<const char*>(a.v) + (b * a.vs0 + hk * a.vs1) * es;
   p.ks = a.ks2;
   p.vs = a.vs2;
+  p.kv = a.kv;
+  if (widen) {
+    float* kw = p.kt + 4 * D;
+    float* vw = kw + L * D;
+    for (int64_t j = 0; j < p.last; ++j)
+      for (int64_t d = 0; d < D; ++d) {
+        if (a.kv == KV_F16) {
+          kw[j * D + d] = to_float(static_cast<const F16*>(p.kb)[j * p.ks + d]);
+          vw[j * D + d] = to_float(static_cast<const F16*>(p.vb)[j * p.vs + d]);
+        } else {
+          kw[j * D + d] = to_float(static_cast<const Bf16*>(p.kb)[j * p.ks + d]);
+          vw[j * D + d] = to_float(static_cast<const Bf16*>(p.vb)[j * p.vs + d]);
+        }
+      }
+    p.kb = kw;
+    p.vb = vw;
+    p.ks = p.vs = D;
+    p.kv = KV_F32;
+  }
   path(p);
 }
 
@@ -2575,7 +2669,7 @@ void attend_pv_neon(const AttendPass& p, const float* inv) {
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < 4; ++u) acc[r][u] = vdupq_n_f32(0.f);
     for (int64_t j = 0; j < p.last; ++j) {
-      const float* vj = p.vb + j * p.vs + c;
+      const float* vj = static_cast<const float*>(p.vb) + j * p.vs + c;
       const float32x4_t v[4] = {vld1q_f32(vj), vld1q_f32(vj + 4), vld1q_f32(vj + 8), vld1q_f32(vj + 12)};
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -2594,7 +2688,7 @@ void attend_neon(AttendPass& p) {
   const float ninf = -std::numeric_limits<float>::infinity();
   // Scores: per key, 16 lane chains over d (four vectors), then key_score16's tree.
   for (int64_t j = 0; j < last; ++j) {
-    const float* kj = p.kb + j * p.ks;
+    const float* kj = static_cast<const float*>(p.kb) + j * p.ks;
     const float32x4_t k0 = vld1q_f32(kj), k1 = vld1q_f32(kj + 4), k2 = vld1q_f32(kj + 8), k3 = vld1q_f32(kj + 12);
     for (int r = 0; r < p.rc; ++r) {
       if (!key_seen(p, r, j)) {
@@ -2753,19 +2847,20 @@ struct Paths {
   void (*attend)(AttendPass&);
   void (*norm)(const NormArgs&, int64_t, int64_t);
   int attend_rows;  // the most query rows attend's path takes in one pass (at most RC_MAX)
+  bool attend_kv16;  // attend's path reads a 16-bit cache as it is (else attend_rows widens it first)
 };
 
 // By enum Isa; a path this architecture cannot have is empty (cpu_has is false for it: never chosen).
 const Paths PATHS[ISA_COUNT] = {
-    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable, norm_portable, RC},
+    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable, norm_portable, RC, true},
 #if QD_X86
-    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2, norm_avx2, RC_X86},
-    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512, norm_avx512, RC_X86},
+    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2, norm_avx2, RC_X86, true},
+    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512, norm_avx512, RC_X86, true},
 #else
     {}, {},
 #endif
 #if QD_ARM
-    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon, norm_portable, RC},
+    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon, norm_portable, RC, false},
 #else
     {},
 #endif
@@ -2818,7 +2913,7 @@ void attend_tasks(const Paths& paths, const AttendArgs& a, int64_t B, int64_t Hk
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t c = task % n, bh = task / n;
       const int64_t i0 = c * rc;
-      attend_rows(a, bh / Hkv, bh % Hkv, i0, (int)std::min<int64_t>(rc, rows - i0), buf, path);
+      attend_rows(a, bh / Hkv, bh % Hkv, i0, (int)std::min<int64_t>(rc, rows - i0), buf, path, paths.attend_kv16);
     }
   });
 }

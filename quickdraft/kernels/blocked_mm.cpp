@@ -150,20 +150,23 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   mask.size(3) == L && mask.scalar_type() == at::kBool,
               "attend: the mask must be bool (B, 1, T, L)");
   at::Tensor out = at::empty({B, T, H, D}, q.options());
-  const bool ours = q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                    v.scalar_type() == at::kFloat && D % 16 == 0 && L > 0;
+  // the keys and values: float32, or a 16-bit cache (float16, bfloat16) widened as they are read
+  const auto kt = k.scalar_type();
+  const int kv = kt == at::kFloat ? KV_F32 : kt == at::kHalf ? KV_F16 : kt == at::kBFloat16 ? KV_BF16 : -1;
+  const bool ours = q.scalar_type() == at::kFloat && kv >= 0 && v.scalar_type() == kt && D % 16 == 0 && L > 0;
   if (!ours) {  // another dtype or head size: PyTorch's attention
-    out.transpose(1, 2).copy_(at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, Hkv != H));
+    out.transpose(1, 2).copy_(at::scaled_dot_product_attention(q, k.to(q.scalar_type()), v.to(q.scalar_type()), mask,
+                                                               0.0, false, scale, Hkv != H));
     return out.transpose(1, 2);
   }
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
   const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
   AttendArgs a{qc.data_ptr<float>(), qc.stride(0), qc.stride(1), qc.stride(2),
-               kc.data_ptr<float>(), vc.data_ptr<float>(), kc.stride(0), kc.stride(1), kc.stride(2),
+               kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1), kc.stride(2),
                vc.stride(0), vc.stride(1), vc.stride(2), mask.data_ptr<bool>(),
                mask.size(0) == 1 ? 0 : mask.stride(0), mask.stride(2), mask.stride(3),
-               out.data_ptr<float>(), H, T, D, H / Hkv, L, (float)scale};
+               out.data_ptr<float>(), H, T, D, H / Hkv, L, (float)scale, kv};
   attend_tasks(active_paths(), a, B, Hkv, torch_threads);
   return out.transpose(1, 2);
 }

@@ -102,8 +102,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         if kv is not None:
             ck, cv = kv
-            ck[write_pos] = k.transpose(1, 2)  # (B, T, H_kv, D) into (B, H_kv, S, D) at (row, :, position)
-            cv[write_pos] = v.transpose(1, 2)
+            # (B, T, H_kv, D) into (B, H_kv, S, D) at (row, :, position), in the cache's dtype (kv_cache_dtype)
+            ck[write_pos] = k.transpose(1, 2).to(ck.dtype)
+            cv[write_pos] = v.transpose(1, 2).to(cv.dtype)
             # the view may hold more rows than the batch (static-shape steps pass the whole cache)
             k, v = ck[:B, :, :kv_len], cv[:B, :, :kv_len]
         out = attention(q, k, v, mask)
@@ -116,8 +117,8 @@ class Attention(nn.Module):
         outs = []
         for g in groups:
             ck, cv = g.cache.k[layer], g.cache.v[layer]
-            ck[g.write_pos] = k[0, g.start:g.stop]  # (n, H_kv, D) at (row, :, slot) each
-            cv[g.write_pos] = v[0, g.start:g.stop]
+            ck[g.write_pos] = k[0, g.start:g.stop].to(ck.dtype)  # (n, H_kv, D) at (row, :, slot) each
+            cv[g.write_pos] = v[0, g.start:g.stop].to(cv.dtype)
             qg = q[0, g.start:g.stop].unflatten(0, (g.rows, -1)).transpose(1, 2)  # (rows, H, T, D)
             kg, vg = ck[g.row:g.row + g.rows, :, :g.kv_len], cv[g.row:g.row + g.rows, :, :g.kv_len]
             outs.append(attention(qg, kg, vg, g.mask).transpose(1, 2).reshape(g.stop - g.start, -1))
@@ -151,15 +152,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     token whatever the rows beside it), all query rows in one call: a prompt's prefill padded
     beside longer prompts, a token tree of any size (in an exported step too), a verify step of
     any k give each row the bits a decode step gives it; elsewhere, and under autograd, PyTorch's
-    attention (whose bits for a row depend on the query and key counts)."""
+    attention (whose bits for a row depend on the query and key counts). k and v may be a 16-bit
+    cache's (float16, bfloat16: kv_cache_dtype) whatever q's dtype: the kernel widens them as it
+    reads them (exact), elsewhere they are widened to q's dtype first."""
     if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and mask.dtype == torch.bool
+            and k.dtype in _KERNEL_KV and v.dtype == k.dtype
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and q.shape[-1] % 16 == 0 and kernels.available()):
         dtype = q.dtype
-        if dtype != torch.float32:  # bfloat16 widened (exact): float32 sums, every row its own bits
-            q, k, v = q.float(), k.float(), v.float()
+        if dtype != torch.float32:  # bfloat16 queries widened (exact): float32 sums, every row its own bits
+            q = q.float()
         return kernels.attend(q, k, v, mask, q.shape[-1] ** -0.5).to(dtype)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+_KERNEL_KV = (torch.float32, torch.float16, torch.bfloat16)  # the caches kernels.attend reads as they are
 
 
 class MLP(nn.Module):
@@ -210,6 +219,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.kv_cache_dtype: torch.dtype | None = None  # (cache_dtype)
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -229,6 +239,12 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """Its KV cache's element type: kv_cache_dtype where the engine set one (config.
+        check_kv_cache_dtype), else its dtype."""
+        return self.kv_cache_dtype or self.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, logits_at: torch.Tensor | None = None,

@@ -7,7 +7,7 @@
 //
 // PATH: portable | avx2 | avx512 | neon (an error where this build or CPU lacks it), with
 // "-novnni" after it: int8 and int4 without the integer dot-product instructions. KERNEL: f32,
-// bf16, int8, int4 or attend. IN: 8 little-endian int64 dims, one float64, then the operands
+// bf16, int8, int4, attend, attend-f16 or attend-bf16. IN: 8 little-endian int64 dims, one float64, then the operands
 // (float32 unless said, C order):
 //   f32 / bf16: dims M, K, N, has_bias, pieces; x (M, K), packed (ceil(N/64), K, 64) of
 //     float32 / bfloat16, [bias (N)]
@@ -16,7 +16,8 @@
 //   int4: dims M, K, N, has_bias, pieces, symmetric; x (M, K), packed uint8 (ceil(N/64), K/32, 1280;
 //     1152 where symmetric: no offsets), [bias (N)]
 //   attend: dims B, H, Hkv, T, L, D, mask_rows (B or 1), pieces; the float64: scale; q (B, H, T, D),
-//     k and v (B, Hkv, L, D), mask bytes (mask_rows, T, L)
+//     k and v (B, Hkv, L, D), mask bytes (mask_rows, T, L); attend-f16 / attend-bf16: k and v as
+//     float16 / bfloat16 (a 16-bit KV cache)
 // `pieces`: the blocks (tasks) are split into that many pieces, run last piece first (the result
 // must not depend on the split). OUT: the float32 result ((M, N); attend: (B, T, H, D)).
 // Build with -ffp-contract=off, as the library is.
@@ -99,17 +100,18 @@ std::vector<float> run_int4(Reader& in, const int64_t* d, const Paths& paths) {
   return y;
 }
 
-std::vector<float> run_attend(Reader& in, const int64_t* d, double scale, const Paths& paths) {
+template <typename KV>
+std::vector<float> run_attend(Reader& in, const int64_t* d, double scale, const Paths& paths, int kv) {
   const int64_t B = d[0], H = d[1], Hkv = d[2], T = d[3], L = d[4], D = d[5], Bm = d[6];
   if (D % 16 || T < 1 || L < 1 || Hkv < 1 || H % Hkv || (Bm != 1 && Bm != B))
     throw std::runtime_error("attend: not a shape the kernel takes (D % 16, T >= 1, L >= 1, H % Hkv)");
   const float* q = in.take<float>(B * H * T * D);
-  const float* k = in.take<float>(B * Hkv * L * D);
-  const float* v = in.take<float>(B * Hkv * L * D);
+  const KV* k = in.take<KV>(B * Hkv * L * D);
+  const KV* v = in.take<KV>(B * Hkv * L * D);
   const bool* mask = in.take<bool>(Bm * T * L);
   std::vector<float> out(B * T * H * D);
   const AttendArgs a{q, H * T * D, T * D, D, k, v, Hkv * L * D, L * D, D, Hkv * L * D, L * D, D,
-                     mask, Bm == 1 ? 0 : T * L, L, 1, out.data(), H, T, D, H / Hkv, L, (float)scale};
+                     mask, Bm == 1 ? 0 : T * L, L, 1, out.data(), H, T, D, H / Hkv, L, (float)scale, kv};
   attend_tasks(paths, a, B, Hkv, Pieces{d[7]});
   return out;
 }
@@ -147,8 +149,10 @@ int main(int argc, char** argv) {
     else if (kernel == "bf16") y = run_matmul<Bf16>(in, d, paths);
     else if (kernel == "int8") y = run_int8(in, d, paths);
     else if (kernel == "int4") y = run_int4(in, d, paths);
-    else if (kernel == "attend") y = run_attend(in, d, scale, paths);
-    else throw std::runtime_error("unknown kernel " + kernel + " (f32, bf16, int8, int4, attend)");
+    else if (kernel == "attend") y = run_attend<float>(in, d, scale, paths, KV_F32);
+    else if (kernel == "attend-f16") y = run_attend<F16>(in, d, scale, paths, KV_F16);
+    else if (kernel == "attend-bf16") y = run_attend<Bf16>(in, d, scale, paths, KV_BF16);
+    else throw std::runtime_error("unknown kernel " + kernel + " (f32, bf16, int8, int4, attend, attend-f16, attend-bf16)");
     if (in.at != in.bytes.size()) throw std::runtime_error("the input file is longer than its dims say");
     std::ofstream out(argv[4], std::ios::binary);
     out.write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * sizeof(float)));

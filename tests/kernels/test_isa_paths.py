@@ -129,6 +129,27 @@ def test_attend_is_the_same_bits_on_every_path(B, H, Hkv, T, L, D, threads):
     assert_all_equal(on_every_path(lambda: kernels.attend(q * 30, k, v, mask, D ** -0.5), threads), "attend x30")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 9, 3, 1, 300, 64), (2, 8, 4, 6, 77, 64), (1, 8, 1, 12, 200, 64),
+                                           (1, 4, 2, 20, 129, 128), (2, 6, 3, 3, 17, 32), (1, 3, 3, 2, 517, 48)])
+def test_attend_reads_a_16_bit_cache_as_its_float32_copy_on_every_path(B, H, Hkv, T, L, D, dtype, threads):
+    """kv_cache_dtype float16 / bfloat16: keys and values widened as they are read (exact), so every
+    path gives the bits of the float32 kernel on the widened copies, whole or as a slice of a bigger
+    cache (the engine's view: rows and positions past the request's)."""
+    q, k, v, mask = _attention_case(B, H, Hkv, T, L, D, seed=T * L + 1)
+    kh, vh = (k * 4).to(dtype), v.to(dtype)
+    big_k = torch.randn(B + 1, Hkv, L + 9, D).to(dtype)
+    big_v = torch.randn(B + 1, Hkv, L + 9, D).to(dtype)
+    big_k[:B, :, :L], big_v[:B, :, :L] = kh, vh
+    got = on_every_path(lambda: kernels.attend(q, kh, vh, mask, D ** -0.5), threads)
+    assert_all_equal(got, f"attend {dtype}")
+    ref = next(iter(got.values()))
+    for isa in PATHS:
+        with kernels.use_isa(isa):
+            assert torch.equal(kernels.attend(q, kh.float(), vh.float(), mask, D ** -0.5), ref), isa
+            assert torch.equal(kernels.attend(q, big_k[:B, :, :L], big_v[:B, :, :L], mask, D ** -0.5), ref), isa
+
+
 def test_an_unknown_isa_variable_is_one_clear_error():
     env = dict(os.environ, QUICKDRAFT_ISA="sse9")
     code = "from quickdraft import kernels\ntry:\n    kernels.available()\nexcept Exception as e:\n    print(type(e).__name__, e)"

@@ -152,6 +152,13 @@ def _attend(run, tmp_path, B, H, Hkv, T, L, D, path=None):
         dims = [B, H, Hkv, T, L, D, B, 1 + (B * Hkv) % 3]
         got = _harness(run, tmp_path, "attend", dims, D ** -0.5, [q * spread, k, v, mask], (B, T, H, D), path)
         _same_bits(got, want, f"{path or 'NEON'} attend {(B, H, Hkv, T, L, D)} x{spread:g}")
+    # a 16-bit KV cache's keys and values (NEON widens them before its pass, the x86 paths as they load)
+    for name, dtype in (("attend-f16", torch.float16), ("attend-bf16", torch.bfloat16)):
+        kh, vh = (k * 3).to(dtype), v.to(dtype)
+        want = kernels.attend(q, kh, vh, mask, D ** -0.5).transpose(1, 2)
+        dims = [B, H, Hkv, T, L, D, B, 2]
+        got = _harness(run, tmp_path, name, dims, D ** -0.5, [q, kh, vh, mask], (B, T, H, D), path)
+        _same_bits(got, want, f"{path or 'NEON'} {name} {(B, H, Hkv, T, L, D)}")
     # one mask row for every batch row (broadcast)
     want = kernels.attend(q, k, v, mask[:1], D ** -0.5).transpose(1, 2)
     got = _harness(run, tmp_path, "attend", [B, H, Hkv, T, L, D, 1, 2], D ** -0.5, [q, k, v, mask[:1]], (B, T, H, D), path)
