@@ -61,6 +61,10 @@ Configurations (ours vs llama.cpp):
   reference weights (the same bytes: its 4-bit layers as they are, symmetric int4 on our side,
   and its wider token embedding / lm_head), ours with its defaults, as for shipped; decode, and the
   prompt phase as below.
+- long-shipped, long-shipped-f16kv: decoding after a 3,000-token prompt (stretches of held-out
+  source files, as prefill's; workload "long"), both engines on the shipped file: ours with its
+  defaults (a float32 KV cache), then with kv_cache_dtype="float16"; llama.cpp keeps its default
+  f16 cache in both. At that context a step reads about as many bytes of cache as of weights.
 - prefill, prefill-int8-q8_0, prefill-int4-q4_0: the prompt phase of 512-token prompts
   (stretches of held-out source files, raw text, the same ids in both engines), 1 new token:
   the model's reference weights (f32; bf16 for big), int8 vs Q8_0, int4 vs Q4_0. tok/s = prompt
@@ -532,6 +536,7 @@ def workload_prompts(models: ModelSet, tokenizer: Tokenizer, workloads: list[str
 
 PREFILL_TOKENS = 512  # the prompt of a prefill block
 PREFILL_NEW_TOKENS = 1  # what a prefill block generates: the prompt phase is what it times
+LONG_TOKENS = 3000  # the prompt of a long block (decoding deep in a context)
 
 
 def prefill_prompts(models: ModelSet, tokenizer: Tokenizer, n: int, length: int = PREFILL_TOKENS) -> list[Prompt]:
@@ -694,6 +699,7 @@ class Config:
     needs: str | None = None  # a quantization quickdraft must offer
     reference: bool = False  # ours in the model's reference dtype, llama.cpp on its reference GGUF
     prefill: bool = False  # times the prompt phase of PREFILL_TOKENS-token prompts, not decoding
+    long: bool = False  # decodes after a LONG_TOKENS-token prompt (workload "long")
     shipped: bool = False  # both engines load the GGUF file as shipped; ours with its defaults
     same_gguf: bool = False  # both engines load llama.cpp's GGUF of kind `gguf`; ours with its defaults
 
@@ -724,6 +730,10 @@ CONFIGS = {c.name: c for c in [
     # the file as users get it (SmolLM2's Q4_1 GGUF), ours on its defaults: what `--target smollm2` runs
     Config("shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True),
     Config("prefill-shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True, prefill=True),
+    # decoding deep in a long prompt: ours with a float32 cache (its default) and a float16 one (llama.cpp's default)
+    Config("long-shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True, long=True),
+    Config("long-shipped-f16kv", {"kv_cache_dtype": "float16"}, "llama-completion", "shipped", PLAIN_FLAGS,
+           shipped=True, long=True),
     # one file for both: llama.cpp's Q4_0 GGUF (ours runs its 4-bit blocks as they are)
     Config("gguf-q4_0", {}, "llama-completion", "Q4_0", PLAIN_FLAGS, same_gguf=True),
     Config("prefill-gguf-q4_0", {}, "llama-completion", "Q4_0", PLAIN_FLAGS, same_gguf=True, prefill=True),
@@ -878,10 +888,12 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
     tokenizer = Tokenizer(models.hf_target)
     workloads = [w for w in args.workloads or WORKLOADS[name] if w in WORKLOADS[name]]
     asked = [CONFIGS[c] for c in args.configs]
-    prompts = workload_prompts(models, tokenizer, workloads if any(not c.prefill for c in asked) else [],
+    prompts = workload_prompts(models, tokenizer, workloads if any(not (c.prefill or c.long) for c in asked) else [],
                                args.prompts)
     if any(c.prefill for c in asked):
         prompts["prefill"] = prefill_prompts(models, tokenizer, args.prompts)
+    if any(c.long for c in asked):
+        prompts["long"] = prefill_prompts(models, tokenizer, args.prompts, LONG_TOKENS)
     log(f"{name}: " + ", ".join(f"{w} {len(p)} prompts ({', '.join(str(len(x.ids)) for x in p)} tokens)"
                                 for w, p in prompts.items()))
     checked = check_prompt_ids(models, llama, prompts)
@@ -896,7 +908,8 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             log(f"{name} {cname}: skipped ({reason})")
             skipped[cname] = reason
             continue
-        block_workloads = ["prefill"] if config.prefill else [w for w in config.workloads or workloads if w in prompts]
+        block_workloads = (["prefill"] if config.prefill else ["long"] if config.long
+                           else [w for w in config.workloads or workloads if w in prompts])
         if not block_workloads:
             continue
         draft_gguf = models.gguf(llama, "F32", draft=True) if config.draft else None

@@ -220,6 +220,7 @@ CASES: dict[str, Case] = {
                                ["tensor_parallel_cpu.json", "tensor_parallel_cpu.md"], marks=[pytest.mark.slow]),
     "verify_cost.py": Case(["--model", "bundled", "--tiny", "--rounds", "1", "--out", "{out}/vc.json"], ["vc.json"]),
     "verify_table.py": Case(["--tiny", "--kernels", "--out", "{out}/vt.json"], ["vt.json", "vt.md"]),
+    "kv_cache_dtype.py": Case(["--tiny", "--out", "{out}/kv.json"], ["kv.json", "kv.md"]),
     "replicas.sh": Case(["1", "{out}", "2", "4"],
                         ["one_engine-round1.json", "one_engine-round1.md", "two_replicas-round1.json",
                          "two_replicas-round1.md"], marks=[pytest.mark.slow], timeout=900),
