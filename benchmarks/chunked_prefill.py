@@ -13,7 +13,8 @@ which smaller chunks lengthen (more steps, a decode step between each two).
 `--modes` picks the steps the server runs (each mode x size a configuration of the sweep): `eager`
 (--no-compile), `aot` (the AOT packages, built first when missing, the default once built: chunks
 ride in mixed steps on the packed package), `aot-alternate` (the same packages without the packed
-one, QUICKDRAFT_AOT_MIXED=0: chunk steps and decode steps alternate, as before mixed AOT steps).
+one, QUICKDRAFT_AOT_MIXED=0: chunk steps and decode steps alternate, as before mixed AOT steps),
+`aot-f16kv` (`aot` with --kv-cache-dtype float16: the streams and the chunk read a 16-bit cache).
 
     python benchmarks/chunked_prefill.py --target smollm2 --sizes 32,64,128,256,512 --threads 1
 """
@@ -39,7 +40,8 @@ from quickdraft.bench.serve_load.stats import SSEDecoder, percentile
 ROOT = Path(__file__).resolve().parents[1]
 
 
-MODES = {"eager": (["--no-compile"], "1"), "aot": (["--aot"], "1"), "aot-alternate": (["--aot"], "0")}
+MODES = {"eager": (["--no-compile"], "1"), "aot": (["--aot"], "1"), "aot-alternate": (["--aot"], "0"),
+         "aot-f16kv": (["--aot", "--kv-cache-dtype", "float16"], "1")}
 
 
 def server_args(args, mode: str, size: str) -> list[str]:
