@@ -148,6 +148,21 @@ def test_kv_cache_memory_is_one_flag_with_the_library_default_and_check():
         assert r.returncode == 2 and r.stderr.strip() == f"error: {message}", r.stderr
 
 
+def test_kv_cache_dtype_is_one_flag_with_the_library_default_and_check():
+    from quickdraft.config import DEFAULT_KV_CACHE_DTYPE
+
+    uses = dict(flags("--kv-cache-dtype"))
+    assert set(uses) >= {"serve", "generate"}
+    for name, p in uses.items():
+        assert p.default == DEFAULT_KV_CACHE_DTYPE and p.help == common.KV_CACHE_DTYPE.help, name
+    assert inspect.signature(LLM).parameters["kv_cache_dtype"].default == DEFAULT_KV_CACHE_DTYPE == "auto"
+    assert EngineConfig().kv_cache_dtype == DEFAULT_KV_CACHE_DTYPE
+    message = _library_message(kv_cache_dtype="int3")
+    for command in ("serve", "generate"):
+        r = run(command, "--kv-cache-dtype", "int3", *(["hi"] if command == "generate" else []))
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {message}", r.stderr
+
+
 def test_constraint_compile_timeout_is_one_flag_with_the_library_default_and_check():
     from quickdraft.config import DEFAULT_CONSTRAINT_COMPILE_TIMEOUT
 
