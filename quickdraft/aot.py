@@ -30,8 +30,9 @@ package is the compiled step as a shared library: loading it takes a fraction of
   cached step or None. `LLM(compile="aot")` / `--aot` builds what is missing before the first
   token. By default a CPU engine uses the packages cached for its models; where some are
   missing it decodes eagerly at once while a `BackgroundBuild` (a separate process at low
-  priority, one thread, outliving this one) builds them, and switches to them at a step
-  boundary when it is done; later processes load them (`QUICKDRAFT_AOT_BUILD=0`: no
+  priority, one thread, outliving this one) builds them, and switches to them when it is done,
+  at a step boundary with no request in flight (a request never runs partly eagerly and
+  partly compiled: the two round differently; `Engine.switch_when_built`); later processes load them (`QUICKDRAFT_AOT_BUILD=0`: no
   background build). A build holds a lock per package (`BuildLock`: a second builder waits,
   a dead or silent holder's lock is broken, never a hang) and writes a temporary file that
   only a complete build renames into place. A package whose folder or file another user owns or

@@ -216,6 +216,8 @@ class Engine:
         self._attention_position = attention_position(target.config)  # (the "auto" budget's weights)
         self._pending_build = None  # an aot.BackgroundBuild whose packages the next step switches to
         self._loading: threading.Thread | None = None  # loading them, once the build has ended
+        self._ready_at: float | None = None  # when they were loaded, while requests in flight delay the switch
+        self._draining = False  # admitting nothing until the requests in flight finish, then switching
         if config.compile in ("aot", "auto"):  # ahead-of-time compiled packages (CPU)
             from . import aot
 
@@ -403,9 +405,16 @@ class Engine:
 
     def switch_when_built(self, build) -> None:
         """Switch to the AOT packages `build` (an aot.BackgroundBuild of this engine's missing
-        ones) makes, at the first step boundary after it ends. The packages compute the same
-        steps as the eager forwards, so the switch changes speed, not tokens."""
+        ones) makes, at the first step boundary after it ends with no request in flight. The
+        packages compute the eager forwards' steps to float rounding, not bit for bit (Inductor
+        fuses the elementwise ops), so a request whose steps ran partly eagerly and partly
+        compiled could get greedy tokens that neither kind of step alone gives (seen on SmolLM2
+        after ~100 tokens of a 2,800-token prompt), and its speculative output could differ from
+        its plain decoding's. Under constant load, AOT_SWITCH_DRAIN_S after the packages are
+        loaded the engine admits nothing new until the requests in flight finish (a one-time
+        pause), then switches."""
         self._pending_build = build
+        self._ready_at, self._draining = None, False
 
     def _switch_if_built(self, wait: bool = False) -> None:
         """Once the build has ended: load its packages in a thread while steps go on (loading
@@ -427,6 +436,12 @@ class Engine:
             self._loading.join()
         if self._loading.is_alive():
             return
+        if not wait and (self.running or self.prefilling):  # never between two steps of a request
+            if self._ready_at is None:
+                self._ready_at = time.perf_counter()
+            self._draining = time.perf_counter() - self._ready_at >= AOT_SWITCH_DRAIN_S
+            return
+        self._ready_at, self._draining = None, False
         self._pending_build, self._loading = None, None
         loaded, self._loaded = self._loaded, {}
         if isinstance(loaded, BaseException):
@@ -661,7 +676,7 @@ class Engine:
         caches can hold it (within the KV budget) and the next prefill's token budget reaches it
         (the prompts already admitted leave some); the caches then grow to hold them. A request
         that does not fit yet waits (the budget frees up as running requests finish)."""
-        if not self.waiting:
+        if not self.waiting or self._draining:  # (draining: the AOT switch waits for no request in flight)
             return []
         if self._admit_singly and self.prefilling:  # after a failed prefill: one request per prefill step
             return []
@@ -1278,6 +1293,11 @@ def attention_position(cfg) -> float:
     d, H, H_kv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     linear = d * (H + 2 * H_kv) * D + H * D * d + 3 * d * cfg.intermediate_size
     return linear / (AUTO_ATTENTION_COST * 2 * H * D)
+
+
+# Seconds the switch to AOT packages built in the background waits for a step boundary with no request in
+# flight before the engine stops admitting new requests until those finish (Engine.switch_when_built)
+AOT_SWITCH_DRAIN_S = 30.0
 
 
 def _set_kv_cache_dtype(target: Transformer, name: str) -> None:

@@ -247,7 +247,8 @@ class LLM:
 
     def _build_in_background(self, recipe: dict) -> None:
         """Start building this engine's missing AOT packages in a low-priority process (aot.
-        BackgroundBuild); the engine switches to them when it is done."""
+        BackgroundBuild); the engine switches to them when it is done, between two requests
+        (Engine.switch_when_built)."""
         import hashlib
         import json
 

@@ -120,39 +120,122 @@ def test_engine_stays_eager_when_the_background_build_fails(target_dir, empty_ao
 
 
 @pytest.mark.slow
-def test_background_build_switches_mid_generation(target_dir, draft_dir, empty_aot_dir, monkeypatch):
+def test_background_build_switches_between_requests(target_dir, draft_dir, empty_aot_dir, monkeypatch):
     """By default (compile=None) a CPU engine without packages starts their build in another
-    process and decodes eagerly; after the build it runs the target's and the draft's packages,
-    switched between two steps of a running request, and the output equals plain eager decoding.
-    The next engine of these models loads them at once (a warm start)."""
+    process and decodes eagerly; once the build has ended and its packages are loaded, it switches
+    to the target's and the draft's packages at the first step boundary with no request in flight
+    (never between two steps of a request: the packages round differently from the eager steps),
+    and both requests' output equals plain eager decoding. The next engine of these models loads
+    them at once (a warm start)."""
     monkeypatch.setenv("QUICKDRAFT_AOT_BUILD", "1")
     plain = LLM(target_dir, method="none", compile=False, dtype="float32")
     want = plain.generate([PROMPT], GREEDY)[0].token_ids
     llm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32", policy="fixed")
     assert llm.aot_build is not None and llm.engine.aot_missing == ["the target", "the draft"]
     engine = llm.engine
-    rid = engine.add_request(PROMPT, GREEDY)
-    packaged, tokens = [], []
-    for i in range(60):
-        if i == 3:  # a few eager steps, then the build is awaited: the next step starts loading its packages
-            assert llm.aot_build.wait(600), "the background build did not finish in 10 minutes"
-            assert llm.aot_build.failure() is None, llm.aot_build.failure()
-        if i == 4:  # (in a thread, while steps go on) and here awaited: the next step switches
-            assert engine._loading is not None
-            engine._loading.join()
-        for out in engine.step():
-            assert out.request_id == rid
-            tokens += out.new_token_ids
-        packaged.append(isinstance(engine._forward, aot.AOTStep))
-        if not engine.has_unfinished():
-            break
-    assert packaged[:4] == [False] * 4 and all(packaged[4:]) and len(packaged) > 5
-    assert isinstance(engine.proposer._step, aot.AOTStep) and engine.aot_missing == []
+
+    def run() -> tuple[list[int], list[bool]]:
+        rid = engine.add_request(PROMPT, GREEDY)
+        packaged, tokens = [], []
+        for i in range(60):
+            if i == 3 and engine._pending_build is not None:  # the build awaited: the next step loads its packages
+                assert llm.aot_build.wait(600), "the background build did not finish in 10 minutes"
+                assert llm.aot_build.failure() is None, llm.aot_build.failure()
+            if i == 4 and engine._loading is not None:  # (in a thread, while steps go on) awaited here
+                engine._loading.join()
+            for out in engine.step():
+                assert out.request_id == rid
+                tokens += out.new_token_ids
+            packaged.append(isinstance(engine._forward, aot.AOTStep))
+            if not engine.has_unfinished():
+                return tokens, packaged
+        raise AssertionError("the request did not finish in 60 steps")
+
+    tokens, packaged = run()
+    assert len(packaged) > 5 and not any(packaged)  # loaded during the request, not switched to
+    assert engine._pending_build is not None and engine._ready_at is not None
+    assert tokens == want
+    tokens, packaged = run()  # the first step of the next request switches, before admitting it
+    assert all(packaged) and isinstance(engine.proposer._step, aot.AOTStep) and engine.aot_missing == []
     assert tokens == want
     assert sorted(p.suffix for p in empty_aot_dir.iterdir()) == [".log", ".pt2", ".pt2"]  # no lock, no temporary file
     warm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32", policy="fixed")
     assert warm.aot_build is None and isinstance(warm.engine._forward, aot.AOTStep)
     assert warm.generate([PROMPT], GREEDY)[0].token_ids == want
+
+
+class _Ended:
+    """A background build that has ended well (its packages: whatever _use_packages finds)."""
+
+    started = time.perf_counter()
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def failure(self) -> None:
+        return None
+
+
+def _fake_switch(engine, monkeypatch) -> list[int]:
+    """The engine's switch recorded (the requests in flight at it), its packages not loaded."""
+    switched: list[int] = []
+    monkeypatch.setattr(engine, "_preload", lambda: setattr(engine, "_loaded", {}))
+    monkeypatch.setattr(engine, "_use_packages",
+                        lambda make: switched.append(len(engine.running) + len(engine.prefilling)) or [])
+    return switched
+
+
+def test_the_switch_waits_for_no_request_in_flight(target_dir, monkeypatch):
+    llm = LLM(target_dir, method="none", dtype="float32")  # no package cached, no background build (conftest)
+    engine = llm.engine
+    switched = _fake_switch(engine, monkeypatch)
+    engine.add_request(PROMPT, GREEDY)
+    engine.step()
+    engine.switch_when_built(_Ended())
+    while engine.has_unfinished():
+        engine.step()
+        if engine._loading is not None:
+            engine._loading.join()
+    assert switched == [] and engine._ready_at is not None and not engine._draining
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids  # its first step switches, before admitting
+    assert switched == [0] and engine._pending_build is None
+
+
+def test_under_constant_load_the_switch_drains_the_batch_once(target_dir, monkeypatch):
+    """Past AOT_SWITCH_DRAIN_S with requests in flight, new requests wait until those finish;
+    then the switch, then they are admitted."""
+    monkeypatch.setattr("quickdraft.engine.AOT_SWITCH_DRAIN_S", 0.0)
+    plain = LLM(target_dir, method="none", compile=False, dtype="float32")
+    llm = LLM(target_dir, method="none", dtype="float32")
+    engine = llm.engine
+    switched = _fake_switch(engine, monkeypatch)
+    first = engine.add_request(PROMPT, GREEDY)
+    tokens: dict[str, list[int]] = {first: []}
+    for out in engine.step():
+        tokens[first] += out.new_token_ids
+    engine.switch_when_built(_Ended())
+    for out in engine.step():  # starts loading (a thread)
+        tokens[first] += out.new_token_ids
+    engine._loading.join()
+    for out in engine.step():  # loaded, a request in flight: no switch; draining from now on
+        tokens[first] += out.new_token_ids
+    assert engine._draining and switched == []
+    second = engine.add_request(PROMPT[:3], GREEDY)
+    tokens[second] = []
+    order = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                order.append(out.request_id)
+        if engine.running and engine.running[0].id == second:
+            assert switched == [0]  # the second was admitted only after the switch
+    assert order == [first, second] and switched == [0] and not engine._draining
+    assert tokens[first] == plain.generate([PROMPT], GREEDY)[0].token_ids
+    assert tokens[second] == plain.generate([PROMPT[:3]], GREEDY)[0].token_ids
 
 
 def _group_nice(text: str) -> str | None:
