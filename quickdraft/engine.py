@@ -408,9 +408,10 @@ class Engine:
         ones) makes, at the first step boundary after it ends with no request in flight. The
         packages compute the eager forwards' steps to float rounding, not bit for bit (Inductor
         fuses the elementwise ops), so a request whose steps ran partly eagerly and partly
-        compiled could get greedy tokens that neither kind of step alone gives (seen on SmolLM2
-        after ~100 tokens of a 2,800-token prompt), and its speculative output could differ from
-        its plain decoding's. Under constant load, AOT_SWITCH_DRAIN_S after the packages are
+        compiled could get greedy tokens that neither kind of step alone gives, and its speculative
+        output could differ from its plain decoding's (seen: two SmolLM2 engines, plain and suffix
+        decoding, that switched at different steps of the same greedy request after a
+        2,800-token prompt gave different tokens; on one kind of step throughout, the same). Under constant load, AOT_SWITCH_DRAIN_S after the packages are
         loaded the engine admits nothing new until the requests in flight finish (a one-time
         pause), then switches."""
         self._pending_build = build
