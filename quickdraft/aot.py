@@ -32,8 +32,8 @@ package is the compiled step as a shared library: loading it takes a fraction of
   missing it decodes eagerly at once while a `BackgroundBuild` (a separate process at low
   priority, one thread, outliving this one) builds them, and switches to them when it is done,
   at a step boundary with no request in flight (a request never runs partly eagerly and
-  partly compiled: the two round differently; `Engine.switch_when_built`); later processes load them (`QUICKDRAFT_AOT_BUILD=0`: no
-  background build). A build holds a lock per package (`BuildLock`: a second builder waits,
+  partly compiled: the two round differently; `Engine.switch_when_built`); later processes
+  load them (`QUICKDRAFT_AOT_BUILD=0`: no background build). A build holds a lock per package (`BuildLock`: a second builder waits,
   a dead or silent holder's lock is broken, never a hang) and writes a temporary file that
   only a complete build renames into place. A package whose folder or file another user owns or
   others can write to is not loaded (one warning; the step runs eagerly): see
@@ -66,7 +66,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .cache import CacheView
+from .cache import CacheView, cache_dtype
 from .errors import QuickdraftError
 from . import kernels
 from .model import eagle3, formats, quant, transformer
@@ -131,7 +131,7 @@ def shape_key(model: nn.Module) -> str:
     formats = [(name, type(m).__name__, m.out_features, m.in_features) for name, m in model.named_modules()
                if isinstance(m, FastLinear)]
     spec = {"config": asdict(model.config), "dtype": str(model.dtype), "formats": formats,
-            "kv_dtype": str(getattr(model, "kv_cache_dtype", None) or model.dtype),
+            "kv_dtype": str(cache_dtype(model)),
             "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
             "machine": platform.machine(), "source": _source_hash()}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -61,7 +61,7 @@ def anonymous(size: int) -> mmap.mmap:
 def cache_dtype(model) -> torch.dtype:
     """The element type of `model`'s KV cache: its kv_cache_dtype where one is set (the engine's
     config.kv_cache_dtype), else its weights' dtype."""
-    return getattr(model, "kv_cache_dtype", None) or model.model.embed_tokens.weight.dtype
+    return getattr(model, "kv_cache_dtype", None) or model.dtype
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

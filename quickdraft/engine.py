@@ -411,9 +411,9 @@ class Engine:
         compiled could get greedy tokens that neither kind of step alone gives, and its speculative
         output could differ from its plain decoding's (seen: two SmolLM2 engines, plain and suffix
         decoding, that switched at different steps of the same greedy request after a
-        2,800-token prompt gave different tokens; on one kind of step throughout, the same). Under constant load, AOT_SWITCH_DRAIN_S after the packages are
-        loaded the engine admits nothing new until the requests in flight finish (a one-time
-        pause), then switches."""
+        2,800-token prompt gave different tokens; on one kind of step throughout, the same).
+        Under constant load, AOT_SWITCH_DRAIN_S after the packages are loaded the engine admits
+        nothing new until the requests in flight finish (a one-time pause), then switches."""
         self._pending_build = build
         self._ready_at, self._draining = None, False
 

@@ -2382,6 +2382,14 @@ void attend_portable(AttendPass& p) {
 
 // Query rows [i0, i0 + rc) of kv head hk of batch row b (row i is query head hk * G + i / T at
 // query position i % T): the scaled queries, the keys any row sees, then the path's pass.
+// Rows [0, n) of D 16-bit elements, `stride` apart, as float32 rows in `out` (D apart).
+template <typename KV>
+void widened_rows(const void* src, int64_t stride, int64_t n, int64_t D, float* out) {
+  const KV* s = static_cast<const KV*>(src);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) out[j * D + d] = to_float(s[j * stride + d]);
+}
+
 // A path that reads float32 keys and values only (`kv16` false: NEON) gets a 16-bit cache's keys
 // and values [0, last) widened into buf first (the same floats the other paths widen as they load).
 void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc, std::vector<float>& buf,
@@ -2420,16 +2428,9 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
   if (widen) {
     float* kw = p.kt + 4 * D;
     float* vw = kw + L * D;
-    for (int64_t j = 0; j < p.last; ++j)
-      for (int64_t d = 0; d < D; ++d) {
-        if (a.kv == KV_F16) {
-          kw[j * D + d] = to_float(static_cast<const F16*>(p.kb)[j * p.ks + d]);
-          vw[j * D + d] = to_float(static_cast<const F16*>(p.vb)[j * p.vs + d]);
-        } else {
-          kw[j * D + d] = to_float(static_cast<const Bf16*>(p.kb)[j * p.ks + d]);
-          vw[j * D + d] = to_float(static_cast<const Bf16*>(p.vb)[j * p.vs + d]);
-        }
-      }
+    const auto rows = a.kv == KV_F16 ? widened_rows<F16> : widened_rows<Bf16>;
+    rows(p.kb, p.ks, p.last, D, kw);
+    rows(p.vb, p.vs, p.last, D, vw);
     p.kb = kw;
     p.vb = vw;
     p.ks = p.vs = D;

@@ -219,7 +219,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.kv_cache_dtype: torch.dtype | None = None  # (cache_dtype)
+        self.kv_cache_dtype: torch.dtype | None = None  # set by the engine; None: its dtype (cache.cache_dtype)
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -239,12 +239,6 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        """Its KV cache's element type: kv_cache_dtype where the engine set one (config.
-        check_kv_cache_dtype), else its dtype."""
-        return self.kv_cache_dtype or self.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, logits_at: torch.Tensor | None = None,
