@@ -119,9 +119,9 @@ def generate(
             plain.wait_for_aot()
             steps = "eager" if llm.engine.runs_eagerly() else "compiled"
         warm = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=0)
-        for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison
-            m.generate([m.encode(prompt_in, chat=chat)], warm)
-        llm.stats = type(llm.stats)()
+        for m in (llm, plain):  # first calls pay one-time costs: keep them out of the comparison (both
+            m.generate([m.encode(prompt_in, chat=chat)], warm)  # LLMs' figures: their timed runs alone)
+            m.stats = type(m.stats)()
         llm.engine.proposer.forget_requests()  # (the warm-up's output of this prompt is no draft source)
     final = None
     for o in llm.stream(prompt_in, params, chat=chat):
@@ -133,7 +133,8 @@ def generate(
     if plain is not None:
         base = plain.generate([final.prompt_token_ids], params)[0]
         p = plain.stats
-        comparison = {"plain_tokens_per_second": p.tokens_per_second, "steps": steps,
+        comparison = {"plain_tokens_per_second": p.tokens_per_second, "plain_tokens": p.num_output_tokens,
+                      "plain_elapsed_s": p.elapsed_s, "steps": steps,
                       "speedup": s.tokens_per_second / p.tokens_per_second if p.tokens_per_second else None,
                       "identical": base.token_ids == final.token_ids if temperature == 0 else None}
     if as_json:
