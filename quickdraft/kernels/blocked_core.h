@@ -1128,7 +1128,8 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
       for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(acc[r][v]));
   }
   // (the checks and the scales' pointers out of the way: on an AMD EPYC Zen 3, 1 thread, SmolLM2's
-  // gate/up matrix 0.87-0.95x the time at 6 rows, 0.94x at 64; the same bits)
+  // matrices at 2-64 rows 0.88-1.03x the time, most near 0.95x; the same bits:
+  // benchmarks/results/blocked_rows_full_epilogue_zen3_cpu.md)
   const float *const xd = x.d + g, *const xx = x.xs + g;
 #pragma GCC unroll 8
   for (int v = 0; v < 2 * NH; ++v) {
