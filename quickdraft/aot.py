@@ -465,6 +465,10 @@ class BackgroundBuild:
             self.process = subprocess.Popen([sys.executable, "-c", code, payload], stdin=subprocess.DEVNULL,
                                             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started = time.perf_counter()
+        try:  # (for running_build: another process with the same recipe waits on this one)
+            (folder / f"build-{name}.pid").write_text(str(self.process.pid))
+        except OSError:
+            pass
 
     @property
     def pid(self) -> int:
@@ -492,6 +496,55 @@ class BackgroundBuild:
         except OSError:
             lines = []
         return f"exit status {code}" + (f": {lines[-1].strip()}" if lines else "") + f"; log: {self.log_path}"
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (a zombie waiting for its parent has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split(" ", 1)[0] != "Z"
+
+
+class RunningBuild:
+    """A background build of the same recipe that another process started and that still runs
+    (running_build), waited on instead of started again: each further start held a Python
+    process of ~0.5 GB waiting on the first one's lock (8 of them seen after short runs in a row)."""
+
+    def __init__(self, pid: int, log_path: Path):
+        self.pid, self.log_path = pid, log_path
+
+    def done(self) -> bool:
+        return not _running(self.pid)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
+        return True
+
+    def failure(self) -> str | None:
+        """None: its exit status is its parent's to read; the packages it left, or not, say the
+        rest (an engine that finds none keeps its eager steps and says so)."""
+        return None
+
+
+def running_build(name: str, payload: str) -> RunningBuild | None:
+    """The build of `payload` (BackgroundBuild's name for it: `name`) that another process started
+    and that still runs: its pid file in the AOT folder names a live process whose command line
+    ends with the same recipe; else None (also where /proc is not there to tell)."""
+    folder = aot_dir()
+    try:
+        pid = int((folder / f"build-{name}.pid").read_text())
+        args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except (OSError, ValueError):
+        return None
+    if len(args) < 2 or args[-1] != payload or "build_aot" not in args[-2] or not _running(pid):
+        return None
+    return RunningBuild(pid, folder / f"build-{name}.log")
 
 
 def lower_priority() -> None:

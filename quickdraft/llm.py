@@ -258,6 +258,14 @@ class LLM:
             log.warning("quickdraft: no background AOT build (%s); running eagerly (compile='aot' builds first)", exc)
             return
         name = hashlib.sha256(payload.encode()).hexdigest()[:12]
+        running = aot.running_build(name, payload)
+        if running is not None:  # another process builds the same packages: wait for that one
+            self.aot_build = running
+            log.warning("quickdraft: the CPU steps of %s are being compiled by another process (pid %d, log %s); "
+                        "decoding eagerly until they are ready", " and ".join(self.engine.aot_missing), running.pid,
+                        running.log_path)
+            self.engine.switch_when_built(running)
+            return
         try:
             self.aot_build = aot.BackgroundBuild("quickdraft.llm.build_aot", payload, name)
         except OSError as exc:

@@ -158,7 +158,8 @@ def test_background_build_switches_between_requests(target_dir, draft_dir, empty
     tokens, packaged = run()  # the first step of the next request switches, before admitting it
     assert all(packaged) and isinstance(engine.proposer._step, aot.AOTStep) and engine.aot_missing == []
     assert tokens == want
-    assert sorted(p.suffix for p in empty_aot_dir.iterdir()) == [".log", ".pt2", ".pt2"]  # no lock, no temporary file
+    # no lock, no temporary file: the packages, and the build's log and pid file (running_build's)
+    assert sorted(p.suffix for p in empty_aot_dir.iterdir()) == [".log", ".pid", ".pt2", ".pt2"]
     warm = LLM(target_dir, draft_dir, method="draft", num_speculative_tokens=3, dtype="float32", policy="fixed")
     assert warm.aot_build is None and isinstance(warm.engine._forward, aot.AOTStep)
     assert warm.generate([PROMPT], GREEDY)[0].token_ids == want
@@ -265,3 +266,52 @@ def test_a_build_in_its_own_session_lowers_its_scheduling_group():
     assert shared.returncode == 0, shared.stderr
     assert shared.stdout.split("\n")[0] == "10"
     assert _group_nice(shared.stdout.partition("\n")[2]) == before == _group_nice(open("/proc/self/autogroup").read())
+
+
+def test_a_run_waits_for_the_build_another_process_runs_for_the_same_recipe(target_dir, empty_aot_dir, monkeypatch,
+                                                                             caplog):
+    """Short runs in a row while the packages build: a later run finds the earlier one's build
+    (its pid file, a live process with the same recipe) and waits for it instead of starting its
+    own (each such start held a Python process waiting on the first one's lock). A pid file of a
+    process with another recipe, or of one that has ended (a zombie too), starts a build."""
+    import hashlib
+    import types
+
+    plain = LLM(target_dir, method="none", compile=False, dtype="float32")
+    llm = LLM(target_dir, method="none", dtype="float32")  # compile=None: "auto"
+    recipe = {"target": str(target_dir), "method": "none"}
+    payload = json.dumps(recipe, sort_keys=True)
+    name = hashlib.sha256(payload.encode()).hexdigest()[:12]
+    started = []
+
+    def start(*args):  # (a build started here: recorded, never run)
+        started.append(args)
+        return types.SimpleNamespace(pid=0, log_path="-", done=lambda: False)
+
+    monkeypatch.setattr(aot, "BackgroundBuild", start)
+    # the earlier run's build, as BackgroundBuild starts one (the same command line's shape)
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # build_aot", payload])
+    cmdline = f"/proc/{first.pid}/cmdline"
+    for _ in range(200):  # (its command line reads empty for a moment after the start, on a loaded machine)
+        if open(cmdline, "rb").read():
+            break
+        time.sleep(0.05)
+    try:
+        (empty_aot_dir / f"build-{name}.pid").write_text(str(first.pid))
+        with caplog.at_level(logging.WARNING, logger="quickdraft"):
+            llm._build_in_background(recipe)
+        assert started == [] and isinstance(llm.aot_build, aot.RunningBuild) and llm.aot_build.pid == first.pid
+        assert any("compiled by another process" in r.getMessage() for r in caplog.records)
+        assert not llm.aot_build.done() and not llm.aot_build.wait(0.3)
+        assert aot.running_build(name, payload.replace("none", "suffix")) is None  # another recipe
+        got = llm.generate([PROMPT], GREEDY)  # eager meanwhile
+        first.kill()
+        assert llm.aot_build.wait(30)  # ended: a zombie until reaped counts as ended
+        assert aot.running_build(name, payload) is None
+    finally:
+        first.kill()
+        first.wait()
+    assert got[0].token_ids == llm.generate([PROMPT], GREEDY)[0].token_ids == plain.generate([PROMPT], GREEDY)[0].token_ids
+    assert llm.engine._forward is llm.target  # no packages were left: still eager
+    llm._build_in_background(recipe)  # nothing running now: this run starts its own
+    assert len(started) == 1
