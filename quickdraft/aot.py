@@ -507,6 +507,16 @@ def _running(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].split(" ", 1)[0] != "Z"
 
 
+def _age(pid: int) -> float:
+    """Seconds since process `pid` started (0 where /proc cannot tell)."""
+    try:
+        start_ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class RunningBuild:
     """A background build of the same recipe that another process started and that still runs
     (running_build), waited on instead of started again: each further start held a Python
@@ -514,6 +524,7 @@ class RunningBuild:
 
     def __init__(self, pid: int, log_path: Path):
         self.pid, self.log_path = pid, log_path
+        self.started = time.perf_counter() - _age(pid)  # (BackgroundBuild's clock: the switch's log line)
 
     def done(self) -> bool:
         return not _running(self.pid)

@@ -303,6 +303,7 @@ def test_a_run_waits_for_the_build_another_process_runs_for_the_same_recipe(targ
         assert started == [] and isinstance(llm.aot_build, aot.RunningBuild) and llm.aot_build.pid == first.pid
         assert any("compiled by another process" in r.getMessage() for r in caplog.records)
         assert not llm.aot_build.done() and not llm.aot_build.wait(0.3)
+        assert 0 <= time.perf_counter() - llm.aot_build.started < 60  # (its age: the switch's log line says it)
         assert aot.running_build(name, payload.replace("none", "suffix")) is None  # another recipe
         got = llm.generate([PROMPT], GREEDY)  # eager meanwhile
         first.kill()
@@ -315,3 +316,10 @@ def test_a_run_waits_for_the_build_another_process_runs_for_the_same_recipe(targ
     assert llm.engine._forward is llm.target  # no packages were left: still eager
     llm._build_in_background(recipe)  # nothing running now: this run starts its own
     assert len(started) == 1
+    # an adopted build that left packages: the engine switches to them (here faked) as to its own
+    switched = _fake_switch(llm.engine, monkeypatch)
+    llm.engine.switch_when_built(aot.RunningBuild(first.pid, empty_aot_dir / "build.log"))
+    with caplog.at_level(logging.INFO, logger="quickdraft"):
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == got[0].token_ids
+    assert switched == [0] and llm.engine._pending_build is None
+    assert any("switched to the AOT steps built in the background" in r.getMessage() for r in caplog.records)
