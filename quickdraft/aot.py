@@ -32,10 +32,11 @@ package is the compiled step as a shared library: loading it takes a fraction of
   missing it decodes eagerly at once while a `BackgroundBuild` (a separate process at low
   priority, one thread, outliving this one) builds them, and switches to them when it is done,
   at a step boundary with no request in flight (a request never runs partly eagerly and
-  partly compiled: the two round differently; `Engine.switch_when_built`); later processes
-  load them (`QUICKDRAFT_AOT_BUILD=0`: no background build). A build holds a lock per package (`BuildLock`: a second builder waits,
-  a dead or silent holder's lock is broken, never a hang) and writes a temporary file that
-  only a complete build renames into place. A package whose folder or file another user owns or
+  partly compiled: the two round differently; `Engine.switch_when_built`); a process that starts
+  while another builds the same packages waits for that build (`running_build`); later
+  processes load them (`QUICKDRAFT_AOT_BUILD=0`: no background build). A build holds a lock per
+  package (`BuildLock`: a second builder waits, a dead or silent holder's lock is broken, never
+  a hang) and writes a temporary file that only a complete build renames into place. A package whose folder or file another user owns or
   others can write to is not loaded (one warning; the step runs eagerly): see
   `quickdraft.paths.unsafe_to_load`, the kernels' check too.
 
@@ -498,22 +499,27 @@ class BackgroundBuild:
         return f"exit status {code}" + (f": {lines[-1].strip()}" if lines else "") + f"; log: {self.log_path}"
 
 
+def _stat(pid: int) -> list[str] | None:
+    """Process `pid`'s /proc stat fields after its name (state first), or None where it has none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _running(pid: int) -> bool:
     """Whether process `pid` exists and has not ended (a zombie waiting for its parent has)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:].split(" ", 1)[0] != "Z"
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 def _age(pid: int) -> float:
     """Seconds since process `pid` started (0 where /proc cannot tell)."""
     try:
-        start_ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        start_ticks = int(_stat(pid)[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, TypeError):
         return 0.0
 
 
