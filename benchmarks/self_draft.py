@@ -7,8 +7,9 @@ Two parts:
   openings (quickdraft.bench.workloads.code_completion). For each draft format and k: the
   speedup over plain decoding end to end (quickdraft.bench.compare.run_bench: every prompt at
   batch 1, plain decoding in the same repeat, the order rotated per repeat, medians over
-  repeats; policy "fixed": k every step; the AOT compiled steps the engine uses by default,
-  built before timing), acceptance, tokens per step, and the measured costs c = T_propose(k) /
+  repeats; policy "fixed": k every step, or `--policy auto`, the default policy, which may
+  speculate less where a step's measured costs say it pays less; the AOT compiled steps the
+  engine uses by default, built before timing), acceptance, tokens per step, and the measured costs c = T_propose(k) /
   (k T(1)) (the self-draft's drafting per token over a plain target step) and T(k+1) / T(1).
   Every configuration's greedy output is checked token for token against plain decoding.
 - `--model big`: SmolLM2-1.7B's shape with random weights (benchmarks/llamacpp.py's, seeded),
@@ -25,6 +26,7 @@ Two parts:
 torch uses --threads threads, the process pinned to as many cores (--cores).
 
     python benchmarks/self_draft.py --model bundled --formats int4 int8 --ks 2 3 4 5 --prompts 6 --repeats 3
+    python benchmarks/self_draft.py --model bundled --formats int4 --ks 5 8 --policy auto
     python benchmarks/self_draft.py --model big --layers 4 8 --formats int4 int8 --ks 3 5 --iters 5
 """
 
@@ -65,25 +67,25 @@ def bundled(args) -> dict:
     from quickdraft.train.corpus import load_corpus
 
     prompts = code_completion(load_corpus(None).heldout, args.prompts)
-    out = {"prompts": len(prompts), "new_tokens": args.new_tokens, "formats": {}}
+    out = {"prompts": len(prompts), "new_tokens": args.new_tokens, "policy": args.policy, "formats": {}}
     for fmt in args.formats:
         print(f"[self_draft] bundled, self-draft {fmt}: ks {args.ks}", file=sys.stderr, flush=True)
         res = run_bench(None, "self", ["draft"], {}, [1], args.ks, [0.0], prompts, args.new_tokens, args.repeats,
-                        args.iters, dtype="float32", llm_options={"draft_quantization": fmt})
+                        args.iters, dtype="float32", llm_options={"draft_quantization": fmt, "policy": args.policy})
         rows = []
         for r in res["runs"]:
             rows.append({key: r[key] for key in ("k", "speedup", "tokens_per_s", "plain_tokens_per_s",
                                                  "acceptance_rate", "tokens_per_step", "c", "verify_ratio",
                                                  "predicted_speedup")})
-            rows[-1]["identical"] = identical(fmt, r["k"], prompts, args.new_tokens)
+            rows[-1]["identical"] = identical(fmt, r["k"], prompts, args.new_tokens, args.policy)
         out["formats"][fmt] = {"rows": rows, "target_step_s": res["target_step_s"][0][0], "load_after": loadavg()}
     return out
 
 
-def identical(fmt: str, k: int, prompts: list[str], new_tokens: int) -> bool:
+def identical(fmt: str, k: int, prompts: list[str], new_tokens: int, policy: str) -> bool:
     """Greedy output of the self-draft at k equals plain decoding's, every prompt."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    spec = LLM(draft="self", draft_quantization=fmt, num_speculative_tokens=k, dtype="float32", policy="fixed")
+    spec = LLM(draft="self", draft_quantization=fmt, num_speculative_tokens=k, dtype="float32", policy=policy)
     plain = LLM(method="none", dtype="float32")
     return all(spec.generate([p], params)[0].token_ids == plain.generate([p], params)[0].token_ids for p in prompts)
 
@@ -196,7 +198,7 @@ def markdown(result: dict) -> str:
     if result["model"] == "bundled":
         b = result["bundled"]
         lines += [f"Bundled target as float32, {b['prompts']} held-out code openings x {b['new_tokens']} new tokens, "
-                  "batch 1, greedy, policy fixed. Speedup: median over repeats of plain's time / the configuration's "
+                  f"batch 1, greedy, policy {b.get('policy', 'fixed')}. Speedup: median over repeats of plain's time / the configuration's "
                   "(paired). c: the self-draft's drafting per token / a plain target step; T(k+1)/T(1): the verify "
                   "step over a plain step.", "",
                   "| draft | k | speedup | predicted | acceptance | tokens/step | c | T(k+1)/T(1) | output = plain |",
@@ -236,6 +238,8 @@ def main() -> None:
     ap.add_argument("--model", choices=["bundled", "big"], default="bundled")
     ap.add_argument("--formats", nargs="+", choices=["int4", "int8"], default=["int4", "int8"])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5])
+    ap.add_argument("--policy", choices=["fixed", "auto"], default="fixed",
+                    help="bundled: k every step (fixed) or the default policy's choice up to k (auto)")
     ap.add_argument("--prompts", type=int, default=6, help="bundled: held-out code openings")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

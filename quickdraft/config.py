@@ -178,6 +178,12 @@ _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10*
                  "t": 2**40}
 SELF_DRAFT = "self"  # draft=SELF_DRAFT (--draft self): the target's own weights, quantised, drafting for it
 DEFAULT_SELF_DRAFT_QUANTIZATION = "int4"  # a self-draft's weights unless draft_quantization says int8
+# k when draft="self" and none is given: a quantised copy of the target agrees with it most of the time (greedy
+# acceptance 0.92-0.94 on the bundled target's code openings), so longer drafts pay: on an AMD EPYC Zen 3 (AVX2, 1
+# thread) its int4 copy gave 1.84x plain decoding at k = 8 against 1.57x at k = 5 with the default policy (int8:
+# 1.46x / 1.37x; benchmarks/results/self_draft_bundled_auto_zen3_cpu.md, k = 3-8 at a fixed k in
+# self_draft_bundled_zen3_cpu.md); the policy still lowers k where the measured step costs say that pays more
+DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS = 8
 # tokens one step computes at most (chunked prefill): the running requests' verify positions and a prompt chunk in
 # one forward (mixed steps, quickdraft.engine). 20 from benchmarks/results/chunked_prefill_mixed_cpu.md (SmolLM2,
 # one thread, 4 streams, a 4,000-token prompt arriving, a 2-core Xeon at load 2.3-9.4): with 4 streams a 16-token

@@ -13,7 +13,8 @@ import torch
 
 from . import aot
 from .config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                     DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY, DEFAULT_SELF_DRAFT_QUANTIZATION,
+                     DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_POLICY, DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS,
+                     DEFAULT_SELF_DRAFT_QUANTIZATION,
                      PREFIX_CACHE_CHECK_ENV, SELF_DRAFT, EngineConfig, SpecConfig, check_constraint_compile_timeout,
                      DEFAULT_KV_CACHE_DTYPE, check_kv_cache_dtype, check_kv_cache_memory, check_max_num_batched_tokens,
                      check_max_num_seqs, check_num_speculative_tokens, check_prefix_cache_bytes,
@@ -111,7 +112,8 @@ class LLM:
         profile: a JSON profile from `quickdraft tune` (the goodput policy's costs) or `quickdraft
         select`, whose choice (method, draft, k, spec options) is used when neither method nor
         draft is given (num_speculative_tokens, when given, still wins). num_speculative_tokens:
-        default DEFAULT_NUM_SPECULATIVE_TOKENS (or the profile's choice).
+        default DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS with
+        draft="self" (or the profile's choice).
         enable_prefix_caching: keep the KV of computed tokens and reuse it for later prompts with
         the same prefix (quickdraft.prefix_cache; the server's default); its blocks take what the KV
         budget has free and are evicted when requests need it; prefix_cache_bytes (None: no cap of
@@ -121,7 +123,8 @@ class LLM:
         environment variable QUICKDRAFT_PREFIX_CACHE_CHECK where prefix caching is on, else off.
         max_num_batched_tokens: tokens one step computes at most: the running requests' verify
         positions and a chunk of the prompts being prefilled (chunked prefill; "auto", the default:
-        on a CPU 20 while requests decode and 512 when none does; 2048 on a GPU; None: whole prompts).
+        on a CPU 28 position-weighted tokens while requests decode (config.AUTO_BATCHED_TOKENS) and
+        512 when none does; 2048 on a GPU; None: whole prompts).
         constraint_compile_timeout: seconds a request's constraint (SamplingParams.constraint) may
         take to compile for the model's vocabulary (off the step loop); past it the request is a
         QuickdraftError naming the constraint."""
@@ -134,7 +137,8 @@ class LLM:
             if num_speculative_tokens is None and choice.k > 0:
                 num_speculative_tokens = choice.k
         if num_speculative_tokens is None:
-            num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+            num_speculative_tokens = (DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS if isinstance(draft, str) and draft == SELF_DRAFT
+                                      else DEFAULT_NUM_SPECULATIVE_TOKENS)
         check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
         check_max_num_seqs(max_num_seqs)
         check_kv_cache_memory(kv_cache_memory)

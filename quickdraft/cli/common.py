@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU,
-                      AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                      AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS,
                       DEFAULT_POLICY, MAX_NUM_SPECULATIVE_TOKENS, check_constraint_compile_timeout,
                       DEFAULT_KV_CACHE_DTYPE, check_kv_cache_dtype, check_kv_cache_memory, check_max_num_batched_tokens,
                       check_max_num_seqs, check_num_speculative_tokens)
@@ -176,7 +176,8 @@ METHODS = typer.Option(None, "--method", help="Proposer to measure (repeatable):
 
 def num_speculative_tokens_option(default: int | None = DEFAULT_NUM_SPECULATIVE_TOKENS):
     """-k; None as the default: the command's LLM decides (the --profile's choice, else the default)."""
-    note = "" if default is not None else f" Default {DEFAULT_NUM_SPECULATIVE_TOKENS}, or the --profile's choice."
+    note = "" if default is not None else (f" Default {DEFAULT_NUM_SPECULATIVE_TOKENS} ({DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS} "
+                                           "with --draft self), or the --profile's choice.")
     return typer.Option(default, "-k", "--num-speculative-tokens",
                         help=f"k: draft tokens proposed per step, 1 to {MAX_NUM_SPECULATIVE_TOKENS} "
                         "(the most; a tree's depth)." + note, callback=checked(check_num_speculative_tokens))

@@ -38,6 +38,23 @@ def test_self_draft_greedy_output_equals_plain(target_dir, dtype, quant):
     assert spec.stats.num_accepted_tokens > 0
 
 
+def test_self_draft_drafts_longer_by_default(target_dir):
+    """A quantised copy agrees with its target most of the time: with draft="self" and no k given,
+    k is DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS (a k given still wins; other drafts keep the
+    common default), and its longer drafts still give plain decoding's tokens."""
+    from quickdraft.config import DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS
+
+    assert DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS > DEFAULT_NUM_SPECULATIVE_TOKENS
+    spec = LLM(target_dir, draft="self", policy="fixed")
+    assert spec.engine.k == DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS
+    assert LLM(target_dir, draft="self", num_speculative_tokens=3, policy="fixed").engine.k == 3
+    assert LLM(target_dir, method="ngram", policy="fixed").engine.k == DEFAULT_NUM_SPECULATIVE_TOKENS
+    plain = LLM(target_dir, method="none", policy="fixed")
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert spec.stats.num_draft_tokens > 0
+
+
 def test_self_draft_does_not_read_the_checkpoint_again(target_dir, monkeypatch):
     import quickdraft.llm as llm_module
 
