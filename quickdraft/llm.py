@@ -377,16 +377,22 @@ class LLM:
         return outputs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False) -> Iterator[RequestOutput]:
-        """Yield outputs for one prompt as tokens are accepted (deltas in new_text / new_token_ids)."""
+        """Yield outputs for one prompt as tokens are accepted (deltas in new_text / new_token_ids).
+        Its figures (self.stats) count the engine's time only, not the caller's between outputs
+        (printing them, say), so a streamed run's tokens per second compare with generate's."""
         ids = self.encode(prompt, chat=chat)
         start = time.perf_counter()
         rid = self.engine.add_request(ids, params or SamplingParams())
+        busy = time.perf_counter() - start  # the engine's seconds so far
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                t0 = time.perf_counter()
+                outs = self.engine.step()
+                busy += time.perf_counter() - t0
+                for out in outs:
                     if out.request_id == rid:
                         if out.finished:
-                            self._record([out], time.perf_counter() - start)
+                            self._record([out], busy)
                         yield out
         finally:
             self.engine.abort_request(rid)

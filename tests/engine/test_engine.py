@@ -141,6 +141,24 @@ def test_streaming_deltas_add_up(target_dir, draft_dir):
     assert last.finished and "".join(pieces) == last.text and ids == last.token_ids
 
 
+def test_streamed_figures_count_the_engine_time_only(target_dir, draft_dir, monkeypatch):
+    """A streamed run's elapsed time is the engine's, not the caller's between outputs (the CLI
+    prints them while plain decoding's run, timed with generate, prints nothing): a clock that only
+    the consumer advances leaves it at zero."""
+    import quickdraft.llm as llm_module
+
+    llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, policy="fixed")
+    now = [1000.0]
+    monkeypatch.setattr(llm_module.time, "perf_counter", lambda: now[0])
+    outs = 0
+    for o in llm.stream("def add(a, b):", GREEDY):
+        now[0] += 5.0  # the caller's time with each output
+        outs += 1
+    assert outs > 1 and o.finished
+    assert llm.stats.elapsed_s == 0.0
+    assert llm.stats.num_output_tokens == len(o.token_ids)
+
+
 def test_stats_fields(target_dir, draft_dir):
     llm = LLM(target_dir, draft=draft_dir, num_speculative_tokens=3, policy="fixed")
     outs = llm.generate(PROMPTS, GREEDY)
