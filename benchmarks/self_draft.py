@@ -9,8 +9,9 @@ Two parts:
   batch 1, plain decoding in the same repeat, the order rotated per repeat, medians over
   repeats; policy "fixed": k every step, or `--policy auto`, the default policy, which may
   speculate less where a step's measured costs say it pays less; the AOT compiled steps the
-  engine uses by default, built before timing), acceptance, tokens per step, and the measured costs c = T_propose(k) /
-  (k T(1)) (the self-draft's drafting per token over a plain target step) and T(k+1) / T(1).
+  engine uses by default, built before timing), acceptance, tokens per step, and the measured
+  costs c = T_propose(k) / (k T(1)) (the self-draft's drafting per token over a plain target
+  step) and T(k+1) / T(1).
   Every configuration's greedy output is checked token for token against plain decoding.
 - `--model big`: SmolLM2-1.7B's shape with random weights (benchmarks/llamacpp.py's, seeded),
   loaded as float32, for COST only (acceptance on random weights says nothing): the target's

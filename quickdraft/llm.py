@@ -136,9 +136,9 @@ class LLM:
             spec_options = choice.options if spec_options is None else spec_options
             if num_speculative_tokens is None and choice.k > 0:
                 num_speculative_tokens = choice.k
+        self_draft = isinstance(draft, str) and draft == SELF_DRAFT
         if num_speculative_tokens is None:
-            num_speculative_tokens = (DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS if isinstance(draft, str) and draft == SELF_DRAFT
-                                      else DEFAULT_NUM_SPECULATIVE_TOKENS)
+            num_speculative_tokens = DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS if self_draft else DEFAULT_NUM_SPECULATIVE_TOKENS
         check_num_speculative_tokens(num_speculative_tokens)  # before anything is fetched or loaded
         check_max_num_seqs(max_num_seqs)
         check_kv_cache_memory(kv_cache_memory)
@@ -149,7 +149,6 @@ class LLM:
             prefix_cache_check = os.environ.get(PREFIX_CACHE_CHECK_ENV, "") if enable_prefix_caching else False
         prefix_cache_check = check_prefix_cache_check(prefix_cache_check)
         check_constraint_compile_timeout(constraint_compile_timeout)
-        self_draft = isinstance(draft, str) and draft == SELF_DRAFT
         if self_draft:
             draft = None
             method = _check_self_draft_method(method)

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..config import (DEFAULT_CONSTRAINT_COMPILE_TIMEOUT, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU,
-                      AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS,
+                      AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                      DEFAULT_SELF_DRAFT_NUM_SPECULATIVE_TOKENS,
                       DEFAULT_POLICY, MAX_NUM_SPECULATIVE_TOKENS, check_constraint_compile_timeout,
                       DEFAULT_KV_CACHE_DTYPE, check_kv_cache_dtype, check_kv_cache_memory, check_max_num_batched_tokens,
                       check_max_num_seqs, check_num_speculative_tokens)
