@@ -693,8 +693,9 @@ void blocks_portable(const MatArgs<W>& a, int64_t b0, int64_t b1) {
 // lane four consecutive inputs of one output: the operand of vpdpbusd (and of maddubs + madd,
 // NEON's vmull + vpadal) against four activation bytes broadcast to every lane.
 //
-// Activations (q4_quantize, once per call, one scalar function shared by every path, so the
-// int8 values and scales are the same bits everywhere): per row and group of 32 inputs,
+// Activations (q4_quantize, once per call: the portable path's scalar function, which the vector
+// paths' quantisers follow operation for operation (Paths::quant), so the int8 values and scales
+// are the same bits everywhere): per row and group of 32 inputs,
 //   amax = max_k |x_k|,  d = amax / 127,  a_k = rne(x_k * (1 / d)) in [-127, 127]
 //   (all a_k = 0 where d < FLT_MIN),  X = d * float(sum_k a_k)
 // (rne: round to nearest even, by adding and subtracting 1.5 * 2^23; the clamp never binds but
@@ -751,6 +752,28 @@ inline void q4_quantize(const float* x, int64_t ldx, int64_t M, int64_t G, int8_
       }
       d[r * G + g] = finite ? dg : std::numeric_limits<float>::quiet_NaN();
       xs[r * G + g] = finite ? dg * float(sum) : std::numeric_limits<float>::quiet_NaN();
+    }
+}
+
+// The paths' activation quantisers: q4_quantize's formula (the portable path is q4_quantize itself),
+// and where `sums` is not null each group's sum_k a_k too (int8's epilogue needs it). The vector
+// paths take a group's 32 inputs in vectors with the same operations per element: the maximum of
+// the absolute values (exact in any order), one scalar division for d and for 1 / d as above, then
+// per element a multiply, an add and a subtract (never fused: -ffp-contract=off), the clamp and an
+// exact conversion; so the same bits on every path. On an AMD EPYC Zen 3 (1 thread) the scalar
+// loop took ~2 ns an input, a tenth of a one-row int4 matmul's time at SmolLM2's shapes and more
+// at several rows (a 6-row verify step quantises 6 rows on one thread before its matmul).
+using QuantizeFn = void (*)(const float* x, int64_t ldx, int64_t M, int64_t G, int8_t* q, float* d, float* xs,
+                            int32_t* sums);
+
+void quantize_portable(const float* x, int64_t ldx, int64_t M, int64_t G, int8_t* q, float* d, float* xs,
+                       int32_t* sums) {
+  q4_quantize(x, ldx, M, G, q, d, xs);
+  if (sums)
+    for (int64_t i = 0; i < M * G; ++i) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < QG; ++k) s += q[i * QG + k];
+      sums[i] = s;
     }
 }
 
@@ -1207,6 +1230,60 @@ void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
   q4_avx2_blocks<false>(a, b0, b1);
 }
 
+// q4_quantize's formula on 8-float vectors (also the AVX-512 path's: the same bits; a group is
+// four vectors either way). Per group: |x| and the finiteness check per lane, the maximum
+// reduced across lanes (exact), d and 1 / d as scalars, then (x * (1 / d) + m) - m, the clamp, an
+// exact conversion, and the bytes packed back into input order.
+__attribute__((target("avx2,fma,f16c"))) void quantize_avx2(const float* x, int64_t ldx, int64_t M, int64_t G,
+                                                            int8_t* q, float* d, float* xs, int32_t* sums) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 fmax = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 round_magic = _mm256_set1_ps(12582912.f);
+  const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // (packs interleaves the 128-bit lanes)
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + r * ldx + g * QG;
+      int8_t* qg = q + r * G * QG + g * QG;
+      __m256 v[4], a[4];
+      int finite = 0xff;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xg + 8 * i);
+        a[i] = _mm256_and_ps(v[i], absmask);
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a[i], fmax, _CMP_LE_OQ));  // (false for NaN too)
+      }
+      const __m256 m8 = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+      const int64_t at = r * G + g;
+      if (finite != 0xff) {
+        std::memset(qg, 0, QG);
+        d[at] = xs[at] = std::numeric_limits<float>::quiet_NaN();
+        if (sums) sums[at] = 0;
+        continue;
+      }
+      const float dg = amax / 127.f;
+      const __m256 id = _mm256_set1_ps(dg >= std::numeric_limits<float>::min() ? 1.f / dg : 0.f);
+      __m256i n[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256 t = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[i], id), round_magic), round_magic);
+        n[i] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(t, lo), hi));  // (an integer already: exact)
+      }
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg), _mm256_permutevar8x32_epi32(bytes, order));
+      const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+      d[at] = dg;
+      xs[at] = dg * float(sum);
+      if (sums) sums[at] = sum;
+    }
+}
+
 #endif  // QD_X86
 
 // ---- int8: 8-bit weights with a scale per output, times int8 activations (integer dot products) ----
@@ -1220,8 +1297,8 @@ void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1) {
 // 8 (AVX2) or 4 (NEON) lanes is 16, 8 or 4 adjacent outputs; a block's group of 32 inputs is one
 // contiguous 2 KB piece.
 //
-// Activations: the int4 section's q4_quantize, the same function (one activation quantisation in
-// the library, llama.cpp's Q8_0 formula): per row and group g of 32 inputs (of the row
+// Activations: the int4 section's q4_quantize, the same formula and quantisers (one activation
+// quantisation in the library, llama.cpp's Q8_0 formula): per row and group g of 32 inputs (of the row
 // zero-padded to 32 Kq / 8), int8 a_k and a float32 scale d_g (NaN for a group holding a NaN or
 // an infinity: its row's outputs are NaN).
 //
@@ -1263,22 +1340,15 @@ struct Q8Args {
 };
 
 // The activations of rows [0, M) of x (M, K), zero-padded to G * 32 inputs: q (M, G * 32), d and
-// asum (M, G); `pad` is scratch of G * 32 floats (used where K is not whole groups).
+// asum (M, G); `pad` is scratch of G * 32 floats (used where K is not whole groups); `quant`: the
+// path's quantiser (Paths::quant: the same bits on every path).
 inline void q8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t G, int8_t* q, float* d,
-                        int32_t* asum, float* xs, float* pad) {
+                        int32_t* asum, float* xs, float* pad, QuantizeFn quant) {
+  if (K == G * QG) return quant(x, ldx, M, G, q, d, xs, asum);
   for (int64_t r = 0; r < M; ++r) {
-    const float* row = x + r * ldx;
-    if (K != G * QG) {
-      std::memcpy(pad, row, K * sizeof(float));
-      std::fill(pad + K, pad + G * QG, 0.f);
-      row = pad;
-    }
-    q4_quantize(row, G * QG, 1, G, q + r * G * QG, d + r * G, xs + r * G);
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < QG; ++k) s += q[r * G * QG + g * QG + k];
-      asum[r * G + g] = s;
-    }
+    std::memcpy(pad, x + r * ldx, K * sizeof(float));
+    std::fill(pad + K, pad + G * QG, 0.f);
+    quant(pad, G * QG, 1, G, q + r * G * QG, d + r * G, xs + r * G, asum + r * G);
   }
 }
 
@@ -2660,6 +2730,52 @@ void q4_neon(const Q4Args& a, int64_t b0, int64_t b1) {
   q4_neon_blocks<false>(a, b0, b1);
 }
 
+// q4_quantize's formula on 4-float vectors (as quantize_avx2: the same operations per element, an
+// exact maximum across lanes, the same bits).
+void quantize_neon(const float* x, int64_t ldx, int64_t M, int64_t G, int8_t* q, float* d, float* xs,
+                   int32_t* sums) {
+  const float32x4_t fmax = vdupq_n_f32(std::numeric_limits<float>::max());
+  const float32x4_t round_magic = vdupq_n_f32(12582912.f), hi = vdupq_n_f32(127.f), lo = vdupq_n_f32(-127.f);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + r * ldx + g * QG;
+      int8_t* qg = q + r * G * QG + g * QG;
+      float32x4_t v[8], m = vdupq_n_f32(0.f);
+      uint32x4_t ok = vdupq_n_u32(~0u);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        v[i] = vld1q_f32(xg + 4 * i);
+        const float32x4_t a = vabsq_f32(v[i]);
+        ok = vandq_u32(ok, vcleq_f32(a, fmax));  // (false for NaN too)
+        m = vmaxq_f32(m, a);
+      }
+      const int64_t at = r * G + g;
+      if (vminvq_u32(ok) == 0) {
+        std::memset(qg, 0, QG);
+        d[at] = xs[at] = std::numeric_limits<float>::quiet_NaN();
+        if (sums) sums[at] = 0;
+        continue;
+      }
+      const float dg = vmaxvq_f32(m) / 127.f;
+      const float32x4_t id = vdupq_n_f32(dg >= std::numeric_limits<float>::min() ? 1.f / dg : 0.f);
+      int32x4_t total = vdupq_n_s32(0);
+#pragma GCC unroll 4
+      for (int i = 0; i < 8; i += 2) {
+        int32x4_t n[2];
+        for (int j = 0; j < 2; ++j) {
+          const float32x4_t t = vsubq_f32(vaddq_f32(vmulq_f32(v[i + j], id), round_magic), round_magic);
+          n[j] = vcvtq_s32_f32(vminq_f32(vmaxq_f32(t, lo), hi));  // (an integer already: exact)
+          total = vaddq_s32(total, n[j]);
+        }
+        vst1_s8(qg + 4 * i, vqmovn_s16(vcombine_s16(vqmovn_s32(n[0]), vqmovn_s32(n[1]))));
+      }
+      const int32_t sum = vaddvq_s32(total);
+      d[at] = dg;
+      xs[at] = dg * float(sum);
+      if (sums) sums[at] = sum;
+    }
+}
+
 // exp_nonpos on 4 lanes: exp_nonpos1's operations (vfmsq_f32(x, n, c) = fma(-n, c, x); 2^n from its bits).
 inline float32x4_t exp_nonpos4(float32x4_t x) {
   x = vmaxq_f32(x, vdupq_n_f32(-87.f));
@@ -2862,21 +2978,22 @@ struct Paths {
   void (*q4)(const Q4Args&, int64_t, int64_t);
   void (*attend)(AttendPass&);
   void (*norm)(const NormArgs&, int64_t, int64_t);
+  QuantizeFn quant;  // the int8 / int4 activations (q4_quantize's bits)
   int attend_rows;  // the most query rows attend's path takes in one pass (at most RC_MAX)
   bool attend_kv16;  // attend's path reads a 16-bit cache as it is (else attend_rows widens it first)
 };
 
 // By enum Isa; a path this architecture cannot have is empty (cpu_has is false for it: never chosen).
 const Paths PATHS[ISA_COUNT] = {
-    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable, norm_portable, RC, true},
+    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable, norm_portable, quantize_portable, RC, true},
 #if QD_X86
-    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2, norm_avx2, RC_X86, true},
-    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512, norm_avx512, RC_X86, true},
+    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2, norm_avx2, quantize_avx2, RC_X86, true},
+    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512, norm_avx512, quantize_avx2, RC_X86, true},
 #else
     {}, {},
 #endif
 #if QD_ARM
-    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon, norm_portable, RC, false},
+    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon, norm_portable, quantize_neon, RC, false},
 #else
     {},
 #endif

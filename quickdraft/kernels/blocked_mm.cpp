@@ -79,6 +79,7 @@ at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const 
   if (M == 0) return y;
   // the quantised rows in this thread's scratch (no allocation per call: a decode step makes ~100 of
   // these calls of a few us each): q (M, G * 32), d and X (2, M, G), asum (M, G)
+  const Paths& paths = active_paths();  // (once: the quantiser and the matmul on one path)
   thread_local std::vector<int8_t> q_scratch;
   thread_local std::vector<float> d_scratch;
   thread_local std::vector<int32_t> sum_scratch;
@@ -93,11 +94,11 @@ at::Tensor blocked_mm_int8(const at::Tensor& x, const at::Tensor& packed, const 
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {  // (rows are independent: any split)
     std::vector<float> pad(K == G * QG ? 0 : G * QG);
     q8_quantize(xp + r0 * ldx, ldx, r1 - r0, K, G, qp + r0 * G * QG, d + r0 * G, as + r0 * G, d + M * G + r0 * G,
-                pad.data());
+                pad.data(), paths.quant);
   });
   const Q8Args a{{qp, G * QG, d, as, G}, M, packed.data_ptr<int8_t>(), scale.data_ptr<float>(), data_or_null(bias),
                  y.data_ptr<float>(), n};
-  matmul_q8(active_paths(), a, nblk, torch_threads);
+  matmul_q8(paths, a, nblk, torch_threads);
   return y;
 }
 
@@ -120,19 +121,23 @@ at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const 
   const float* bptr = data_or_null(bias);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  // the activations quantised once (q4_quantize: blocked_core.h's int4 section), shared by every block
-  at::Tensor xq = at::empty({M, G * QG}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({2, M, G}, x.options());
-  float* d = dx.data_ptr<float>();
+  // the activations quantised once (q4_quantize: blocked_core.h's int4 section), shared by every block,
+  // in this thread's scratch (as int8's: no allocation per call): q (M, G * 32), d and X (2, M, G)
+  const Paths& paths = active_paths();  // (once: the quantiser and the matmul on one path)
+  thread_local std::vector<int8_t> q_scratch;
+  thread_local std::vector<float> d_scratch;
+  if ((int64_t)q_scratch.size() < M * G * QG) q_scratch.resize(M * G * QG);
+  if ((int64_t)d_scratch.size() < 2 * M * G) d_scratch.resize(2 * M * G);
+  int8_t* qp = q_scratch.data();
+  float* d = d_scratch.data();
   const float* xp = c.x.data_ptr<float>();
   const int64_t ldx = c.x.stride(0);
-  int8_t* qp = xq.data_ptr<int8_t>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {  // (rows are independent: any split)
-    q4_quantize(xp + r0 * ldx, ldx, r1 - r0, G, qp + r0 * G * QG, d + r0 * G, d + M * G + r0 * G);
+    paths.quant(xp + r0 * ldx, ldx, r1 - r0, G, qp + r0 * G * QG, d + r0 * G, d + M * G + r0 * G, nullptr);
   });
-  const Q4Args a{{xq.data_ptr<int8_t>(), G * QG, d, d + M * G, G}, M, G, packed.data_ptr<uint8_t>(), bptr,
+  const Q4Args a{{qp, G * QG, d, d + M * G, G}, M, G, packed.data_ptr<uint8_t>(), bptr,
                  y.data_ptr<float>(), n, packed.size(2)};
-  matmul_q4(active_paths(), a, nblk, torch_threads);
+  matmul_q4(paths, a, nblk, torch_threads);
   return y;
 }
 

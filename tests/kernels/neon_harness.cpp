@@ -79,7 +79,7 @@ std::vector<float> run_int8(Reader& in, const int64_t* d, const Paths& paths) {
   std::vector<int8_t> xq(M * G * QG);
   std::vector<float> dx(2 * M * G), pad(G * QG), y(M * N);
   std::vector<int32_t> asum(M * G);
-  q8_quantize(x, K, M, K, G, xq.data(), dx.data(), asum.data(), dx.data() + M * G, pad.data());
+  q8_quantize(x, K, M, K, G, xq.data(), dx.data(), asum.data(), dx.data() + M * G, pad.data(), paths.quant);
   const Q8Args a{{xq.data(), G * QG, dx.data(), asum.data(), G}, M, w, scale, bias, y.data(), N};
   matmul_q8(paths, a, nblk, Pieces{d[4]});
   return y;
@@ -94,7 +94,7 @@ std::vector<float> run_int4(Reader& in, const int64_t* d, const Paths& paths) {
   const float* bias = d[3] ? in.take<float>(N) : nullptr;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(2 * M * G), y(M * N);
-  q4_quantize(x, K, M, G, xq.data(), dx.data(), dx.data() + M * G);
+  paths.quant(x, K, M, G, xq.data(), dx.data(), dx.data() + M * G, nullptr);
   const Q4Args a{{xq.data(), K, dx.data(), dx.data() + M * G, G}, M, G, w, bias, y.data(), N, gb};
   matmul_q4(paths, a, nblk, Pieces{d[4]});
   return y;

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 
-from test_blocked_mm import _attention_case
+from test_blocked_mm import _attention_case, int4_activations
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library could not be built here")
 
@@ -101,6 +101,57 @@ def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, symmetric, threads):
         for b in (bias, None):
             assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, b, n), threads, (True, False)),
                              f"int4 m={m}")
+
+
+def _awkward_groups() -> torch.Tensor:
+    """Rows of one group of 32 inputs each, chosen where a quantiser could round or branch another
+    way: ties (amax 127, so d = 1 and x * (1 / d) lands on halves: round half to even), the clamp's
+    edge, signed zeros, subnormal and tiny groups (d under FLT_MIN: zeros), the largest floats,
+    NaN and infinities (the row's group NaN), and random groups over many magnitudes."""
+    g = torch.Generator().manual_seed(7)
+    halves = torch.arange(-16, 16, dtype=torch.float32) + 0.5
+    rows = [torch.cat([torch.tensor([127.0]), halves[1:]]), torch.cat([torch.tensor([-127.0]), -halves[1:]]),
+            torch.full((32,), 127.0), torch.zeros(32), -torch.zeros(32), torch.full((32,), 1e-40),
+            torch.full((32,), 1e-38), torch.tensor([3.4e38] + [1.0] * 31), torch.tensor([3.4e38, -3.4e38] * 16)]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        r = torch.randn(32, generator=g)
+        r[5] = bad
+        rows.append(r)
+    for e in range(-30, 31, 6):
+        rows.append(torch.randn(32, generator=g) * 2.0 ** e)
+        rows.append(torch.randint(-300, 300, (32,), generator=g).float() / 2 ** (e % 5))
+    return torch.stack(rows)
+
+
+def test_the_activation_quantisers_are_the_same_bits_on_every_path(threads):
+    """Every path's int8 activations and scales (the vector quantisers follow the portable one's
+    operations) on awkward groups, read back through one-hot int4 weights: with scale 1 and
+    offset 0 output j is a_j * d exactly, and with scale 0 and offset 1 it is d * sum_k a_k; and
+    they are the formula's (int4_activations). The int8 kernel on the same rows agrees across paths."""
+    x = _awkward_groups()
+
+    def marked(y):  # NaN positions marked (NaN != NaN), the rest as they are
+        return torch.cat([y.isnan().float(), y.nan_to_num(0.0)])
+
+    eye = torch.eye(32, dtype=torch.uint8)
+    pick = kernels.pack_int4(eye, torch.ones(32, 1), torch.zeros(32, 1))
+    total = kernels.pack_int4(eye, torch.zeros(32, 1), torch.ones(32, 1))
+    for m in (1, 6, len(x)):  # (one row on one thread, and rows split over two)
+        rows = x[:m]
+        picked = on_every_path(lambda: marked(kernels.blocked_mm_int4(rows, pick, None, 32)), threads)
+        assert_all_equal(picked, f"int4 activations m={m}")
+        assert_all_equal(on_every_path(lambda: marked(kernels.blocked_mm_int4(rows, total, None, 32)), threads),
+                         f"int4 activation sums m={m}")
+    mask, got = next(iter(picked.values())).chunk(2)
+    finite = torch.isfinite(x).all(dim=1)
+    want = int4_activations(x[finite]).float()  # a * d: one float32 rounding of an exact product
+    assert torch.equal(got[finite], want) and mask[~finite].all() and not mask[finite].any()
+    halves_to_even = [-14.0, -14, -12, -12, -10, -10, -8, -8, -6, -6, -4, -4, -2, -2, 0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10,
+                      12, 12, 14, 14, 16]  # (x = -14.5, -13.5, ..., 15.5 with d = 1)
+    assert torch.equal(got[0, 1:], torch.tensor(halves_to_even))
+    q8 = kernels.pack_int8(torch.eye(32, dtype=torch.int8) * 127)
+    assert_all_equal(on_every_path(lambda: marked(kernels.blocked_mm_int8(x, q8, torch.ones(32), None, 32)), threads,
+                                   (True, False)), "int8 on awkward rows")
 
 
 def test_int4_uses_vnni_where_the_cpu_has_it():

@@ -128,6 +128,28 @@ def test_neon_matmuls_are_the_x86_librarys_bits(kernel, k, n, neon, tmp_path):
             _same_bits(got, want, f"{path} {what}")
 
 
+def test_neon_activation_quantiser_is_the_x86_librarys_bits(neon, tmp_path):
+    """NEON's quantiser on awkward groups (ties, signed zeros, subnormal, huge, NaN and infinite
+    inputs: test_isa_paths), read through one-hot int4 weights (output j = a_j * d) and an int8
+    identity: the x86 library's bits."""
+    from test_isa_paths import _awkward_groups
+
+    x = _awkward_groups()
+    eye = torch.eye(32, dtype=torch.uint8)
+    pick = kernels.pack_int4(eye, torch.ones(32, 1), torch.zeros(32, 1))
+    q8, scale = kernels.pack_int8(torch.eye(32, dtype=torch.int8) * 127), torch.ones(32)
+    for path in ("neon", "neon-novnni"):
+        for m in (1, 6, len(x)):
+            want = kernels.blocked_mm_int4(x[:m], pick, None, 32)
+            got = _harness(lambda *a: neon(*a, path=path), tmp_path, "int4", [m, 32, 32, 0, 3], 0.0, [x[:m], pick],
+                           (m, 32))
+            _same_bits(got, want, f"{path} int4 activations m={m}")
+            want = kernels.blocked_mm_int8(x[:m], q8, scale, None, 32)
+            got = _harness(lambda *a: neon(*a, path=path), tmp_path, "int8", [m, 32, 32, 0, 3], 0.0,
+                           [x[:m], q8, scale], (m, 32))
+            _same_bits(got, want, f"{path} int8 activations m={m}")
+
+
 def _attention_case(B, H, Hkv, T, L, D, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, D, generator=g)
