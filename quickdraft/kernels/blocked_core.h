@@ -3017,14 +3017,50 @@ void matmul(const Paths& paths, const MatArgs<W>& a, int64_t nblk, For&& paralle
   parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { path(a, b0, b1); });
 }
 
+// The integer kernels' calls of many rows (a prefill's chunk) in tiles of ROW_TILE rows: a task
+// per (block, tile), a block's tiles consecutive (its weights stay in cache across them; a tile's
+// running sums, 48 x 64 floats, stay in L1 across the groups). Threads then split the tasks, not
+// whole blocks: SmolLM2's 576-output matrices are 9 blocks, 5 : 4 on two threads. A row's bits do
+// not depend on its tile (rows are independent). Calls of up to ROW_TILE rows (decode and verify
+// steps) split blocks as before, each block streamed once for all their rows.
+constexpr int64_t ROW_TILE = 48;
+
+inline Q8Args rows_of(const Q8Args& a, int64_t r0, int64_t r1) {
+  Q8Args t = a;
+  t.x = a.x.rows_from(r0);
+  t.M = r1 - r0;
+  t.y = a.y + r0 * a.n;
+  return t;
+}
+
+inline Q4Args rows_of(const Q4Args& a, int64_t r0, int64_t r1) {
+  Q4Args t = a;
+  t.x = {a.x.q + r0 * a.x.ldq, a.x.ldq, a.x.d + r0 * a.x.G, a.x.xs + r0 * a.x.G, a.x.G};
+  t.M = r1 - r0;
+  t.y = a.y + r0 * a.n;
+  return t;
+}
+
+template <typename A, typename Run, typename For>
+void row_tiled(const A& a, int64_t nblk, Run run, For&& parallel_for) {
+  if (a.M <= ROW_TILE) return parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { run(a, b0, b1); });
+  const int64_t tiles = (a.M + ROW_TILE - 1) / ROW_TILE;
+  parallel_for(0, nblk * tiles, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / tiles, r0 = (t % tiles) * ROW_TILE;
+      run(rows_of(a, r0, std::min(a.M, r0 + ROW_TILE)), b, b + 1);
+    }
+  });
+}
+
 template <typename For>
 void matmul_q8(const Paths& paths, const Q8Args& a, int64_t nblk, For&& parallel_for) {
-  parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { paths.i8(a, b0, b1); });
+  row_tiled(a, nblk, paths.i8, parallel_for);
 }
 
 template <typename For>
 void matmul_q4(const Paths& paths, const Q4Args& a, int64_t nblk, For&& parallel_for) {
-  parallel_for(0, nblk, [&](int64_t b0, int64_t b1) { paths.q4(a, b0, b1); });
+  row_tiled(a, nblk, paths.q4, parallel_for);
 }
 
 // Attention's tasks: (batch row, kv head, chunk of query rows): chunks as even as the path's

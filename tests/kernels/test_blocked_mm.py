@@ -446,3 +446,37 @@ def test_model_attention_runs_the_kernel_for_inference_only():
     out = attention(qg, k, v, mask)
     out.sum().backward()
     assert qg.grad is not None and torch.allclose(out, kernels.attend(q, k, v, mask, 0.125), atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_many_rows_run_in_tiles_and_each_row_keeps_its_bits(fmt, isa):
+    """A prefill-sized call (past the integer kernels' 48-row tiles: 150 rows = 3 tiles + 6, and a
+    9-block matrix, which tasks of (block, tile) split evenly over threads) gives every row the
+    bits it gets alone, on one thread and on two, and is the dequantised matmul."""
+    k, n, m = 576, 576, 150
+    x, _, b = case(m, k, n, seed=3)
+    g = torch.Generator().manual_seed(5)
+    if fmt == "int8":
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        scale = torch.rand(n, generator=g) / 100
+        packed = kernels.pack_int8(q)
+        mm = lambda rows: kernels.blocked_mm_int8(rows, packed, scale, b, n)  # noqa: E731
+        w = q.double() * scale.double()[:, None]
+    else:
+        q, scale, offset = int4_case(n, k, seed=5)
+        packed = kernels.pack_int4(q, scale, offset)
+        mm = lambda rows: kernels.blocked_mm_int4(rows, packed, b, n)  # noqa: E731
+        _, s2, o2 = kernels.unpack_int4(packed, n)
+        w = (q.double().view(n, -1, 32) * s2.double()[..., None] + o2.double()[..., None]).view(n, k)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = mm(x)
+        torch.set_num_threads(2)
+        two = mm(x)
+    finally:
+        torch.set_num_threads(threads)
+    alone = torch.cat([mm(x[i:i + 1]) for i in range(m)])
+    assert torch.equal(one, alone) and torch.equal(two, alone)
+    want = int4_activations(x) @ w.t() + b.double()
+    assert (one.double() - want).abs().max() <= 1e-5 * (want.abs().max() + 1)
