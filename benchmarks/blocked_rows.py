@@ -1,7 +1,7 @@
 """The blocked kernels' time per call by row count, per instruction-set path and weight format:
 whether k + 1 rows cost about one row (a verify step about a decode step), and what each path
-(AVX-512, AVX2 + FMA, portable C++; kernels.use_isa) costs on the same machine. One thread,
-median of rounds, us per call; SmolLM2-135M's shapes by default (fused qkv, o, fused gate/up,
+(AVX-512, AVX2 + FMA, portable C++; kernels.use_isa) costs on the same machine. One thread by
+default (--threads), median of rounds, us per call; SmolLM2-135M's shapes by default (fused qkv, o, fused gate/up,
 down, lm_head).
 
     taskset -c 1 python benchmarks/blocked_rows.py --isa avx512,avx2,portable --format f32,bf16,int8,int4 \
@@ -9,6 +9,7 @@ down, lm_head).
     python benchmarks/blocked_rows.py --shapes bundled   # the bundled target's and SmolLM2's (K, N) of before
     python benchmarks/blocked_rows.py --shapes 1.7b --rows 1,2,3,4,5,6,7,8,9 --clock thread   # SmolLM2-1.7B's
     python benchmarks/blocked_rows.py --tiny             # a smoke test: one small shape, few calls
+    python benchmarks/blocked_rows.py --format int8,int4 --rows 1,6,64,338 --threads 2   # prefill-sized calls too
     python benchmarks/blocked_rows.py --isa avx512 --format int8,int4 --amx every,off --clock thread
         # int8 / int4 on AMX tiles at every row count against the AVX-512 kernels, side by side
 """
@@ -83,12 +84,17 @@ def main() -> None:
                         "shared machine do not count; their cache traffic still does)")
     p.add_argument("--amx", default="on", help="AMX settings to compare, comma-separated: on (the default: from "
                    "kernels.amx_rows() rows), every (every row count), off; int8 / int4 on the avx512 path only")
+    p.add_argument("--threads", type=int, default=1, help="PyTorch's threads for the kernels (wall clock past 1)")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this text file")
     p.add_argument("--tiny", action="store_true", help="a smoke test: one (64, 128) shape, 1-2 rows, f32 only")
     args = p.parse_args()
     if args.tiny:
         args.shapes, args.rows, args.format, args.budget = "tiny", "1,2", "f32", 0.01
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be at least 1, got {args.threads}")
+    if args.threads > 1 and args.clock == "thread":
+        raise SystemExit("--clock thread times one thread: with --threads > 1 use the wall clock")
+    torch.set_num_threads(args.threads)
     load_before = loadavg()
     lines: list[str] = []
 
@@ -104,7 +110,7 @@ def main() -> None:
     if not set(amx_settings) <= {"on", "every", "off"}:
         raise SystemExit(f"--amx takes on, every and off, got {args.amx!r}")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    say(f"# {cpu_model()}, paths {', '.join(kernels.cpu_isas())}; torch {torch.__version__}, 1 thread; "
+    say(f"# {cpu_model()}, paths {', '.join(kernels.cpu_isas())}; torch {torch.__version__}, {args.threads} thread(s); "
           f"load average {os.getloadavg()[0]:.2f} before; us per call ({args.clock} clock, median), "
           "T(q)/T(1) in brackets")
     for fmt in args.format.split(","):
@@ -136,7 +142,7 @@ def main() -> None:
     say(f"# load average {os.getloadavg()[0]:.2f} after")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        header = f"# {provenance_line(provenance('cpu', 1, load_before=load_before))}"
+        header = f"# {provenance_line(provenance('cpu', args.threads, load_before=load_before))}"
         args.out.write_text("\n".join([header] + lines) + "\n")
 
 
