@@ -30,7 +30,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,16 +40,11 @@ import httpx
 
 from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line
 from quickdraft.bench.serve_load.client import LoadConfig, bench, check_server, load_prompts, run_name
+from quickdraft.bench.serve_load.launch import free_port
 from quickdraft.bench.serve_load.stats import crossover
 from quickdraft.cli.common import parse_values
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

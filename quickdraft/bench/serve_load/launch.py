@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -19,8 +20,21 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port nothing listens on now: a random one in 20000-59999 that binds. Between the pick
+    and the server's own bind another process may take it, and the operating system's pick
+    (binding port 0) made that likely: two test workers starting servers at once were handed the
+    same port (one server's bind failed with "address already in use" while the other answered its
+    /health); a random pick makes it a 1 in 40,000 chance per pair."""
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(20000, 60000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # (a crowded range: the operating system's pick)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
