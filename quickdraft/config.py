@@ -279,7 +279,8 @@ def check_kv_cache_memory(value: Any) -> int | float | None:
     return float(value)
 
 
-# The KV cache's element type (kv_cache_dtype, --kv-cache-dtype): "auto" (the target's dtype), or one of these.
+# The KV cache's element type (kv_cache_dtype, --kv-cache-dtype): "auto" (the target's dtype; float16 for a
+# target whose layers run int8 / int4 on a CPU: AUTO_QUANTISED_KV_CACHE_DTYPE), or one of these.
 # A 16-bit cache halves the bytes every decode step reads per cached token (quickdraft's CPU attention widens
 # them as it reads, exactly) and doubles the tokens a KV budget holds; the model then attends over its keys and
 # values rounded to 16 bits, as llama.cpp's default f16 cache does: outputs differ from a float32 cache's,
@@ -288,12 +289,22 @@ KV_CACHE_DTYPES = {"float32": "float32", "fp32": "float32", "f32": "float32",
                    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
                    "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DEFAULT_KV_CACHE_DTYPE = "auto"
+# "auto"'s cache for a target whose decoder layers run int8 or int4 weights on a CPU (SmolLM2 by default, a
+# GGUF's Q4 / Q8 layers, quantization="int8" / "int4"; not under tensor parallelism): llama.cpp's default f16
+# cache. Such a target's output already differs from its float32 checkpoint's, its decode step reads few weight
+# bytes, so past a few hundred tokens the float32 cache was most of what a step read: SmolLM2's int4 decode step
+# on an AMD EPYC Zen 4 (1 thread, AOT) took 0.85x the time at 250 tokens, 0.69x at 4,000 (int8 0.94x / 0.72x),
+# a 6-row verify step 0.90-1.05x (benchmarks/results/kv_cache_dtype_smollm2_zen4_cpu.md); perplexity on 3,072
+# tokens of docs/ 29.43 against 29.47. Twice the tokens per KV budget. A float32 / bfloat16 target keeps its
+# dtype (its output matches transformers'), and "float32" keeps a quantised target's cache in float32
+AUTO_QUANTISED_KV_CACHE_DTYPE = "float16"
 
 
 def check_kv_cache_dtype(value: Any) -> str:
     """The KV cache's element type (LLM, EngineConfig, --kv-cache-dtype): "auto" (the default: the
-    target's dtype), "float32", "float16" or "bfloat16" (fp32 / f32, fp16 / f16 / half, bf16
-    too). Returns "auto" or the canonical name."""
+    target's dtype, or float16 for int8 / int4 layers on a CPU: AUTO_QUANTISED_KV_CACHE_DTYPE),
+    "float32", "float16" or "bfloat16" (fp32 / f32, fp16 / f16 / half, bf16 too). Returns "auto" or
+    the canonical name."""
     if value is None:
         return DEFAULT_KV_CACHE_DTYPE
     name = value.strip().lower() if isinstance(value, str) else None

@@ -24,13 +24,13 @@ import torch
 
 from . import kernels
 from .cache import KVBudget, KVCache, available_memory, return_freed_memory, row_bytes, to_device
-from .config import (AUTO_ATTENTION_COST, AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
+from .config import (AUTO_ATTENTION_COST, AUTO_QUANTISED_KV_CACHE_DTYPE, AUTO_BATCHED_TOKENS, AUTO_BATCHED_TOKENS_GPU, DEFAULT_KV_CACHE_MEMORY_CPU, DEFAULT_KV_CACHE_MEMORY_GPU, EngineConfig,
                      format_bytes)
 from .constraints import GrammarVocabulary, Vocabularies, batch_masks
 from .errors import ContextLengthError, PrefixCacheMismatch, QuickdraftError
 from .metrics import SpecStats
 from .prefix_cache import PrefixCache
-from .model.quant import row_invariant
+from .model.quant import quantised_layers, row_invariant
 from .model.tokenizer import Detokenizer, Tokenizer
 from .model.transformer import Block, Transformer, forward_chunks, pad_chunks
 from .proposers import get as get_proposer
@@ -1302,12 +1302,17 @@ AOT_SWITCH_DRAIN_S = 30.0
 
 
 def _set_kv_cache_dtype(target: Transformer, name: str) -> None:
-    """The target's KV cache element type (config.check_kv_cache_dtype's name; "auto": its dtype):
-    the caches, the KV budget's bytes per token and the AOT packages' keys follow it."""
+    """The target's KV cache element type (config.check_kv_cache_dtype's name; "auto": its dtype, or
+    AUTO_QUANTISED_KV_CACHE_DTYPE for int8 / int4 layers on a CPU): the caches, the KV budget's bytes
+    per token and the AOT packages' keys follow it."""
+    tensor_parallel = getattr(target, "new_kv_cache", None) is not None  # (it allocates its own shards)
     if name == "auto":
-        target.kv_cache_dtype = None
-        return
-    if getattr(target, "new_kv_cache", None) is not None:  # a tensor-parallel target allocates its own shards
+        quantised = not tensor_parallel and target.device.type == "cpu" and quantised_layers(target)
+        name = AUTO_QUANTISED_KV_CACHE_DTYPE if quantised else None
+        if name is None:
+            target.kv_cache_dtype = None
+            return
+    elif tensor_parallel:
         raise QuickdraftError("kv_cache_dtype is not available with tensor parallelism yet: leave it 'auto'",
                               field="kv_cache_dtype")
     dtype = getattr(torch, name)

@@ -98,7 +98,8 @@ class LLM:
         default a fraction of it (config.DEFAULT_KV_CACHE_MEMORY_CPU / _GPU). The caches grow as
         requests need them within it, and max_model_len defaults to what the model and the budget
         allow (docs/server.md, "KV memory"). kv_cache_dtype: the target's KV cache element type,
-        "auto" (its dtype), "float32", "float16" or "bfloat16": a 16-bit cache reads half the bytes per
+        "auto" (its dtype; float16 where its layers run int8 / int4 on a CPU:
+        config.AUTO_QUANTISED_KV_CACHE_DTYPE), "float32", "float16" or "bfloat16": a 16-bit cache reads half the bytes per
         cached token each step and holds twice the tokens in a budget, attending over keys and
         values rounded to 16 bits (config.KV_CACHE_DTYPES; docs/cpu.md). preallocate: on a GPU, allocate the caches once at
         their largest (as many rows of max_model_len as the budget holds, up to max_num_seqs:

@@ -203,7 +203,8 @@ KV_CACHE_MEMORY = typer.Option(None, "--kv-cache-memory", help="KV memory budget
                                "--max-num-seqs requests of the model's context use).",
                                callback=checked(check_kv_cache_memory))
 KV_CACHE_DTYPE = typer.Option(DEFAULT_KV_CACHE_DTYPE, "--kv-cache-dtype",
-                              help="The target's KV cache element type: auto (its dtype), float32, float16 or "
+                              help="The target's KV cache element type: auto (its dtype; float16 for int8 / int4 "
+                              "layers on a CPU, as llama.cpp's default), float32, float16 or "
                               "bfloat16. A 16-bit cache reads half the bytes per cached token every step (long "
                               "contexts decode faster on a CPU) and holds twice the tokens in the KV budget; the "
                               "model attends over keys and values rounded to 16 bits (as llama.cpp's f16 cache).",

@@ -29,7 +29,8 @@ def models_command() -> None:
                       str(info.path) if info.cached else "no (fetched on first use, or `quickdraft pull`)")
     out.print(table)
     out.print("KV per token: the KV cache one token of a request takes (2 x layers x kv_heads x head_dim x 4 bytes "
-              "in float32, the CPU default; half in bfloat16), what --kv-cache-memory is spent on; a draft "
+              "in float32; half in 16 bits: bfloat16, or float16, the default for int8 / int4 layers on a CPU), "
+              "what --kv-cache-memory is spent on; a draft "
               "model's or EAGLE-3 head's own cache adds its share (docs/server.md, \"KV memory\").")
 
 

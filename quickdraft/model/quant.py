@@ -189,6 +189,13 @@ def row_invariant(model: nn.Module) -> bool:
     return all(m.row_invariant for m in model.modules() if isinstance(m, FastLinear))
 
 
+def quantised_layers(model: nn.Module) -> bool:
+    """Whether `model`'s decoder layers run int8 or int4 weights (a quantization, a GGUF's Q4 / Q8
+    blocks); an int8 lm_head alone does not count (config.AUTO_QUANTISED_KV_CACHE_DTYPE)."""
+    layers = getattr(getattr(model, "model", model), "layers", model)
+    return any(m.fmt in ("int8", "int4") for m in layers.modules() if isinstance(m, FastLinear))
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of parameters and buffers resident for inference (tied tensors counted once)."""
     seen, total = set(), 0

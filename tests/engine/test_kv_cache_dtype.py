@@ -46,6 +46,21 @@ def test_a_16_bit_cache_holds_its_dtype_and_halves_the_bytes_per_token(target_di
     assert LLM(target_dir, method="none", kv_cache_dtype="float32").target.kv_cache_dtype is None
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_auto_is_float16_for_int8_and_int4_layers_on_a_cpu(target_dir, quantization):
+    """llama.cpp's f16 cache for a quantised target (config.AUTO_QUANTISED_KV_CACHE_DTYPE); a float32
+    target keeps its dtype, and "float32" keeps a quantised target's cache in float32."""
+    assert LLM(target_dir, method="none").target.kv_cache_dtype is None
+    llm = LLM(target_dir, method="none", quantization=quantization)
+    assert llm.target.kv_cache_dtype == torch.float16
+    wide = LLM(target_dir, method="none", quantization=quantization, kv_cache_dtype="float32")
+    assert wide.target.kv_cache_dtype is None and wide.engine.budget.token_bytes == 2 * llm.engine.budget.token_bytes
+    out = llm.generate([PROMPTS[1]], GREEDY)[0].token_ids
+    assert all(t.dtype == torch.float16 for t in llm.engine.cache.k + llm.engine.cache.v) and len(out) == 24
+    assert LLM(target_dir, method="none", quantization=quantization,
+               kv_cache_dtype="bfloat16").target.kv_cache_dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("method,options", [("draft", {}), ("draft", {"tree_width": 2}), ("suffix", {}),
                                             ("ngram", {"min_ngram": 1, "max_ngram": 2}), ("lookahead", {})])
