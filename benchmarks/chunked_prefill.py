@@ -14,7 +14,8 @@ which smaller chunks lengthen (more steps, a decode step between each two).
 (--no-compile), `aot` (the AOT packages, built first when missing, the default once built: chunks
 ride in mixed steps on the packed package), `aot-alternate` (the same packages without the packed
 one, QUICKDRAFT_AOT_MIXED=0: chunk steps and decode steps alternate, as before mixed AOT steps),
-`aot-f16kv` (`aot` with --kv-cache-dtype float16: the streams and the chunk read a 16-bit cache).
+`aot-f16kv` (`aot` with --kv-cache-dtype float16: the streams and the chunk read a 16-bit cache; the
+default for int8 / int4 layers), `aot-f32kv` (`aot` with --kv-cache-dtype float32).
 
     python benchmarks/chunked_prefill.py --target smollm2 --sizes 32,64,128,256,512 --threads 1
 """
@@ -41,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 MODES = {"eager": (["--no-compile"], "1"), "aot": (["--aot"], "1"), "aot-alternate": (["--aot"], "0"),
-         "aot-f16kv": (["--aot", "--kv-cache-dtype", "float16"], "1")}
+         "aot-f16kv": (["--aot", "--kv-cache-dtype", "float16"], "1"),
+         "aot-f32kv": (["--aot", "--kv-cache-dtype", "float32"], "1")}
 
 
 def server_args(args, mode: str, size: str) -> list[str]:

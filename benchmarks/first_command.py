@@ -7,11 +7,13 @@ both alike), --runs times each; the process is pinned to --cores (its children i
 torch uses --threads threads. Medians per example over the runs. --quantizations runs each
 example once per value in the same alternation (default: the command as README gives it; none,
 int8, int4: with `--quantization VALUE`), so the default's tok/s stands beside another format's;
---ks likewise runs each example once per k (default: the command's own; a number: with `-k K`).
+--ks likewise runs each example once per k (default: the command's own; a number: with `-k K`), and
+--kv-cache-dtypes once per KV cache type (default: the command's own; with `--kv-cache-dtype VALUE`).
 
     python benchmarks/first_command.py --target smollm2 --method suffix --examples edit chat --runs 3
     python benchmarks/first_command.py --examples edit chat --quantizations default none --runs 3
     python benchmarks/first_command.py --target smollm2 --method suffix --ks default 8 12 --runs 3
+    python benchmarks/first_command.py --kv-cache-dtypes default float32 --threads 2 --runs 3
 """
 
 from __future__ import annotations
@@ -34,18 +36,20 @@ SPEEDUP = re.compile(r"speedup over plain decoding: ([0-9.]+)x \(plain ([0-9.]+)
 STATS = re.compile(r"(\d+) tokens, ([0-9.]+) tok/s, acceptance rate ([0-9.]+), mean acceptance length ([0-9.]+)")
 
 
-def label(example: str, quantization: str, k: str = "default") -> str:
+def label(example: str, quantization: str, k: str = "default", kv: str = "default") -> str:
     return (example + ("" if quantization == "default" else f", --quantization {quantization}")
-            + ("" if k == "default" else f", -k {k}"))
+            + ("" if k == "default" else f", -k {k}") + ("" if kv == "default" else f", --kv-cache-dtype {kv}"))
 
 
-def run_once(args, example: str, quantization: str = "default", k: str = "default") -> dict:
+def run_once(args, example: str, quantization: str = "default", k: str = "default", kv: str = "default") -> dict:
     cmd = [sys.executable, "-m", "quickdraft.cli", "generate", "--example", example, "--temperature", "0",
            "--compare", "--threads", str(args.threads)]
     if quantization != "default":
         cmd += ["--quantization", quantization]
     if k != "default":
         cmd += ["-k", k]
+    if kv != "default":
+        cmd += ["--kv-cache-dtype", kv]
     if args.target:
         cmd += ["--target", args.target]
     if args.method:
@@ -65,7 +69,7 @@ def run_once(args, example: str, quantization: str = "default", k: str = "defaul
     if m is None or s is None:
         raise SystemExit(f"no speedup / stats line in the output of {' '.join(cmd)}:\n{p.stderr}")
     text = p.stdout.strip()
-    return {"example": label(example, quantization, k), "speedup": float(m.group(1)), "plain_tokens_per_s": float(m.group(2)),
+    return {"example": label(example, quantization, k, kv), "speedup": float(m.group(1)), "plain_tokens_per_s": float(m.group(2)),
             "steps": m.group(3), "identical": m.group(4) == "yes", "tokens": int(s.group(1)), "tokens_per_s": float(s.group(2)),
             "acceptance_rate": float(s.group(3)), "mean_acceptance_length": float(s.group(4)),
             "wall_s": wall, "load_after": loadavg(), "text_start": text[:400]}
@@ -107,6 +111,8 @@ def main() -> None:
                     help="default (README's command as it is), none, int8, int4: one run of each per example")
     ap.add_argument("--ks", nargs="+", default=["default"],
                     help="default (the command's own k), or numbers: one run with `-k K` of each per example")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["default"],
+                    help="KV cache types to run each example with: default (the command's own) or a --kv-cache-dtype value")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=None, help="default: each example's own")
     ap.add_argument("--threads", type=int, default=1)
@@ -126,11 +132,13 @@ def main() -> None:
         for ex in args.examples:
             for q in args.quantizations:
                 for k in args.ks:
-                    runs.append(run_once(args, ex, q, k))
-                    print(f"[first_command] run {i + 1} {label(ex, q, k)}: {runs[-1]['speedup']:.2f}x",
-                          file=sys.stderr, flush=True)
+                    for kv in args.kv_cache_dtypes:
+                        runs.append(run_once(args, ex, q, k, kv))
+                        print(f"[first_command] run {i + 1} {label(ex, q, k, kv)}: {runs[-1]['speedup']:.2f}x",
+                              file=sys.stderr, flush=True)
     summary = {}
-    for ex in [label(e, q, k) for e in args.examples for q in args.quantizations for k in args.ks]:
+    for ex in [label(e, q, k, kv) for e in args.examples for q in args.quantizations for k in args.ks
+               for kv in args.kv_cache_dtypes]:
         rs = [r for r in runs if r["example"] == ex]
         summary[ex] = {"median_speedup": statistics.median(r["speedup"] for r in rs),
                        "all_identical": all(r["identical"] for r in rs),

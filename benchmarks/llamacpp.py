@@ -61,10 +61,11 @@ Configurations (ours vs llama.cpp):
   reference weights (the same bytes: its 4-bit layers as they are, symmetric int4 on our side,
   and its wider token embedding / lm_head), ours with its defaults, as for shipped; decode, and the
   prompt phase as below.
-- long-shipped, long-shipped-f16kv: decoding after a 3,000-token prompt (stretches of held-out
-  source files, as prefill's; workload "long"), both engines on the shipped file: ours with its
-  defaults (a float32 KV cache), then with kv_cache_dtype="float16"; llama.cpp keeps its default
-  f16 cache in both. At that context a step reads about as many bytes of cache as of weights.
+- long-shipped, long-shipped-f32kv, long-shipped-f16kv: decoding after a 3,000-token prompt
+  (stretches of held-out source files, as prefill's; workload "long"), both engines on the shipped
+  file: ours with its defaults (a float16 KV cache for its int4 layers), with kv_cache_dtype=
+  "float32", and with "float16" named; llama.cpp keeps its default f16 cache in all. At that
+  context a float32 cache is about as many bytes a step as the weights.
 - prefill, prefill-int8-q8_0, prefill-int4-q4_0: the prompt phase of 512-token prompts
   (stretches of held-out source files, raw text, the same ids in both engines), 1 new token:
   the model's reference weights (f32; bf16 for big), int8 vs Q8_0, int4 vs Q4_0. tok/s = prompt
@@ -730,8 +731,10 @@ CONFIGS = {c.name: c for c in [
     # the file as users get it (SmolLM2's Q4_1 GGUF), ours on its defaults: what `--target smollm2` runs
     Config("shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True),
     Config("prefill-shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True, prefill=True),
-    # decoding deep in a long prompt: ours with a float32 cache (its default) and a float16 one (llama.cpp's default)
+    # decoding deep in a long prompt: ours on its defaults (a float16 cache: llama.cpp's default), with a float32 one
     Config("long-shipped", {}, "llama-completion", "shipped", PLAIN_FLAGS, shipped=True, long=True),
+    Config("long-shipped-f32kv", {"kv_cache_dtype": "float32"}, "llama-completion", "shipped", PLAIN_FLAGS,
+           shipped=True, long=True),
     Config("long-shipped-f16kv", {"kv_cache_dtype": "float16"}, "llama-completion", "shipped", PLAIN_FLAGS,
            shipped=True, long=True),
     # one file for both: llama.cpp's Q4_0 GGUF (ours runs its 4-bit blocks as they are)
