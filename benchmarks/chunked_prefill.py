@@ -79,33 +79,54 @@ def gaps(seen: list[tuple[float, int]]) -> list[tuple[float, float]]:
     return out
 
 
+async def streams_for(client, url: str, args, seconds: float, long_prompt=None, sent_after: float = 0.0):
+    """--streams streams for `seconds` (the long prompt sent after `sent_after` of them, where given):
+    each stream's (arrival, tokens) chunks, and (sent, first token) of the long prompt."""
+    t0 = time.perf_counter()
+    seen = [[] for _ in range(args.streams)]
+    tasks = [asyncio.ensure_future(stream(client, url, f"def helper_{i}(values):", args.stream_tokens, t0, seen[i]))
+             for i in range(args.streams)]
+    sent = first = None
+    if long_prompt is not None:
+        await asyncio.sleep(sent_after)
+        long_seen: list = []
+        sent = time.perf_counter() - t0
+        await stream(client, url, long_prompt, 4, t0, long_seen)
+        first = long_seen[0][0]
+        seconds = first + args.steady
+    await asyncio.sleep(max(0.0, seconds - (time.perf_counter() - t0)))
+    if any(t.done() for t in tasks):
+        raise SystemExit("a stream ended before the run did: raise --stream-tokens")
+    for t in tasks:
+        t.cancel()  # the streams hang up: the server aborts them
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return seen, sent, first
+
+
 async def one_run(url: str, args) -> dict:
     rng = random.Random(0)
     long_prompt = [rng.randrange(100, 8000) for _ in range(args.long_tokens)]
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=args.streams + 4)) as client:
         warm: list = []
         await stream(client, url, "def f(x):", 4, time.perf_counter(), warm)
-        t0 = time.perf_counter()
-        seen = [[] for _ in range(args.streams)]
-        tasks = [asyncio.ensure_future(stream(client, url, f"def helper_{i}(values):", args.stream_tokens, t0, seen[i]))
-                 for i in range(args.streams)]
-        await asyncio.sleep(args.steady)
-        long_seen: list = []
-        sent = time.perf_counter() - t0
-        await stream(client, url, long_prompt, 4, t0, long_seen)
-        first = long_seen[0][0]
-        await asyncio.sleep(args.steady)
-        if any(t.done() for t in tasks):
-            raise SystemExit("a stream ended before the run did: raise --stream-tokens")
-        for t in tasks:
-            t.cancel()  # the streams hang up: the server aborts them
-        await asyncio.gather(*tasks, return_exceptions=True)
-    steady, window = [], []
-    for s in seen:
-        for t, gap in gaps(s):
+        seen, sent, first = await streams_for(client, url, args, 0.0, long_prompt, args.steady)
+        # the control: the same streams (greedy: the same tokens) as long, without the long prompt
+        control = (await streams_for(client, url, args, first + args.steady))[0] if args.control else None
+    steady, window, matched = [], [], []
+    for i, s in enumerate(seen):
+        own = gaps(s)
+        for t, gap in own:
             (window if sent < t <= first else steady).append(gap)
+        if control is not None:  # the control's gaps at the token indices of this stream's window
+            ctl = gaps(control[i])
+            matched += [ctl[j][1] for j, (t, _) in enumerate(own) if sent < t <= first and j < len(ctl)]
     med = statistics.median(steady)
-    return {"long_ttft_s": first - sent, "steady_itl_median_s": med, "steady_itl_p99_s": percentile(steady, 99),
+    out = {}
+    if matched:
+        out = {"control_itl_median_s": statistics.median(matched),
+               "window_p99_over_control_median": percentile(window, 99) / statistics.median(matched),
+               "num_control": len(matched)}
+    return out | {"long_ttft_s": first - sent, "steady_itl_median_s": med, "steady_itl_p99_s": percentile(steady, 99),
             "window_itl_median_s": statistics.median(window) if window else None,
             "window_itl_p99_s": percentile(window, 99), "window_itl_max_s": max(window, default=None),
             "window_p99_over_steady_median": percentile(window, 99) / med if window else None,
@@ -124,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-tokens", type=int, default=3000, help="each stream's max_tokens (must outlast a run)")
     ap.add_argument("--long-tokens", type=int, default=4000)
     ap.add_argument("--steady", type=float, default=8.0, help="seconds of streaming before and after the long prompt")
+    ap.add_argument("--control", action="store_true",
+                    help="also run the same streams without the long prompt, and compare the window's gaps with "
+                    "theirs at the same token positions (the streams' own steps slow as their context grows)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--name", default="chunked_prefill_cpu")
@@ -168,16 +192,23 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# Chunked prefill: running streams' inter-token latency while a {args.long_tokens}-token prompt "
              f"arrives ({result['target']}, method {args.method}, {args.streams} streams)", "",
              "| steps | max_num_batched_tokens | steady ITL median ms | window ITL median ms | window ITL p99 ms | "
-             "window p99 / steady median | whole-run p99 / median | long prompt TTFT s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "window p99 / steady median | whole-run p99 / median | long prompt TTFT s |"
+             + (" control ITL median ms (the window's positions) | window p99 / control median |" if args.control else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if args.control else "")]
     for row in table:
         lines.append(f"| {row['mode']} | {row['max_num_batched_tokens']} | {1e3 * row['steady_itl_median_s']:.0f} | "
                      f"{1e3 * row['window_itl_median_s']:.0f} | {1e3 * row['window_itl_p99_s']:.0f} | "
                      f"{row['window_p99_over_steady_median']:.2f} | {row['all_itl_p99_over_median']:.2f} | "
-                     f"{row['long_ttft_s']:.1f} |")
+                     f"{row['long_ttft_s']:.1f} |"
+                     + (f" {1e3 * row['control_itl_median_s']:.0f} | {row['window_p99_over_control_median']:.2f} |"
+                        if args.control else ""))
     lines += ["", f"Medians over {args.repeats} runs per configuration (interleaved, every other sweep reversed). "
               "Steady: the streams' ITL before the long prompt was sent and after its first token; window: "
-              f"while it was prefilled. Each run {args.steady:g} s of streaming before and after.", "",
+              f"while it was prefilled. Each run {args.steady:g} s of streaming before and after."
+              + (" Control: the same streams again on the same server without the long prompt, for as long; its "
+                 "median gap over the token positions the window covered (the streams' steps slow as their "
+                 "context grows, so the steady median, half of it from before the window, understates them "
+                 "there)." if args.control else ""), "",
               f"`{result['command']}`", "", provenance_line(result["provenance"]), ""]
     (args.out_dir / f"{args.name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
