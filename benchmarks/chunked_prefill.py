@@ -8,7 +8,11 @@ let them run `--steady` seconds, send one `--long-tokens`-token prompt, and keep
 ITL: a chunk of several tokens shares its gap) are split into the steady ones (before the long
 prompt was sent and after its first token) and the window's (while it was prefilled). The bar:
 p99 of the window's ITL <= 3x the steady median. Also the long prompt's time to first token,
-which smaller chunks lengthen (more steps, a decode step between each two).
+which smaller chunks lengthen (more steps, a decode step between each two). The streams' own steps
+slow as their context grows (by about 2,000 tokens during SmolLM2's window), and half the steady
+gaps come from before the window: `--control` runs the same streams again on the same server without
+the long prompt, as long, and also reports the window's p99 over their median gap at the token
+positions the window covered.
 
 `--modes` picks the steps the server runs (each mode x size a configuration of the sweep): `eager`
 (--no-compile), `aot` (the AOT packages, built first when missing, the default once built: chunks
