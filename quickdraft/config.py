@@ -295,8 +295,9 @@ DEFAULT_KV_CACHE_DTYPE = "auto"
 # bytes, so past a few hundred tokens the float32 cache was most of what a step read: SmolLM2's int4 decode step
 # on an AMD EPYC Zen 4 (1 thread, AOT) took 0.85x the time at 250 tokens, 0.69x at 4,000 (int8 0.94x / 0.72x),
 # a 6-row verify step 0.90-1.05x (benchmarks/results/kv_cache_dtype_smollm2_zen4_cpu.md); perplexity within 0.2%
-# of the float32 cache's on three texts (perplexity_kv_smollm2_zen4_cpu.txt). Twice the tokens per KV budget. A float32 / bfloat16 target keeps its
-# dtype (its output matches transformers'), and "float32" keeps a quantised target's cache in float32
+# of the float32 cache's on three texts (perplexity_kv_smollm2_zen4_cpu.txt). Twice the tokens per KV budget. A
+# float32 / bfloat16 target keeps its dtype (its output matches transformers'), and "float32" keeps a quantised
+# target's cache in float32
 AUTO_QUANTISED_KV_CACHE_DTYPE = "float16"
 
 
