@@ -101,6 +101,13 @@ def test_benchmark_scripts_named_in_the_docs_exist():
     assert not missing, "\n".join(missing)
 
 
+def test_every_benchmark_script_is_listed_in_docs_benchmarks():
+    """docs/benchmarks.md's table says what each script measures: a new script gets a row."""
+    listed = (ROOT / "docs" / "benchmarks.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if f"benchmarks/{p.name}" not in listed]
+    assert not missing, f"docs/benchmarks.md does not list {', '.join(missing)}"
+
+
 @pytest.mark.parametrize("doc", DOCS + [ROOT / "benchmarks" / "results" / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_point_at_files_in_the_repository(doc):
     bad = []
