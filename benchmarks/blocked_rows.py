@@ -53,7 +53,12 @@ def _operands(fmt: str, K: int, N: int):
         scale = torch.rand(N, K // 32, generator=g) / 50
         packed = kernels.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g), scale, -8 * scale)
         return lambda x: kernels.blocked_mm_int4(x, packed, None, N)
-    raise SystemExit(f"unknown format {fmt!r}: f32, bf16, int8 or int4")
+    if fmt == "int4s":  # int4's super-block layout (4.625 bits a weight against 5): what quantization="int4" packs
+        codes = torch.randint(0, 256, (N, K // 32), generator=g), torch.randint(-128, 128, (N, K // 32), generator=g)
+        factors = [(torch.rand(N, K // 256, generator=g) / 2000 + 1e-6).half().float() for _ in range(2)]
+        packed = kernels.pack_int4_super(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g), *codes, *factors)
+        return lambda x: kernels.blocked_mm_int4(x, packed, None, N)
+    raise SystemExit(f"unknown format {fmt!r}: f32, bf16, int8, int4 or int4s")
 
 
 def _time(f, x, budget_s: float, rounds: int, clock) -> float:
@@ -74,7 +79,8 @@ def _time(f, x, budget_s: float, rounds: int, clock) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--isa", default=None, help="paths, comma-separated (default: every one this CPU has)")
-    p.add_argument("--format", default="f32,int8,int4", help="f32, bf16, int8, int4 (comma-separated)")
+    p.add_argument("--format", default="f32,int8,int4", help="f32, bf16, int8, int4, int4s (int4's super-block "
+                   "layout, where K is a multiple of 256) (comma-separated)")
     p.add_argument("--rows", default="1,2,4,6,9")
     p.add_argument("--shapes", default="smollm2", choices=sorted(SHAPES))
     p.add_argument("--only", default=None, help="these shapes of --shapes alone, by name (e.g. gate_up,lm_head)")
@@ -119,7 +125,7 @@ def main() -> None:
                 continue
             f = _operands(fmt, K, N)
             for isa in isas:
-                amx = amx_settings if fmt in ("int8", "int4") and isa == "avx512" else ["on"]
+                amx = amx_settings if fmt in ("int8", "int4", "int4s") and isa == "avx512" else ["on"]
                 portable = isa == "portable"  # (scalar: seconds per call on lm_head; fewer rounds)
                 t: dict[str, dict[int, float]] = {a: {} for a in amx}
                 with kernels.use_isa(isa):

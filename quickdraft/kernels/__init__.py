@@ -70,6 +70,8 @@ SOURCES = (SOURCE, CORE, AMX)  # what the library is built from (its cache folde
 LIBRARY = "qd_kernels.so"
 BLOCK = 64  # outputs per column block of the packed layout (blocked_mm.cpp's NB)
 GROUP = 32  # int4: inputs per group (blocked_mm.cpp's QG)
+SUPER = 8  # int4's super-block layout: groups per super group (blocked_core.h's QSG)
+SUPER_BYTES = 4 * BLOCK + SUPER * (GROUP * BLOCK // 2 + 2 * BLOCK)  # its bytes per block and super group (QSB)
 # -fopenmp: at::parallel_for splits the blocks over PyTorch's threads only when the kernel is
 # compiled for OpenMP (without it the pragma is ignored and the kernel runs on one thread:
 # measured 1.5x MKL's time at 2 threads). The OpenMP runtime is PyTorch's own (libgomp, loaded
@@ -495,6 +497,52 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None)
     return weights_memory(torch.cat([nibbles, *map(per_output, half)], dim=2))
 
 
+def pack_int4_super(q: torch.Tensor, scale_codes: torch.Tensor, offset_codes: torch.Tensor,
+                    scale_factors: torch.Tensor, offset_factors: torch.Tensor) -> torch.Tensor:
+    """Group-wise 4-bit weights in the int4 kernel's super-block layout (a GGUF's Q4_K as it is):
+    q (out, in) in 0..15 as for `pack_int4`; per output and group of 32 inputs a scale code in
+    0..255 and an offset code in -128..127 (out, in / 32); per output and super group of 8 groups
+    (256 inputs) a scale factor D and an offset factor O (out, in / 256), float16 values. Over
+    each group w = q * (scale code * D) + offset code * O (both products exact in float32).
+    Returns uint8 (ceil(out / 64), in / 256, 9472): per 64-output block and super group, the 64 D
+    then the 64 O as float16, then per group its nibbles as `pack_int4`'s, its 64 scale codes and
+    its 64 offset codes: 4.625 bits a weight. Raises ValueError on other shapes or a factor that
+    is not a finite float16."""
+    n, k = q.shape
+    groups = k // GROUP
+    if (k % (GROUP * SUPER) or scale_codes.shape != (n, groups) or offset_codes.shape != (n, groups)
+            or scale_factors.shape != (n, groups // SUPER) or offset_factors.shape != scale_factors.shape):
+        raise ValueError(f"the int4 super-block layout needs in % {GROUP * SUPER} == 0, (out, in / {GROUP}) codes "
+                         f"and (out, in / {GROUP * SUPER}) factors; got q {tuple(q.shape)}, codes "
+                         f"{tuple(scale_codes.shape)} / {tuple(offset_codes.shape)}, factors "
+                         f"{tuple(scale_factors.shape)} / {tuple(offset_factors.shape)}")
+    if (int(scale_codes.min()) < 0 or int(scale_codes.max()) > 255 or int(offset_codes.min()) < -128
+            or int(offset_codes.max()) > 127):
+        raise ValueError("int4 super-block codes must be 0..255 (scales) and -128..127 (offsets)")
+    half = [f.to(torch.float16) for f in (scale_factors, offset_factors)]
+    if not all(bool(torch.isfinite(h).all()) and torch.equal(h.float(), f.float())
+               for h, f in zip(half, (scale_factors, offset_factors))):
+        raise ValueError("int4 super-block factors must be finite float16 values")
+    grouped = pack_int4(q, torch.zeros(n, groups), torch.zeros(n, groups))  # (blocks, groups, 1280): the nibbles
+    blocks, supers, pad = grouped.shape[0], groups // SUPER, grouped.shape[0] * BLOCK - n
+
+    def per_output(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # (out, cols) -> (blocks, cols, 64 x dtype) bytes
+        t = t.to(dtype)
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+        return t.view(blocks, BLOCK, -1).transpose(1, 2).contiguous().view(torch.uint8)
+
+    pieces = torch.cat([grouped[..., :GROUP * BLOCK // 2], per_output(scale_codes, torch.uint8),
+                        per_output(offset_codes, torch.int8)], dim=2)  # (blocks, groups, 1152)
+    header = torch.cat([per_output(h, torch.float16) for h in half], dim=2)  # (blocks, supers, 256)
+    out = torch.cat([header, pieces.view(blocks, supers, -1)], dim=2)
+    return weights_memory(out)
+
+
+def int4_super(packed: torch.Tensor) -> bool:
+    """Whether a packed int4 weight is in the super-block layout (`pack_int4_super`)."""
+    return packed.shape[-1] == SUPER_BYTES
+
+
 def int4_symmetric(packed: torch.Tensor) -> bool:
     """Whether a `pack_int4`ed weight is in the symmetric layout (no offsets: w = (q - 8) * scale)."""
     return packed.shape[-1] == GROUP * BLOCK // 2 + 2 * BLOCK
@@ -502,7 +550,23 @@ def int4_symmetric(packed: torch.Tensor) -> bool:
 
 def unpack_int4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `pack_int4`: (q (n, in) uint8, scale, offset (n, in / 32) float16); the
-    symmetric layout's offset is -8 * scale."""
+    symmetric layout's offset is -8 * scale; the super-block layout's scale and offset are float32
+    (codes times factors, exact)."""
+    if int4_super(packed):
+        blocks, supers, _ = packed.shape
+        header = packed[..., :4 * BLOCK].contiguous().view(torch.float16).float()  # (blocks, supers, 128)
+        pieces = packed[..., 4 * BLOCK:].reshape(blocks, supers * SUPER, -1)  # (blocks, groups, 1152)
+        size = GROUP * BLOCK // 2
+        q, _, _ = unpack_int4(torch.cat([pieces[..., :size], pieces.new_zeros(blocks, supers * SUPER, 4 * BLOCK)], 2), n)
+
+        def per_output(t: torch.Tensor) -> torch.Tensor:  # (blocks, cols, 64) -> (n, cols)
+            return t.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
+
+        codes_s = per_output(pieces[..., size:size + BLOCK]).float()
+        codes_o = per_output(pieces[..., size + BLOCK:size + 2 * BLOCK].contiguous().view(torch.int8)).float()
+        factor_s = per_output(header[..., :BLOCK]).repeat_interleave(SUPER, dim=1)
+        factor_o = per_output(header[..., BLOCK:]).repeat_interleave(SUPER, dim=1)
+        return q, codes_s * factor_s, codes_o * factor_o
     blocks, groups, _ = packed.shape
     nib = packed[..., :GROUP * BLOCK // 2].reshape(blocks, groups, 8, 2, 16, 4)  # (blocks, groups, c, h, i, j)
     qb = torch.stack([nib & 15, nib >> 4], dim=-1)  # (..., c, h, i, j, hi)

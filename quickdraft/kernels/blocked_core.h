@@ -713,6 +713,31 @@ constexpr int64_t QG = 32;                         // inputs per group
 constexpr int64_t QGB = QG * NB / 2 + 2 * NB * 2;  // bytes per (block, group): 1024 + 256
 constexpr int64_t QGB_SYM = QG * NB / 2 + NB * 2;  // the symmetric layout's: 1024 + 128 (no offsets)
 
+// The super-block layout (a GGUF's Q4_K as it is, and quantisation="int4" where every group count
+// is a multiple of QSG): packed (N/64, G/8, QSB), per block and super group of QSG = 8 groups (256
+// inputs) one contiguous QSB-byte piece: a header of 64 float16 scale factors D then 64 float16
+// offset factors O (one per output), then the 8 groups' pieces of QSP bytes each: the nibbles as
+// above, 64 scale codes (uint8) and 64 offset codes (int8). A group's s = float(scale code) * D and
+// o = float(offset code) * O: both products exact in float32 (8 bits times float16's 11), so every
+// path gets the same floats and the epilogue below is unchanged; 4.625 bits a weight, against 5
+// (float16 scales and offsets) and Q4_K's 4.5 (6-bit codes packed: unpacked here to whole bytes).
+constexpr int64_t QSG = 8;                          // groups per super group
+constexpr int64_t QSP = QG * NB / 2 + 2 * NB;       // bytes of one group in it: 1024 + 64 + 64
+constexpr int64_t QSH = 4 * NB;                     // its header: 64 D + 64 O, float16
+constexpr int64_t QSB = QSH + QSG * QSP;            // bytes per (block, super group): 256 + 8 * 1152
+enum Q4Layout : int { Q4_ASYM = 0, Q4_SYM = 1, Q4_SUPER = 2 };
+// The layout of a packed weight from its last dimension (QGB, QGB_SYM or QSB).
+constexpr int q4_layout(int64_t gb) { return gb == QSB ? Q4_SUPER : gb == QGB_SYM ? Q4_SYM : Q4_ASYM; }
+constexpr int64_t q4_size(int L) { return L == Q4_SUPER ? QSB : L == Q4_SYM ? QGB_SYM : QGB; }
+// Bytes of one block (all G groups) and, in the block at wb, group g's piece and its super group's header.
+constexpr int64_t q4_block_bytes(int64_t gb, int64_t G) { return gb == QSB ? (G / QSG) * QSB : G * gb; }
+inline const uint8_t* q4_piece(const uint8_t* wb, int64_t gb, int64_t g) {
+  return gb == QSB ? wb + (g / QSG) * QSB + QSH + (g % QSG) * QSP : wb + g * gb;
+}
+inline const uint8_t* q4_header(const uint8_t* wb, int64_t g) { return wb + (g / QSG) * QSB; }
+// Bytes of a piece (what a path prefetches per group).
+constexpr int64_t q4_piece_bytes(int64_t gb) { return gb == QSB ? QSP : gb; }
+
 // The integer dot-product instructions where the CPU has them (AVX-512 VNNI, AVX-VNNI), else
 // maddubs + madd: exact integer sums either way, so the bits are the same; off forces the latter
 // (tests and benchmarks: quickdraft_set_vnni, QUICKDRAFT_VNNI=0).
@@ -792,7 +817,7 @@ struct Q4Args {
   const float* bias;
   float* y;
   int64_t n;
-  int64_t gb = QGB;  // bytes per (block, group): QGB, or QGB_SYM for the symmetric layout (o = -8 s)
+  int64_t gb = QGB;  // the layout (q4_layout): QGB, QGB_SYM (o = -8 s), or QSB (the super-block layout)
 };
 
 // The portable int4 path: the same integer sums and the same epilogue, one row at a time.
@@ -817,6 +842,19 @@ inline int32_t q4_at(const uint8_t* piece, int64_t n, int64_t k) {
   return hi ? byte >> 4 : byte & 15;
 }
 
+// Output n's scale s and offset o in group g (piece: its piece in the block at wb), in float32.
+inline void q4_scale_offset(const uint8_t* wb, int64_t gb, int64_t g, const uint8_t* piece, int64_t n, float& s,
+                            float& o) {
+  if (gb == QSB) {  // codes times the super group's factors (exact)
+    const uint8_t* h = q4_header(wb, g);
+    s = float(piece[1024 + n]) * half_to_float(h + 2 * n);
+    o = float(int8_t(piece[1088 + n])) * half_to_float(h + 128 + 2 * n);
+    return;
+  }
+  s = half_to_float(piece + 1024 + 2 * n);
+  o = gb == QGB_SYM ? -8.f * s : half_to_float(piece + 1152 + 2 * n);
+}
+
 void block_rows_q4_generic(const Q4Act& x, int64_t rows, const uint8_t* wb, int64_t gb, const float* bias, float* y,
                            int64_t ldy, int64_t ncols) {
   const int64_t G = x.G;
@@ -825,13 +863,14 @@ void block_rows_q4_generic(const Q4Act& x, int64_t rows, const uint8_t* wb, int6
     for (int64_t n = 0; n < NB; ++n) acc[n] = (bias && n < ncols) ? bias[n] : 0.f;
     const int8_t* a = x.q + r * x.ldq;
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = wb + g * gb;
+      const uint8_t* piece = q4_piece(wb, gb, g);
       const float dg = x.d[r * G + g], xs = x.xs[r * G + g];
       for (int64_t n = 0; n < NB; ++n) {
         int32_t isum = 0;
         for (int64_t k = 0; k < QG; ++k) isum += int32_t(a[g * QG + k]) * q4_at(piece, n, k);
-        const float t = float(isum) * dg, sc = half_to_float(piece + 1024 + 2 * n);
-        const float of = gb == QGB_SYM ? -8.f * sc : half_to_float(piece + 1152 + 2 * n);
+        float sc, of;
+        q4_scale_offset(wb, gb, g, piece, n, sc, of);
+        const float t = float(isum) * dg;
         acc[n] = std::fma(xs, of, std::fma(t, sc, acc[n]));
       }
     }
@@ -841,7 +880,7 @@ void block_rows_q4_generic(const Q4Act& x, int64_t rows, const uint8_t* wb, int6
 
 void q4_portable(const Q4Args& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b)
-    block_rows_q4_generic(a.x, a.M, a.w + b * a.G * a.gb, a.gb, a.bias ? a.bias + b * NB : nullptr, a.y + b * NB,
+    block_rows_q4_generic(a.x, a.M, a.w + b * q4_block_bytes(a.gb, a.G), a.gb, a.bias ? a.bias + b * NB : nullptr, a.y + b * NB,
                           a.n, std::min(NB, a.n - b * NB));
 }
 
@@ -883,17 +922,37 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void nibbles16
   hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 }
 
+// Outputs o .. o + 15's scales and offsets in group g (piece: its piece in the block at wb), layout L.
+template <int L>
+__attribute__((target("avx512f,avx512bw,f16c"), always_inline)) inline void q4_scales16(const uint8_t* wb, int64_t g,
+                                                                                        const uint8_t* piece, int64_t o,
+                                                                                        __m512& sc, __m512& of) {
+  if constexpr (L == Q4_SUPER) {
+    const uint8_t* h = q4_header(wb, g);
+    const __m128i cs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + o));
+    const __m128i co = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1088 + o));
+    sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(cs)),
+                       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 2 * o))));
+    of = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(co)),
+                       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 128 + 2 * o))));
+  } else {
+    sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 2 * o)));
+    of = L == Q4_SYM ? _mm512_mul_ps(sc, _mm512_set1_ps(-8.f))
+                     : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 2 * o)));
+  }
+}
+
 // MR rows over NBLK adjacent blocks, all groups. A group's integer sums stay in registers (MR * 4 *
 // NBLK); the running float sums live in y itself (in L1), updated once per group; each unpacked
 // weight vector serves all MR rows.
-template <int MR, int NBLK, bool VNNI, bool SYM>
+template <int MR, int NBLK, bool VNNI, int L>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(const Q4Act& x, const uint8_t* wb,
                                                                                const float* bias, float* y,
                                                                                int64_t ldy, int64_t ncols) {
   const int pf = prefetch_ahead();  // (0 on AMD: the hardware's prefetchers alone)
   constexpr int V = 4 * NBLK;
-  constexpr int64_t gb = SYM ? QGB_SYM : QGB;
-  const int64_t G = x.G;
+  constexpr int64_t gb = q4_size(L), pb = q4_piece_bytes(gb);
+  const int64_t G = x.G, bb = q4_block_bytes(gb, G);
 #pragma GCC unroll 16
   for (int j = 0; j < V; ++j) {
     const __mmask16 mask = tail_mask(ncols - 16 * j);
@@ -914,13 +973,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
       for (int r = 0; r < MR; ++r) av[r] = _mm512_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
 #pragma GCC unroll 4
       for (int blk = 0; blk < NBLK; ++blk) {
-        const uint8_t* piece = wb + (blk * G + g) * gb;
-        // the piece's 20 lines (18 symmetric) PF bytes ahead, over the 8 quads
+        const uint8_t* piece = q4_piece(wb + blk * bb, gb, g);
+        // the piece's 20 lines (18 symmetric or super-block) PF bytes ahead, over the 8 quads
         if (pf) {
           const char* ahead = reinterpret_cast<const char*>(piece) + pf;
           _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
           _mm_prefetch(ahead + 64 * (c + 8), _MM_HINT_T0);
-          if (64 * (c + 16) < gb) _mm_prefetch(ahead + 64 * (c + 16), _MM_HINT_T0);
+          if (64 * (c + 16) < pb) _mm_prefetch(ahead + 64 * (c + 16), _MM_HINT_T0);
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
@@ -937,10 +996,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
     // vector j: block j / 4, outputs 16 (j % 4) ..
 #pragma GCC unroll 16
     for (int j = 0; j < V; ++j) {
-      const uint8_t* piece = wb + ((j / 4) * G + g) * gb;
-      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 32 * (j % 4))));
-      const __m512 of = SYM ? _mm512_mul_ps(sc, _mm512_set1_ps(-8.f))
-                            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 32 * (j % 4))));
+      const uint8_t* wbj = wb + (j / 4) * bb;
+      __m512 sc, of;
+      q4_scales16<L>(wbj, g, q4_piece(wbj, gb, g), 16 * (j % 4), sc, of);
       const __mmask16 mask = tail_mask(ncols - 16 * j);
 #pragma GCC unroll 6
       for (int r = 0; r < MR; ++r) {
@@ -969,11 +1027,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 // saves.) So it runs where the kernels read one stream (row_streams: AMD, or
 // QUICKDRAFT_ROW_STREAMS=1), the choice measured; Intel keeps block_rows_q4 (not measured there).
 constexpr int64_t HALVES_MIN_GROUPS = 64;
-template <int MR, bool VNNI, bool SYM>
+template <int MR, bool VNNI, int L>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_halves(const Q4Act& x, const uint8_t* wb,
                                                                                       const float* bias, float* y,
                                                                                       int64_t ldy, int64_t ncols) {
-  constexpr int64_t gb = SYM ? QGB_SYM : QGB;
+  constexpr int64_t gb = q4_size(L);
   const int64_t G = x.G;
   for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
     __m512 f[MR][2];
@@ -985,7 +1043,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
       for (int r = 0; r < MR; ++r) f[r][e] = b;
     }
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = wb + g * gb;
+      const uint8_t* piece = q4_piece(wb, gb, g);
       const int8_t* xq = x.q + g * QG;
       __m512i acc[MR][2];
 #pragma GCC unroll 6
@@ -1003,9 +1061,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
       }
 #pragma GCC unroll 2
       for (int e = 0; e < 2; ++e) {  // outputs 32h + 16e ..: the piece's scale (and offset) vector 2h + e
-        const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1024 + 64 * h + 32 * e)));
-        const __m512 of = SYM ? _mm512_mul_ps(sc, _mm512_set1_ps(-8.f))
-                              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 1152 + 64 * h + 32 * e)));
+        __m512 sc, of;
+        q4_scales16<L>(wb, g, piece, 32 * h + 16 * e, sc, of);
 #pragma GCC unroll 6
         for (int r = 0; r < MR; ++r) {
           const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(finish4x16<VNNI>(acc[r][e])), _mm512_set1_ps(x.d[r * G + g]));
@@ -1024,18 +1081,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
 
 // Rows [0, M) of NBLK adjacent blocks: four blocks for one row, two for two or three rows (one on
 // AMD: row_streams), one block for more, in row groups of up to six (block_rows_q4_halves for 5-6).
-template <int NBLK, bool VNNI, bool SYM>
+template <int NBLK, bool VNNI, int L>
 void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
                  int64_t ncols) {
   constexpr int N2 = NBLK == 4 ? 2 : NBLK;  // (keeps the instances that cannot occur small)
   if (NBLK == 4) {
-    block_rows_q4<1, NBLK, VNNI, SYM>(x, wb, bias, y, ldy, ncols);
+    block_rows_q4<1, NBLK, VNNI, L>(x, wb, bias, y, ldy, ncols);
     return;
   }
   if (NBLK == 2) {
-    if (M == 3) block_rows_q4<3, N2, VNNI, SYM>(x, wb, bias, y, ldy, ncols);
-    if (M == 2) block_rows_q4<2, N2, VNNI, SYM>(x, wb, bias, y, ldy, ncols);
-    if (M == 1) block_rows_q4<1, N2, VNNI, SYM>(x, wb, bias, y, ldy, ncols);
+    if (M == 3) block_rows_q4<3, N2, VNNI, L>(x, wb, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q4<2, N2, VNNI, L>(x, wb, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q4<1, N2, VNNI, L>(x, wb, bias, y, ldy, ncols);
     return;
   }
   row_groups(M, [&](auto mr, int64_t m) {
@@ -1043,31 +1100,35 @@ void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias
     const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
     if constexpr (MR >= 5)
       if (x.G >= HALVES_MIN_GROUPS && row_streams() == 1)
-        return block_rows_q4_halves<MR, VNNI, SYM>(xm, wb, bias, y + m * ldy, ldy, ncols);
-    block_rows_q4<MR, 1, VNNI, SYM>(xm, wb, bias, y + m * ldy, ldy, ncols);
+        return block_rows_q4_halves<MR, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
+    block_rows_q4<MR, 1, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
   });
 }
 
-template <bool VNNI, bool SYM>
+template <bool VNNI, int L>
 void q4_avx512_rows(const Q4Args& a, int64_t b0, int64_t b1) {
-  const int64_t M = a.M, n = a.n, stride = a.G * (SYM ? QGB_SYM : QGB);  // bytes per block
+  const int64_t M = a.M, n = a.n, stride = q4_block_bytes(q4_size(L), a.G);  // bytes per block
   auto bias_at = [&](int64_t b) { return a.bias ? a.bias + b * NB : nullptr; };
   int64_t b = b0;
   if (M == 1 && four_streams())
     for (; b + 3 < b1; b += 4)
-      run_rows_q4<4, VNNI, SYM>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
+      run_rows_q4<4, VNNI, L>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(4 * NB, n - b * NB));
   if (M <= 3 && row_streams() != 1)
     for (; b + 1 < b1; b += 2)
-      run_rows_q4<2, VNNI, SYM>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
+      run_rows_q4<2, VNNI, L>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(2 * NB, n - b * NB));
   for (; b < b1; ++b)
-    run_rows_q4<1, VNNI, SYM>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
+    run_rows_q4<1, VNNI, L>(a.x, M, a.w + b * stride, bias_at(b), a.y + b * NB, n, std::min(NB, n - b * NB));
 }
 
-// (the symmetric layout's offsets -8 s computed, its stride a constant, in a copy of its own)
+// (each layout in a copy of its own: the symmetric one's offsets -8 s computed, the super-block
+// one's scales and offsets from codes, the strides constants)
 template <bool VNNI>
 void q4_avx512_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
-  if (a.gb == QGB_SYM) return q4_avx512_rows<VNNI, true>(a, b0, b1);
-  q4_avx512_rows<VNNI, false>(a, b0, b1);
+  switch (q4_layout(a.gb)) {
+    case Q4_SYM: return q4_avx512_rows<VNNI, Q4_SYM>(a, b0, b1);
+    case Q4_SUPER: return q4_avx512_rows<VNNI, Q4_SUPER>(a, b0, b1);
+    default: return q4_avx512_rows<VNNI, Q4_ASYM>(a, b0, b1);
+  }
 }
 
 void q4_avx2(const Q4Args& a, int64_t b0, int64_t b1);
@@ -1078,7 +1139,7 @@ void q4_amx(const Q4Args& a, int64_t b0, int64_t b1);
 // Lake, AMD Zen 4); AVX-512 BW's maddubs + madd without it (or with vnni_allowed off); a CPU with
 // AVX-512F alone (Knights Landing) takes the AVX2 kernel.
 void q4_avx512(const Q4Args& a, int64_t b0, int64_t b1) {
-  if (amx_takes(a.M, true)) return q4_amx(a, b0, b1);
+  if (a.gb != QSB && amx_takes(a.M, true)) return q4_amx(a, b0, b1);  // (AMX: not the super-block layout)
   if (cpu_avx512_vnni() && vnni_allowed.load(std::memory_order_relaxed)) return q4_avx512_blocks<true>(a, b0, b1);
   if (cpu_avx512_bw()) return q4_avx512_blocks<false>(a, b0, b1);
   q4_avx2(a, b0, b1);
@@ -1096,14 +1157,35 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) inline __m256i finish4x8(__m256
   else return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
 }
 
+// Outputs o .. o + 7's scales and offsets in group g (piece: its piece in the block at wb), layout L.
+template <int L>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void q4_scales8(const uint8_t* wb, int64_t g,
+                                                                               const uint8_t* piece, int64_t o,
+                                                                               __m256& sc, __m256& of) {
+  if constexpr (L == Q4_SUPER) {
+    const uint8_t* h = q4_header(wb, g);
+    const __m128i cs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 1024 + o));
+    const __m128i co = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 1088 + o));
+    sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(cs)),
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * o))));
+    of = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(co)),
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 128 + 2 * o))));
+  } else {
+    sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + 2 * o)));
+    of = L == Q4_SYM ? _mm256_mul_ps(sc, _mm256_set1_ps(-8.f))
+                     : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1152 + 2 * o)));
+  }
+}
+
 // AVX2 int4, one group of one block: MR rows x NH half-chunks from t0 (half-chunk t: 32 bytes at
 // 64 (t / 2) + 32 (t % 2) of each quad; its low nibbles are outputs 32 (t / 2) + 8 (t % 2) .. + 7,
 // its high ones 16 further). The group's integer sums in registers (MR * 2NH), the running sums in
 // y, as block_rows_q4.
 // FULL: a whole block (every block of a matrix but a partial last one), whose outputs need no checks.
-template <int MR, int NH, bool VNNI, bool SYM, bool FULL>
-__attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act& x, int64_t g, const uint8_t* piece,
-                                                                    int t0, float* y, int64_t ldy, int64_t ncols) {
+template <int MR, int NH, bool VNNI, int L, bool FULL>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act& x, int64_t g, const uint8_t* wb,
+                                                                    const uint8_t* piece, int t0, float* y, int64_t ldy,
+                                                                    int64_t ncols) {
   // The sums: VNNI's from zero; maddubs's from the first quad's products (no zeroed registers to add
   // them to: GCC kept those on the stack). The same exact integer sums: on an AMD EPYC Zen 3, 6 rows
   // 0.91x the time, 9 rows 0.94x, a 338-row prefill 0.94x (1-5 rows the same; same bits).
@@ -1160,9 +1242,8 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
     const int64_t o = 32 * (t / 2) + 8 * (t % 2) + 16 * (v % 2);
     if (!FULL && o >= ncols) continue;
     const int64_t left = FULL ? 8 : ncols - o;
-    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + 2 * o)));
-    const __m256 of = SYM ? _mm256_mul_ps(sc, _mm256_set1_ps(-8.f))
-                          : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1152 + 2 * o)));
+    __m256 sc, of;
+    q4_scales8<L>(wb, g, piece, o, sc, of);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + o;
@@ -1174,16 +1255,17 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void group_q4_avx2(const Q4Act&
 }
 
 // Rows [m, m + MR) of one group of one block, NH half-chunks (16 NH outputs) at a time.
-template <int MR, int NH, bool VNNI, bool SYM>
-void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* piece, float* y, int64_t ncols) {
+template <int MR, int NH, bool VNNI, int L>
+void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* wb, const uint8_t* piece, float* y,
+                        int64_t ncols) {
   const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
   if (ncols == NB) {
-    for (int t0 = 0; t0 < 4; t0 += NH) group_q4_avx2<MR, NH, VNNI, SYM, true>(xm, g, piece, t0, y + m * a.n, a.n, ncols);
+    for (int t0 = 0; t0 < 4; t0 += NH) group_q4_avx2<MR, NH, VNNI, L, true>(xm, g, wb, piece, t0, y + m * a.n, a.n, ncols);
     return;
   }
   for (int t0 = 0; t0 < 4; t0 += NH)
     if (32 * (t0 / 2) + 8 * (t0 % 2) < ncols)  // (a half-chunk's first output)
-      group_q4_avx2<MR, NH, VNNI, SYM, false>(xm, g, piece, t0, y + m * a.n, a.n, ncols);
+      group_q4_avx2<MR, NH, VNNI, L, false>(xm, g, wb, piece, t0, y + m * a.n, a.n, ncols);
 }
 
 // Blocks [b0, b1), group after group (a group's 1280 bytes serve every row and half-chunk from L1),
@@ -1191,27 +1273,27 @@ void group_q4_rows_avx2(const Q4Args& a, int64_t m, int64_t g, const uint8_t* pi
 // at a time with its unpacked weights kept (10-12 sums), 3-4 rows one with their activation quads
 // kept (6-8 sums), 2 rows two, 1 row all four. (Groups of 4 before: 6-row groups cut the passes
 // and their unpacking by a third and keep 12 dot products in flight.)
-template <bool VNNI, bool SYM>
+template <bool VNNI, int L>
 __attribute__((target("avx2,fma,f16c"))) void q4_avx2_rows(const Q4Args& a, int64_t b0, int64_t b1) {
   const int pf = prefetch_ahead();  // (0 on AMD: the hardware's prefetchers alone)
   const int64_t M = a.M, G = a.G, ld = a.n;
-  constexpr int64_t gb = SYM ? QGB_SYM : QGB;
+  constexpr int64_t gb = q4_size(L), pb = q4_piece_bytes(gb);
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* wb = a.w + b * G * gb;
+    const uint8_t* wb = a.w + b * q4_block_bytes(gb, G);
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
       for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = wb + g * gb;
+      const uint8_t* piece = q4_piece(wb, gb, g);
       if (pf) {
 #pragma GCC unroll 4
-        for (int line = 0; line < int(gb / 64); ++line)
+        for (int line = 0; line < int(pb / 64); ++line)
           _mm_prefetch(reinterpret_cast<const char*>(piece) + pf + 64 * line, _MM_HINT_T0);
       }
       row_groups(M, [&](auto mr, int64_t m) {  // 3-6 rows over one half-chunk, 2 over two, 1 over all four
         constexpr int MR = decltype(mr)::value;
-        group_q4_rows_avx2<MR, MR >= 3 ? 1 : MR == 2 ? 2 : 4, VNNI, SYM>(a, m, g, piece, y, ncols);
+        group_q4_rows_avx2<MR, MR >= 3 ? 1 : MR == 2 ? 2 : 4, VNNI, L>(a, m, g, wb, piece, y, ncols);
       });
     }
   }
@@ -1219,8 +1301,11 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2_rows(const Q4Args& a, int6
 
 template <bool VNNI>
 void q4_avx2_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
-  if (a.gb == QGB_SYM) return q4_avx2_rows<VNNI, true>(a, b0, b1);
-  q4_avx2_rows<VNNI, false>(a, b0, b1);
+  switch (q4_layout(a.gb)) {
+    case Q4_SYM: return q4_avx2_rows<VNNI, Q4_SYM>(a, b0, b1);
+    case Q4_SUPER: return q4_avx2_rows<VNNI, Q4_SUPER>(a, b0, b1);
+    default: return q4_avx2_rows<VNNI, Q4_ASYM>(a, b0, b1);
+  }
 }
 
 // AVX-VNNI's vpdpbusd on 8 lanes where the CPU has it (Intel since Alder Lake / Sapphire Rapids,
@@ -2652,9 +2737,28 @@ bool cpu_arm_dotprod() {
 // One group of one block: MR rows x NS quarter-chunks from s0 (quarter-chunk s: 16 bytes at
 // 64 (s / 4) + 16 (s % 4) of each quad; low nibbles outputs 32 (s / 4) + 4 (s % 4) .. + 3, high
 // ones 16 further). The group's integer sums in registers (MR * 2NS), the running sums in y.
+// Outputs o .. o + 3's scales and offsets in group g (piece: its piece in the block at wb), layout gb.
+inline void q4_scales4(const uint8_t* wb, int64_t gb, int64_t g, const uint8_t* piece, int64_t o, float32x4_t& sc,
+                       float32x4_t& of) {
+  if (gb == QSB) {
+    const uint8_t* h = q4_header(wb, g);
+    uint32_t cs, co;
+    std::memcpy(&cs, piece + 1024 + o, 4);
+    std::memcpy(&co, piece + 1088 + o, 4);
+    const uint32x4_t us = vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(cs))));
+    const int32x4_t os = vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(co))));
+    sc = vmulq_f32(vcvtq_f32_u32(us), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(h + 2 * o)))));
+    of = vmulq_f32(vcvtq_f32_s32(os), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(h + 128 + 2 * o)))));
+    return;
+  }
+  sc = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1024 + 2 * o))));
+  of = gb == QGB_SYM ? vmulq_f32(sc, vdupq_n_f32(-8.f))
+                     : vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1152 + 2 * o))));
+}
+
 template <int MR, int NS, bool DOT>
-void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, bool sym, int s0, float* y, int64_t ldy,
-                   int64_t ncols) {
+void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* wb, int64_t gb, const uint8_t* piece, int s0, float* y,
+                   int64_t ldy, int64_t ncols) {
   int32x4_t acc[MR][2 * NS];
   for (int v = 0; v < 2 * NS; ++v)
     for (int r = 0; r < MR; ++r) acc[r][v] = vdupq_n_s32(0);
@@ -2678,9 +2782,8 @@ void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, bool sym, in
     const int64_t o = 32 * (s / 4) + 4 * (s % 4) + 16 * (v % 2);
     if (o >= ncols) continue;
     const int64_t left = ncols - o;
-    const float32x4_t sc = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1024 + 2 * o))));
-    const float32x4_t of = sym ? vmulq_f32(sc, vdupq_n_f32(-8.f))
-                               : vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(piece + 1152 + 2 * o))));
+    float32x4_t sc, of;
+    q4_scales4(wb, gb, g, piece, o, sc, of);
     for (int r = 0; r < MR; ++r) {
       float* yr = y + r * ldy + o;
       const float32x4_t t = vmulq_f32(vcvtq_f32_s32(acc[r][v]), vdupq_n_f32(x.d[r * x.G + g]));
@@ -2692,11 +2795,12 @@ void group_q4_neon(const Q4Act& x, int64_t g, const uint8_t* piece, bool sym, in
 
 // Rows [m, m + MR) of one group of one block, NS quarter-chunks (8 NS outputs) at a time.
 template <int MR, int NS, bool DOT>
-void group_q4_rows_neon(const Q4Args& a, int64_t m, int64_t g, const uint8_t* piece, float* y, int64_t ncols) {
+void group_q4_rows_neon(const Q4Args& a, int64_t m, int64_t g, const uint8_t* wb, const uint8_t* piece, float* y,
+                        int64_t ncols) {
   const Q4Act xm{a.x.q + m * a.x.ldq, a.x.ldq, a.x.d + m * a.G, a.x.xs + m * a.G, a.G};
   for (int s0 = 0; s0 < 8; s0 += NS)
     if (32 * (s0 / 4) + 4 * (s0 % 4) < ncols)
-      group_q4_neon<MR, NS, DOT>(xm, g, piece, a.gb == QGB_SYM, s0, y + m * a.n, a.n, ncols);
+      group_q4_neon<MR, NS, DOT>(xm, g, wb, a.gb, piece, s0, y + m * a.n, a.n, ncols);
 }
 
 // Blocks [b0, b1), group after group, as q4_avx2: four rows at once over two quarter-chunks (16
@@ -2705,20 +2809,20 @@ template <bool DOT>
 void q4_neon_blocks(const Q4Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* wb = a.w + b * G * a.gb;
+    const uint8_t* wb = a.w + b * q4_block_bytes(a.gb, G);
     float* y = a.y + b * NB;
     const int64_t ncols = std::min(NB, a.n - b * NB);
     for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
       for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = wb + g * a.gb;
-      for (int line = 0; line < int(a.gb / 64); ++line) __builtin_prefetch(piece + PF + 64 * line);
+      const uint8_t* piece = q4_piece(wb, a.gb, g);
+      for (int line = 0; line < int(q4_piece_bytes(a.gb) / 64); ++line) __builtin_prefetch(piece + PF + 64 * line);
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) group_q4_rows_neon<4, 2, DOT>(a, m, g, piece, y, ncols);
+      for (; m + 4 <= M; m += 4) group_q4_rows_neon<4, 2, DOT>(a, m, g, wb, piece, y, ncols);
       switch (M - m) {
-        case 3: group_q4_rows_neon<3, 2, DOT>(a, m, g, piece, y, ncols); break;
-        case 2: group_q4_rows_neon<2, 4, DOT>(a, m, g, piece, y, ncols); break;
-        case 1: group_q4_rows_neon<1, 8, DOT>(a, m, g, piece, y, ncols); break;
+        case 3: group_q4_rows_neon<3, 2, DOT>(a, m, g, wb, piece, y, ncols); break;
+        case 2: group_q4_rows_neon<2, 4, DOT>(a, m, g, wb, piece, y, ncols); break;
+        case 1: group_q4_rows_neon<1, 8, DOT>(a, m, g, wb, piece, y, ncols); break;
         default: break;
       }
     }

@@ -114,10 +114,12 @@ at::Tensor blocked_mm_int4(const at::Tensor& x, const at::Tensor& packed, const 
                            int64_t n) {
   const char* name = "blocked_mm_int4";
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
-                  (packed.size(2) == QGB || packed.size(2) == QGB_SYM),
-              name, ": packed must be a uint8 (N/64, K/32, ", QGB, " or ", QGB_SYM, ") tensor");
-  const Checked c = check(x, packed, packed.size(1) * QG, c10::nullopt, bias, n, name);
-  const int64_t M = c.M, G = packed.size(1), nblk = c.nblk;
+                  (packed.size(2) == QGB || packed.size(2) == QGB_SYM || packed.size(2) == QSB),
+              name, ": packed must be a uint8 (N/64, K/32, ", QGB, " or ", QGB_SYM, ") or (N/64, K/256, ", QSB,
+              ") tensor");
+  const int64_t G = packed.size(1) * (packed.size(2) == QSB ? QSG : 1);  // groups of 32 inputs
+  const Checked c = check(x, packed, G * QG, c10::nullopt, bias, n, name);
+  const int64_t M = c.M, nblk = c.nblk;
   const float* bptr = data_or_null(bias);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;

@@ -103,6 +103,55 @@ def int4_quantize(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q, scale, zero
 
 
+INT4_SUPER = 8  # groups per super group in int4's super-block layout (kernels.SUPER)
+
+
+def _float16_above(x: torch.Tensor) -> torch.Tensor:
+    """The float16 values of x (>= 0), rounded up: never below x (a relative 2^-10 and an absolute
+    2^-24 cover float16's rounding, normal or subnormal), as float32."""
+    return (x * (1 + 2.0 ** -10) + 2.0 ** -24).half().float()
+
+
+def int4_quantize_super(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Asymmetric group-wise 4-bit in the super-block layout (kernels.pack_int4_super; llama.cpp's
+    Q4_K scheme with 8-bit codes): (q (out, in) uint8 in 0..15, scale codes (out, in / 32) uint8,
+    offset codes int8, scale factors D and offset factors O (out, in / 256) float32 holding float16
+    values), with w ~ q * (scale code * D) + offset code * O over each group of 32 inputs. Per super
+    group of 8 groups: lo / hi each group's least / largest weight; O = max |lo| / 127 and the
+    offset codes floor(lo / O), so a group's offset o = code * O <= lo (never above its least
+    weight); its step s = (hi - o) / 15; D = max s / 255 and the scale codes ceil(s / D), so the
+    step it gets covers the group (both factors rounded up to float16); q = round((w - o) / step)
+    in 0..15. Costs a weight at most half a step of at most (hi - lo + O) / 15 + D."""
+    out_f, in_f = w.shape
+    span = INT4_GROUP * INT4_SUPER
+    if in_f % span:
+        raise QuickdraftError(f"int4's super-block layout needs input sizes divisible by {span}; this layer has {in_f}")
+    groups = in_f // INT4_GROUP
+    q = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    codes_s = torch.empty(out_f, groups, dtype=torch.uint8, device=w.device)
+    codes_o = torch.empty(out_f, groups, dtype=torch.int8, device=w.device)
+    factor_s = torch.empty(out_f, groups // INT4_SUPER, dtype=torch.float32, device=w.device)
+    factor_o = torch.empty_like(factor_s)
+    for r, c in _row_chunks(w):
+        n = len(c)
+        cg = c.view(n, groups, INT4_GROUP)
+        lo, hi = cg.amin(-1), cg.amax(-1)  # (n, groups)
+        o_f = _float16_above(lo.abs().view(n, -1, INT4_SUPER).amax(-1) / 127)  # (n, supers)
+        o_each = o_f.repeat_interleave(INT4_SUPER, 1)
+        co = torch.where(o_each > 0, torch.floor(lo / o_each.clamp(min=2.0 ** -24)), torch.zeros_like(lo)).clamp_(-127, 127)
+        offset = co * o_each  # (exact: 8 bits times a float16)
+        step = (hi - offset) / 15
+        s_f = _float16_above(step.view(n, -1, INT4_SUPER).amax(-1) / 255)
+        s_each = s_f.repeat_interleave(INT4_SUPER, 1)
+        cs = torch.where(s_each > 0, torch.ceil(step / s_each.clamp(min=2.0 ** -24)), torch.zeros_like(step)).clamp_(0, 255)
+        scale = cs * s_each
+        inv = torch.where(scale > 0, 1 / scale.clamp(min=2.0 ** -40), torch.zeros_like(scale))
+        q[r:r + n] = cg.sub_(offset[..., None]).mul_(inv[..., None]).round_().clamp_(0, 15).view(n, in_f)
+        codes_s[r:r + n], codes_o[r:r + n] = cs, co
+        factor_s[r:r + n], factor_o[r:r + n] = s_f, o_f
+    return q, codes_s, codes_o, factor_s, factor_o
+
+
 def int4_pack(w: torch.Tensor, group: int = INT4_GROUP, inner_k_tiles: int = 2):
     """w (out, in) in PyTorch's CPU int4 layout: (packed uint8, scales_and_zeros (in/group, out, 2)
     bfloat16) for `torch._weight_int4pack_mm_for_cpu`."""

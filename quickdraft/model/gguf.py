@@ -501,11 +501,13 @@ def _four_bit(t: GGUFTensor) -> bool:
     return t.tensor_type.name in FOUR_BIT and len(t.shape) == 2
 
 
-def int4_groups(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def int4_groups(t: GGUFTensor, codes: bool = False) -> tuple[torch.Tensor, ...] | None:
     """A Q4_0 / Q4_1 / Q4_K matrix in the int4 weight format's terms, without re-quantising: q in
     0..15 (out, in) uint8, scale and zero (out, in / 32) float32 with w = (q - 8) * scale + zero.
     Q4_0 stores w = d (q - 8); Q4_1 w = d q + m; Q4_K, per 32 values of a 256-value block,
-    w = (d sc) q - (dmin m) with 6-bit sc and m. None for any other type."""
+    w = (d sc) q - (dmin m) with 6-bit sc and m. With `codes`, a Q4_K matrix comes as the int4
+    kernel's super-block layout takes it (`kernels.pack_int4_super`): (q, sc uint8, -m int8
+    (out, in / 32), d, dmin (out, in / 256) float32). None for any other type."""
     if not _four_bit(t):
         return None
     kind = t.tensor_type.name
@@ -517,9 +519,13 @@ def int4_groups(t: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         blocks = raw.reshape(-1, 144)  # d, dmin (f16), 12 bytes of packed 6-bit scales and mins, 128 of nibbles
         d, dmin = (blocks[:, i:i + 2].view(torch.float16).float() for i in (0, 2))
         sc, m = (torch.from_numpy(np.ascontiguousarray(a)).float() for a in Q4_K.get_scale_min(blocks[:, 4:16].numpy()))
-        scale, low = d * sc, dmin * m  # (blocks, 8): per 32 values
         shifts = torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
         q = ((blocks[:, 16:].reshape(-1, 4, 1, 32) >> shifts) & 0xF).reshape(-1, 32)  # 64 values per 32 bytes: low then high nibbles
+        if codes:
+            return (q.reshape(out_f, in_f), sc.to(torch.uint8).reshape(out_f, in_f // 32),
+                    m.neg().to(torch.int8).reshape(out_f, in_f // 32), d.reshape(out_f, in_f // 256),
+                    dmin.reshape(out_f, in_f // 256))
+        scale, low = d * sc, dmin * m  # (blocks, 8): per 32 values
         zero = 8 * scale - low
     else:
         blocks = raw.reshape(-1, _BLOCKS[kind])
@@ -595,8 +601,9 @@ def gguf_state_dict(g: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, devic
 
 
 def _groups(t: GGUFTensor, n_head: int | None, device: torch.device | str) -> tuple[torch.Tensor, ...]:
-    """4-bit matrix `t`'s int4 groups (`int4_groups`), q / k rows un-permuted over `n_head` heads."""
-    groups = int4_groups(t)
+    """4-bit matrix `t`'s int4 groups (`int4_groups`; Q4_K's as codes and factors), q / k rows
+    un-permuted over `n_head` heads."""
+    groups = int4_groups(t, codes=True)
     if n_head is not None:
         groups = tuple(_unpermute(x, n_head) for x in groups)
     return tuple(x.to(device) for x in groups)

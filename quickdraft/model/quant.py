@@ -44,8 +44,9 @@ from torch import nn
 
 from .. import kernels
 from ..errors import QuickdraftError
-from .formats import (BlockedBF16Linear, BlockedLinear, DenseLinear, FastLinear, Int4BlockedLinear, Int4TorchLinear, Int8BlockedLinear,
-                      Int8TorchLinear, OneDNNLinear, TransposedLinear, int4_quantize)
+from .formats import (INT4_GROUP, INT4_SUPER, BlockedBF16Linear, BlockedLinear, DenseLinear, FastLinear, Int4BlockedLinear,
+                      Int4TorchLinear, Int8BlockedLinear, Int8TorchLinear, OneDNNLinear, TransposedLinear, int4_quantize,
+                      int4_quantize_super)
 
 QUANTIZATIONS = ("none", "int8", "int4")
 
@@ -106,7 +107,16 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
             return make_linear(linears, "int8")
         if source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
             native = [n() if callable(n) else n for n in native]  # (a GGUF's, read now: gguf_state_dict)
-            q, scale, zero = (torch.cat(parts) for parts in zip(*native))
+            if blocked and all(len(n) == 5 for n in native):  # Q4_K's codes and factors: its super-block layout
+                packed = _pack_super([torch.cat(parts) for parts in zip(*native)])
+                if packed is not None:
+                    return Int4BlockedLinear(w, bias, splits, packed, source)
+            q, scale, zero = (torch.cat(parts) for parts in zip(*[_zero_form(n) for n in native]))
+        elif blocked and w.shape[1] % (INT4_GROUP * INT4_SUPER) == 0:  # the super-block layout: 4.625 bits a weight
+            packed = _pack_super(int4_quantize_super(w))
+            if packed is not None:
+                return Int4BlockedLinear(w, bias, splits, packed, source)
+            q, scale, zero = int4_quantize(w)
         else:
             q, scale, zero = int4_quantize(w)
         offset = zero - 8 * scale
@@ -121,6 +131,25 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
                 return Int4BlockedLinear(w, bias, splits, qpacked, source)
         return Int4TorchLinear(w, bias, splits, q, scale, zero, source)
     raise QuickdraftError(f"unknown weight format {fmt!r}")
+
+
+def _pack_super(parts) -> torch.Tensor | None:
+    """(q, scale codes, offset codes, scale factors, offset factors) in the int4 kernel's super-block
+    layout, or None where a factor is beyond float16's range (the float16 layout's path decides)."""
+    try:
+        return kernels.pack_int4_super(*parts)
+    except ValueError:
+        return None
+
+
+def _zero_form(groups: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF matrix's int4 groups as (q, scale, zero), w = (q - 8) * scale + zero: as they are, or
+    from Q4_K's codes and factors (q, scale codes, offset codes, D, O) per group of 32."""
+    if len(groups) == 3:
+        return groups
+    q, codes_s, codes_o, factor_s, factor_o = groups
+    scale = codes_s.float() * factor_s.repeat_interleave(INT4_SUPER, 1)
+    return q, scale, codes_o.float() * factor_o.repeat_interleave(INT4_SUPER, 1) + 8 * scale
 
 
 def weight_format(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:

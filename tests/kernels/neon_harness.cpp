@@ -13,8 +13,9 @@
 //     float32 / bfloat16, [bias (N)]
 //   int8: dims M, K, N, has_bias, pieces; x (M, K), packed int8 (ceil(N/64), 8 ceil(K/32), 256),
 //     scale (N), [bias (N)]
-//   int4: dims M, K, N, has_bias, pieces, symmetric; x (M, K), packed uint8 (ceil(N/64), K/32, 1280;
-//     1152 where symmetric: no offsets), [bias (N)]
+//   int4: dims M, K, N, has_bias, pieces, layout (0: float16 scales and offsets, 1: symmetric, 2:
+//     super-block); x (M, K), packed uint8 (ceil(N/64), K/32, 1280; 1152 where symmetric: no
+//     offsets; (ceil(N/64), K/256, 9472) in the super-block layout), [bias (N)]
 //   attend: dims B, H, Hkv, T, L, D, mask_rows (B or 1), pieces; the float64: scale; q (B, H, T, D),
 //     k and v (B, Hkv, L, D), mask bytes (mask_rows, T, L); attend-f16 / attend-bf16: k and v as
 //     float16 / bfloat16 (a 16-bit KV cache)
@@ -89,8 +90,9 @@ std::vector<float> run_int4(Reader& in, const int64_t* d, const Paths& paths) {
   const int64_t M = d[0], K = d[1], N = d[2], nblk = (N + NB - 1) / NB, G = K / QG;
   if (K % QG) throw std::runtime_error("int4: K must be a multiple of 32");
   const float* x = in.take<float>(M * K);
-  const int64_t gb = d[5] ? QGB_SYM : QGB;
-  const uint8_t* w = in.take<uint8_t>(nblk * G * gb);
+  const int64_t gb = q4_size(int(d[5]));
+  if (gb == QSB && G % QSG) throw std::runtime_error("int4: the super-block layout needs K a multiple of 256");
+  const uint8_t* w = in.take<uint8_t>(nblk * q4_block_bytes(gb, G));
   const float* bias = d[3] ? in.take<float>(N) : nullptr;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(2 * M * G), y(M * N);

@@ -248,6 +248,126 @@ def test_int4_symmetric_layout_is_the_offsets_minus_8_scales_stored(k, n, isa):
     assert not torch.equal(kernels.blocked_mm_int4(x, sym, None, n), kernels.blocked_mm_int4(x, other, None, n))
 
 
+def int4_super_exact_case(n, k, seed=0):
+    """Super-block operands whose scales and offsets (codes times factors) are float16 values:
+    power-of-two factors."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    codes_s = torch.randint(0, 256, (n, k // 32), generator=g)
+    codes_o = torch.randint(-128, 128, (n, k // 32), generator=g)
+    factors = [2.0 ** torch.randint(-14, -6, (n, k // 256), generator=g).float() for _ in range(2)]
+    return q, codes_s, codes_o, *factors
+
+
+# (2048, 130): 64 groups, where 5-6-row groups take the AVX-512 kernel that runs a block's halves in turn (on AMD)
+@pytest.mark.parametrize("k,n", [(256, 64), (512, 70), (1536, 200), (2048, 130), (256, 1)])
+def test_int4_super_block_layout_is_the_scales_and_offsets_its_codes_make(k, n, isa):
+    """The super-block layout (per 8 groups a float16 scale and offset factor per output, per group
+    8-bit codes) reads 1184 bytes a group where the float16 layout reads 1280, and gives the bits
+    of that layout holding code * factor (here float16 values) at every row count, with and
+    without a bias; unpacked, the same nibbles, scales and offsets."""
+    q, cs, co, fs, fo = int4_super_exact_case(n, k, seed=k + n)
+    sup = kernels.pack_int4_super(q, cs, co, fs, fo)
+    assert sup.shape == (-(-n // 64), k // 256, 9472) and kernels.int4_super(sup) and not kernels.int4_symmetric(sup)
+    scale, offset = cs * fs.repeat_interleave(8, 1), co * fo.repeat_interleave(8, 1)
+    stored = kernels.pack_int4(q, scale, offset)
+    q2, s2, o2 = kernels.unpack_int4(sup, n)
+    assert torch.equal(q2, q) and torch.equal(s2, scale) and torch.equal(o2, offset)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 16, 65):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        for b in (bias, None):
+            assert torch.equal(kernels.blocked_mm_int4(x, sup, b, n), kernels.blocked_mm_int4(x, stored, b, n)), m
+    # control: another offset code changes the result
+    co2 = co.clone()
+    co2[0, -1] = co2[0, -1] + (1 if co2[0, -1] < 127 else -1)
+    other = kernels.pack_int4_super(q, cs, co2, fs, fo)
+    assert not torch.equal(kernels.blocked_mm_int4(x, sup, None, n), kernels.blocked_mm_int4(x, other, None, n))
+
+
+@pytest.mark.parametrize("m", [1, 3, 6, 9])
+def test_int4_super_block_layout_is_the_group_wise_matmul(m, isa):
+    """Factors that are any float16 values: codes times factors in float32 (exact), the
+    dequantised weights times the dequantised activations; rows independent; any thread count."""
+    from test_neon import int4_super_case
+
+    n, k = 200, 2048
+    q, cs, co, fs, fo = int4_super_case(n, k, torch.Generator().manual_seed(3))
+    sup = kernels.pack_int4_super(q, cs, co, fs, fo)
+    w = (q.double().view(n, -1, 32) * (cs * fs.repeat_interleave(8, 1)).double()[..., None]
+         + (co * fo.repeat_interleave(8, 1)).double()[..., None]).view(n, k)
+    x, _, b = case(m, k, n, seed=m)
+    want = int4_activations(x) @ w.t() + b.double()
+    got = kernels.blocked_mm_int4(x, sup, b, n)
+    assert (got.double() - want).abs().max() <= 1e-5 * (want.abs().max() + 1)
+    assert torch.equal(torch.cat([kernels.blocked_mm_int4(x[i:i + 1], sup, b, n) for i in range(m)]), got)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.blocked_mm_int4(x, sup, b, n), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int4_super_block_bad_operands_are_clear_errors():
+    q, cs, co, fs, fo = int4_super_exact_case(64, 512)
+    with pytest.raises(ValueError, match="in % 256"):
+        kernels.pack_int4_super(q[:, :288], cs[:, :9], co[:, :9], fs[:, :1], fo[:, :1])
+    with pytest.raises(ValueError, match="codes must be"):
+        kernels.pack_int4_super(q, cs + 1, co, fs, fo)  # a scale code of 256
+    with pytest.raises(ValueError, match="float16 values"):
+        kernels.pack_int4_super(q, cs, co, fs * (1 + 1e-6), fo)
+    with pytest.raises(ValueError, match="float16 values"):
+        kernels.pack_int4_super(q, cs, co, fs * 1e9, fo)
+    sup = kernels.pack_int4_super(q, cs, co, fs, fo)
+    with pytest.raises(RuntimeError, match="9472"):
+        kernels.blocked_mm_int4(torch.randn(2, 512), sup[..., :9000], None, 64)
+
+
+def test_int4_quantize_super_covers_each_group_within_half_its_step():
+    """int4_quantize_super: codes in range, every group's step (scale code * D) covering it from
+    its offset (code * O <= its least weight), so no weight is clipped: each lands within half a
+    step; and its error is near the float16 layout's (the factors cost about 1%)."""
+    from quickdraft.model.formats import int4_quantize, int4_quantize_super
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(192, 1024, generator=g) * 0.02
+    w[:, 5] *= 30  # an outlier input column
+    w[7] = 0.0  # a row of zeros
+    q, cs, co, fs, fo = int4_quantize_super(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and cs.dtype == torch.uint8 and co.dtype == torch.int8
+    assert torch.equal(fs, fs.half().float()) and torch.equal(fo, fo.half().float())
+    step = (cs.float() * fs.repeat_interleave(8, 1))[..., None]
+    offset = (co.float() * fo.repeat_interleave(8, 1))[..., None]
+    wg = w.view(192, -1, 32)
+    assert bool((offset <= wg.amin(-1, keepdim=True)).all()) and bool((offset + 15 * step >= wg.amax(-1, keepdim=True) - 1e-7).all())
+    deq = q.float().view(192, -1, 32) * step + offset
+    assert bool(((deq - wg).abs() <= step / 2 * (1 + 1e-5) + 1e-9).all())
+    assert torch.equal(deq[7], torch.zeros_like(deq[7]))
+    q4, s4, z4 = int4_quantize(w)
+    ref = (q4.float().view(192, -1, 32) - 8) * s4.half().float()[..., None] + (z4 - 8 * s4).half().float()[..., None]
+    err, err_ref = (deq - wg).pow(2).mean().sqrt(), (ref - wg).pow(2).mean().sqrt()
+    assert err <= 1.05 * err_ref, (err, err_ref)
+
+
+def test_int4_format_takes_the_super_block_layout_where_inputs_are_multiples_of_256():
+    if not blocked_supported():
+        pytest.skip("no vector path (AVX-512, AVX2) here: int4 keeps PyTorch's kernel")
+    torch.manual_seed(0)
+    wide, narrow = torch.nn.Linear(512, 96), torch.nn.Linear(288, 96)
+    fast, slow = make_linear([wide], "int4"), make_linear([narrow], "int4")
+    assert kernels.int4_super(fast.qpacked) and fast.qpacked.shape == (2, 2, 9472)
+    assert not kernels.int4_super(slow.qpacked) and slow.qpacked.shape == (2, 9, 1280)
+    assert fast.bytes_read() == 2 * 2 * 9472 + 96 * 4  # 4.625 bits a weight, and the bias
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        w = fast.dequantized(torch.float32)
+        assert (w - wide.weight).abs().max() <= (wide.weight.abs().max() * 2 / 15) / 2 * 1.01  # half a step
+        got = fast(x)
+        assert (got - (x @ w.t() + wide.bias)).abs().max() <= 0.02 * got.abs().max()  # the int8 activations' rounding
+    assert torch.equal(got, torch.cat([fast(x[i:i + 1]) for i in range(3)]))
+
+
 def test_int4_pack_puts_four_inputs_of_one_output_in_each_32_bit_lane():
     n, k = 64, 32
     q = (torch.arange(n)[:, None] * 3 + torch.arange(k)[None]) % 16

@@ -103,6 +103,19 @@ def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, symmetric, threads):
                              f"int4 m={m}")
 
 
+@pytest.mark.parametrize("k,n", [(256, 70), (512, 323), (2048, 130), (256, 1)])
+def test_int4_super_block_matmuls_are_the_same_bits_on_every_path(k, n, threads):
+    from test_neon import int4_super_case
+
+    packed = kernels.pack_int4_super(*int4_super_case(n, k, torch.Generator().manual_seed(k + n)))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    for m in ROWS:
+        x = _x(m, k, m)
+        for b in (bias, None):
+            assert_all_equal(on_every_path(lambda: kernels.blocked_mm_int4(x, packed, b, n), threads, (True, False)),
+                             f"int4 super-block m={m}")
+
+
 def _awkward_groups() -> torch.Tensor:
     """Rows of one group of 32 inputs each, chosen where a quantiser could round or branch another
     way: ties (amax 127, so d = 1 and x * (1 / d) lands on halves: round half to even), the clamp's

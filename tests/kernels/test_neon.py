@@ -84,6 +84,15 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         f"{what}: differs by {(got - want).abs().max().item()} at {int((got != want).sum())} places"
 
 
+def int4_super_case(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random operands of `kernels.pack_int4_super`: nibbles, every scale and offset code, float16 factors."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    codes_s = torch.randint(0, 256, (n, k // 32), generator=g)
+    codes_o = torch.randint(-128, 128, (n, k // 32), generator=g)
+    factors = [(torch.rand(n, k // 256, generator=g) / 2000 + 1e-6).half().float() for _ in range(2)]
+    return q, codes_s, codes_o, *factors
+
+
 def _matmul_cases(kernel: str, k: int, n: int):
     """(name, args for the library, harness dims prefix, harness arrays) per row count."""
     g = torch.Generator().manual_seed(k * n + len(kernel))
@@ -98,6 +107,9 @@ def _matmul_cases(kernel: str, k: int, n: int):
         packed = kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
         scale = torch.rand(n, generator=g) / 100
         lib, extra = lambda x, b: kernels.blocked_mm_int8(x, packed, scale, b, n), [scale]
+    elif kernel == "int4-super":  # the super-block layout: codes and float16 factors
+        packed = kernels.pack_int4_super(*int4_super_case(n, k, g))
+        lib, extra = lambda x, b: kernels.blocked_mm_int4(x, packed, b, n), []
     else:  # int4, int4-sym (the symmetric layout: no offsets)
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
         s = torch.rand(n, k // 32, generator=g) / 50
@@ -109,13 +121,15 @@ def _matmul_cases(kernel: str, k: int, n: int):
         b = bias if m % 2 else None  # with and without a bias, alternately
         pieces = 1 if m < 5 else 3
         arrays = [x, packed, *extra] + ([b] if b is not None else [])
-        dims = [m, k, n, int(b is not None), pieces] + ([1] if kernel == "int4-sym" else [])
+        dims = [m, k, n, int(b is not None), pieces] + ([{"int4-sym": 1, "int4-super": 2}.get(kernel, 0)]
+                                                         if kernel.startswith("int4") else [])
         yield f"{kernel} {k}x{n} m={m} bias={b is not None} pieces={pieces}", lib(x, b), dims, arrays
 
 
 MATMULS = [("f32", 33, 200), ("f32", 577, 323), ("f32", 1, 5), ("bf16", 33, 200), ("bf16", 577, 323), ("bf16", 2, 64),
            ("int8", 33, 200), ("int8", 577, 323), ("int8", 64, 1), ("int8", 576, 130), ("int4", 32, 70), ("int4", 96, 323),
-           ("int4", 576, 200), ("int4", 64, 1), ("int4", 2048, 130), ("int4-sym", 96, 323), ("int4-sym", 576, 70)]
+           ("int4", 576, 200), ("int4", 64, 1), ("int4", 2048, 130), ("int4-sym", 96, 323), ("int4-sym", 576, 70),
+           ("int4-super", 256, 70), ("int4-super", 512, 323), ("int4-super", 2048, 130)]
 
 
 @pytest.mark.parametrize("kernel,k,n", MATMULS)
