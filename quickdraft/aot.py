@@ -129,8 +129,9 @@ def _fingerprint(model: nn.Module, project: bool | None = None) -> str:
 
 def shape_key(model: nn.Module) -> str:
     """What a package depends on besides the weights."""
-    formats = [(name, type(m).__name__, m.out_features, m.in_features) for name, m in model.named_modules()
-               if isinstance(m, FastLinear)]
+    formats = [(name, type(m).__name__, m.out_features, m.in_features,  # (with a packed layout's shape: int4's
+                tuple(m.qpacked.shape) if hasattr(m, "qpacked") else None)   # three layouts share a class)
+               for name, m in model.named_modules() if isinstance(m, FastLinear)]
     spec = {"config": asdict(model.config), "dtype": str(model.dtype), "formats": formats,
             "kv_dtype": str(cache_dtype(model)),
             "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),

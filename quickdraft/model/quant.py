@@ -49,6 +49,10 @@ from .formats import (INT4_GROUP, INT4_SUPER, BlockedBF16Linear, BlockedLinear, 
                       int4_quantize_super)
 
 QUANTIZATIONS = ("none", "int8", "int4")
+# int4 from float weights in the kernel's super-block layout (4.625 bits a weight) where a layer's inputs are
+# a multiple of 256, else its float16 layout (5 bits); False: the float16 layout everywhere (benchmarks
+# compare the two: benchmarks/llamacpp.py's int4-f16 configurations)
+INT4_SUPER_BLOCKS = True
 
 
 def onednn_bf16_supported() -> bool:
@@ -112,7 +116,7 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
                 if packed is not None:
                     return Int4BlockedLinear(w, bias, splits, packed, source)
             q, scale, zero = (torch.cat(parts) for parts in zip(*[_zero_form(n) for n in native]))
-        elif blocked and w.shape[1] % (INT4_GROUP * INT4_SUPER) == 0:  # the super-block layout: 4.625 bits a weight
+        elif blocked and INT4_SUPER_BLOCKS and w.shape[1] % (INT4_GROUP * INT4_SUPER) == 0:  # 4.625 bits a weight
             packed = _pack_super(int4_quantize_super(w))
             if packed is not None:
                 return Int4BlockedLinear(w, bias, splits, packed, source)
