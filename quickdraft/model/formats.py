@@ -427,8 +427,10 @@ class Int8TorchLinear(_Quantised):
 class Int4BlockedLinear(FastLinear):
     """`int4` on quickdraft's blocked kernel (CPU with AVX-512 or AVX2) at every row count:
     activations quantised to int8 per group of 32 (a float32 scale each), integer dot products
-    with the nibbles, float16 scales and offsets; 0.625 byte per weight, resident and read (a GGUF's
-    Q4_0 matrix, symmetric, stores no offsets: 0.5625, `kernels.int4_symmetric`)."""
+    with the nibbles; per group float16 scales and offsets, 0.625 byte per weight resident and read
+    (a GGUF's Q4_0 matrix, symmetric, stores no offsets: 0.5625, `kernels.int4_symmetric`), or in
+    the super-block layout 8-bit codes of float16 factors shared by 8 groups, 0.578
+    (`kernels.int4_super`: float weights whose inputs are a multiple of 256, a GGUF's Q4_K)."""
 
     fmt = "int4"
     calls_kernels = True
