@@ -132,6 +132,13 @@ def _check_structured(data: dict) -> None:
     assert rows["plain"]["valid"] == 1.0 and rows["suffix"]["identical_to_plain"] == rows["suffix"]["requests"] == 3
 
 
+def _check_int4_layouts(out: Path) -> None:
+    # the bundled target's 512-input layers take super-blocks, its 1408-input down projection the float16 layout
+    data = _json(out, "il.json")
+    assert 0.9 < data["bytes_per_token"]["super"] / data["bytes_per_token"]["float16"] < 1.0
+    assert all(v > 0 for row in data["rows"] for v in row["tok_s"].values())
+
+
 CASES: dict[str, Case] = {
     "ar_vs_transformers.py": Case(["--repeats", "1", "--warmup", "0", "--new-tokens", "4", "--prompt-len", "8",
                                    "--out-dir", "{out}"], ["ar_vs_transformers_cpu.json", "ar_vs_transformers_cpu.md"]),
@@ -144,6 +151,8 @@ CASES: dict[str, Case] = {
     "attention_rows.py": Case(["--isas", "portable", "--keys", "16", "--rows", "1", "3", "--repeats", "1", "--calls", "1",
                                "--out", "{out}/attention_rows.json"], ["attention_rows.json"]),
     "blocked_rows.py": Case(["--tiny", "--out", "{out}/blocked_rows.txt"], ["blocked_rows.txt"]),
+    "int4_layouts.py": Case(["--tiny", "--out-dir", "{out}", "--name", "il"], ["il.json", "il.md"],
+                            check=_check_int4_layouts),
     "perplexity.py": Case(["--tiny", "--kv-cache-dtypes", "float32,float16", "--out", "{out}/ppl.txt"], ["ppl.txt"],
                           check=_same_perplexity_through_a_float32_cache),
     "blocked_vs_dense_rows.py": Case(["1", "--tiny", "--out", "{out}/bvd.txt"], ["bvd.txt"]),
