@@ -152,6 +152,17 @@ def int4_quantize_super(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q, codes_s, codes_o, factor_s, factor_o
 
 
+def int4_zero_form(groups: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4 groups as (q, scale, zero), w = (q - 8) * scale + zero per group of 32: as they are, or
+    from the super-block layout's (q, scale codes, offset codes, scale factors D, offset factors O)
+    (a GGUF's Q4_K: scale = code * D, offset = code * O, both exact in float32)."""
+    if len(groups) == 3:
+        return groups
+    q, codes_s, codes_o, factor_s, factor_o = groups
+    scale = codes_s.float() * factor_s.repeat_interleave(INT4_SUPER, 1)
+    return q, scale, codes_o.float() * factor_o.repeat_interleave(INT4_SUPER, 1) + 8 * scale
+
+
 def int4_pack(w: torch.Tensor, group: int = INT4_GROUP, inner_k_tiles: int = 2):
     """w (out, in) in PyTorch's CPU int4 layout: (packed uint8, scales_and_zeros (in/group, out, 2)
     bfloat16) for `torch._weight_int4pack_mm_for_cpu`."""

@@ -636,12 +636,22 @@ def _columns(t: GGUFTensor, start: int, stop: int) -> GGUFTensor | None:
 
 
 def _cut_groups(t: GGUFTensor, groups: tuple[torch.Tensor, ...], start: int, stop: int) -> tuple[torch.Tensor, ...]:
-    """Columns start:stop of int4 groups (q per value; scale, zero per 32 values); an error
-    unless both ends fall on the 32-value groups (a group cannot be split between ranks)."""
+    """Columns start:stop of int4 groups (q per value; scale, zero per 32 values; Q4_K's codes per
+    32 values and factors per 256, kept where both ends fall on 256-value blocks, else as scales and
+    zeros); an error unless both ends fall on the 32-value groups (a group cannot be split between
+    ranks)."""
     if start % 32 or stop % 32:
         raise QuickdraftError(f"{t.name}: columns {start}:{stop} cut its 32-value int4 groups, so its 4-bit blocks "
                               "cannot be kept under this tensor parallelism: use fewer ranks, or quantization None "
                               "or int8")
+    if len(groups) == 5:
+        if start % 256 == 0 and stop % 256 == 0:
+            q, codes_s, codes_o, factor_s, factor_o = groups
+            return (q[:, start:stop], codes_s[:, start // 32:stop // 32], codes_o[:, start // 32:stop // 32],
+                    factor_s[:, start // 256:stop // 256], factor_o[:, start // 256:stop // 256])
+        from .formats import int4_zero_form
+
+        groups = int4_zero_form(groups)
     q, scale, zero = groups
     return q[:, start:stop], scale[:, start // 32:stop // 32], zero[:, start // 32:stop // 32]
 
@@ -649,8 +659,9 @@ def _cut_groups(t: GGUFTensor, groups: tuple[torch.Tensor, ...], start: int, sto
 def read_part(t: GGUFTensor, n_head: int | None, rows: tuple[int, int] | None = None,
               cols: tuple[int, int] | None = None, int4: bool = False):
     """Rows and/or columns of GGUF tensor `t` in Hugging Face order (q / k un-permuted over
-    `n_head` heads), dequantised to float32, or with `int4` its int4 groups (None when `t` is
-    not a 4-bit matrix; an error when the columns cut its 32-value groups).
+    `n_head` heads), dequantised to float32, or with `int4` its int4 groups (`int4_groups`, Q4_K's
+    as codes and factors; None when `t` is not a 4-bit matrix; an error when the columns cut its
+    32-value groups).
 
     Only the needed bytes are read where the format allows:
     - rows: the rows' blocks only (a contiguous byte range). For q / k, whole heads' rows are
@@ -661,7 +672,7 @@ def read_part(t: GGUFTensor, n_head: int | None, rows: tuple[int, int] | None = 
       type's block size (see `_columns`); otherwise every row is dequantised fully and cut.
       Either way a column range reads every row (only its own part of each where aligned).
     1-D tensors (norms, biases) are small: read whole, then cut."""
-    convert = int4_groups if int4 else _dequantize
+    convert = (lambda x: int4_groups(x, codes=True)) if int4 else _dequantize
     if len(t.shape) != 2:
         if int4:
             return None

@@ -46,7 +46,7 @@ from .. import kernels
 from ..errors import QuickdraftError
 from .formats import (INT4_GROUP, INT4_SUPER, BlockedBF16Linear, BlockedLinear, DenseLinear, FastLinear, Int4BlockedLinear,
                       Int4TorchLinear, Int8BlockedLinear, Int8TorchLinear, OneDNNLinear, TransposedLinear, int4_quantize,
-                      int4_quantize_super)
+                      int4_quantize_super, int4_zero_form)
 
 QUANTIZATIONS = ("none", "int8", "int4")
 # int4 from float weights in the kernel's super-block layout (4.625 bits a weight) where a layer's inputs are
@@ -115,7 +115,7 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
                 packed = _pack_super([torch.cat(parts) for parts in zip(*native)])
                 if packed is not None:
                     return Int4BlockedLinear(w, bias, splits, packed, source)
-            q, scale, zero = (torch.cat(parts) for parts in zip(*[_zero_form(n) for n in native]))
+            q, scale, zero = (torch.cat(parts) for parts in zip(*[int4_zero_form(n) for n in native]))
         elif blocked and INT4_SUPER_BLOCKS and w.shape[1] % (INT4_GROUP * INT4_SUPER) == 0:  # 4.625 bits a weight
             packed = _pack_super(int4_quantize_super(w))
             if packed is not None:
@@ -144,16 +144,6 @@ def _pack_super(parts) -> torch.Tensor | None:
         return kernels.pack_int4_super(*parts)
     except ValueError:
         return None
-
-
-def _zero_form(groups: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GGUF matrix's int4 groups as (q, scale, zero), w = (q - 8) * scale + zero: as they are, or
-    from Q4_K's codes and factors (q, scale codes, offset codes, D, O) per group of 32."""
-    if len(groups) == 3:
-        return groups
-    q, codes_s, codes_o, factor_s, factor_o = groups
-    scale = codes_s.float() * factor_s.repeat_interleave(INT4_SUPER, 1)
-    return q, scale, codes_o.float() * factor_o.repeat_interleave(INT4_SUPER, 1) + 8 * scale
 
 
 def weight_format(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str:

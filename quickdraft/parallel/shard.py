@@ -199,11 +199,10 @@ def load_shard(path: Path, plan: ShardPlan, dtype: str | torch.dtype | None, dev
         if rows.shape[0] < plan.vocab_rows:  # the last rank's short share, padded to gather equal parts
             pad = plan.vocab_rows - rows.shape[0]
             rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-            if head_groups:  # padded rows of zeros: q = 8, scale = zero = 0
-                q, scale, zero = head_groups
+            if head_groups:  # padded rows of zeros: q = 8 and every scale, zero, code and factor 0
+                q, *rest = head_groups
                 head_groups = (torch.cat([q, q.new_full((pad, q.shape[1]), 8)]),
-                               torch.cat([scale, scale.new_zeros(pad, scale.shape[1])]),
-                               torch.cat([zero, zero.new_zeros(pad, zero.shape[1])]))
+                               *(torch.cat([x, x.new_zeros(pad, x.shape[1])]) for x in rest))
         model.lm_head = VocabParallelHead(rows, cfg.vocab_size, comm)
         if head_groups:
             model.lm_head.linear.weight.gguf_int4 = head_groups
