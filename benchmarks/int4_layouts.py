@@ -1,12 +1,12 @@
-"""int4's two layouts for float weights, paired in one process: the super-block layout that
-quantization="int4" packs where a layer's inputs are a multiple of 256 (per 8 groups of 32 inputs a
+"""int4's two layouts for float weights, paired in one process: the super-block layout
+(quant.INT4_SUPER_BLOCKS: where a layer's inputs are a multiple of 256, per 8 groups of 32 inputs a
 float16 scale and offset factor per output, per group 8-bit codes: 4.625 bits a weight) against the
-float16 layout it packed before (a float16 scale and offset per group: 5 bits). Both models are
-loaded from the same weights (quant.INT4_SUPER_BLOCKS off for the second), on the ahead-of-time
+float16 layout quantization="int4" packs by default (a float16 scale and offset per group: 5 bits).
+Both models are loaded from the same weights, on the ahead-of-time
 compiled steps by default, and decode the same prompt greedily, one after the other in each
 repeat (the order reversed every other repeat), at each thread count: this VM's memory bandwidth
 drifts by 20-30% within minutes, so only ratios measured side by side mean much. Random weights
-(the big model) say nothing of quality: benchmarks/perplexity.py --formats int4-f16,int4 does.
+(the big model) say nothing of quality: benchmarks/perplexity.py --formats int4,int4-super does.
 
     python benchmarks/int4_layouts.py --model big --threads 1 2 --repeats 5 --out-dir DIR --name NAME
     python benchmarks/int4_layouts.py --tiny   # a smoke test: the bundled target, eager, 8 tokens
@@ -67,6 +67,7 @@ def main() -> None:
                                                             else args.model)
     set_threads(max(args.threads))
     llms, loads = {}, {}
+    default_layout = quant.INT4_SUPER_BLOCKS
     for name, on in LAYOUTS.items():
         quant.INT4_SUPER_BLOCKS = on
         try:
@@ -75,7 +76,7 @@ def main() -> None:
                              compile="aot" if args.compile == "aot" else False)
             loads[name] = time.perf_counter() - started
         finally:
-            quant.INT4_SUPER_BLOCKS = True
+            quant.INT4_SUPER_BLOCKS = default_layout
     ids = llms["super"].tokenizer.encode(PROMPT)
     bytes_per_token = {n: quant.bytes_read_per_token(llm.engine.target) for n, llm in llms.items()}
     steps = {n: type(llm.engine._forward).__name__ for n, llm in llms.items()}

@@ -39,9 +39,9 @@ Configurations (ours vs llama.cpp):
 - f32: dtype float32 vs the F32 GGUF (the outputs should be the same text);
 - bf16: dtype bfloat16 vs the BF16 GGUF (same weights, same bytes per weight);
 - bf16-q8_0: dtype bfloat16 vs Q8_0;  int8-q8_0: quantization="int8" vs Q8_0;
-- int4-q4_0, int4-q4_k_m: quantization="int4" vs Q4_0 / Q4_K_M; int4-f16-q4_0: the same in the
-  int4 kernel's float16 layout (5 bits a weight; quantization="int4" packs super-blocks of 4.625
-  where a layer's inputs are a multiple of 256);
+- int4-q4_0, int4-q4_k_m: quantization="int4" vs Q4_0 / Q4_K_M; int4-super-q4_0: the same in the
+  int4 kernel's super-block layout (4.625 bits a weight against 5, where a layer's inputs are a
+  multiple of 256; quant.INT4_SUPER_BLOCKS, not the default);
 - ngram, suffix: method "ngram" / "suffix", k=8, float32, vs llama-lookup (8 draft tokens,
   F32), editing prompts only. Suffix decoding keeps no outputs across requests
   (global_max_tokens=0), as llama-lookup keeps none (no lookup cache files);
@@ -62,7 +62,7 @@ Configurations (ours vs llama.cpp):
   reference weights (the same bytes: its 4-bit layers as they are, symmetric int4 on our side,
   and its wider token embedding / lm_head), ours with its defaults, as for shipped; decode, and the
   prompt phase as below. gguf-q4_k_m: the same with llama-quantize's Q4_K_M file (its Q4_K layers
-  in the int4 kernel's super-block layout as they are, its Q6_K ones on the int8 kernel).
+  on the int4 kernel, its Q6_K ones on the int8 kernel).
 - long-shipped, long-shipped-f32kv, long-shipped-f16kv: decoding after a 3,000-token prompt
   (stretches of held-out source files, as prefill's; workload "long"), both engines on the shipped
   file: ours with its defaults (a float16 KV cache for its int4 layers), with kv_cache_dtype=
@@ -706,7 +706,7 @@ class Config:
     long: bool = False  # decodes after a LONG_TOKENS-token prompt (workload "long")
     shipped: bool = False  # both engines load the GGUF file as shipped; ours with its defaults
     same_gguf: bool = False  # both engines load llama.cpp's GGUF of kind `gguf`; ours with its defaults
-    int4_float16: bool = False  # ours packs int4 in the kernel's float16 layout (5 bits a weight), not super-blocks
+    int4_super: bool = False  # ours packs int4 in the kernel's super-block layout (quant.INT4_SUPER_BLOCKS)
 
     def resolved(self, models: ModelSet) -> tuple[dict, str]:
         """(ours' LLM keyword arguments, llama.cpp's GGUF kind) for this model."""
@@ -726,9 +726,9 @@ CONFIGS = {c.name: c for c in [
            needs="int4"),
     Config("int4-q4_k_m", {"dtype": "float32", "quantization": "int4"}, "llama-completion", "Q4_K_M",
            PLAIN_FLAGS, needs="int4"),
-    # int4 in the layout quantization="int4" packed before the super-block one (float16 scales and offsets)
-    Config("int4-f16-q4_0", {"dtype": "float32", "quantization": "int4"}, "llama-completion", "Q4_0", PLAIN_FLAGS,
-           needs="int4", int4_float16=True),
+    # int4 in the kernel's super-block layout (4.625 bits a weight, against the float16 layout's 5; not the default)
+    Config("int4-super-q4_0", {"dtype": "float32", "quantization": "int4"}, "llama-completion", "Q4_0", PLAIN_FLAGS,
+           needs="int4", int4_super=True),
     # prefill: the model's reference weights (f32 / bf16), int8 vs Q8_0, int4 vs Q4_0
     Config("prefill", {}, "llama-completion", "", PLAIN_FLAGS, reference=True, prefill=True),
     Config("prefill-int8-q8_0", {"dtype": "float32", "quantization": "int8"}, "llama-completion", "Q8_0",
@@ -934,11 +934,11 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             started = time.perf_counter()
             draft = models.draft if config.draft else models.head if config.head else None
             target = peer_file if config.shipped or config.same_gguf else models.target
-            quant.INT4_SUPER_BLOCKS = not config.int4_float16
+            default_layout, quant.INT4_SUPER_BLOCKS = quant.INT4_SUPER_BLOCKS, config.int4_super
             try:
                 llm = LLM(target, draft=draft, **kwargs, policy="fixed")
             finally:
-                quant.INT4_SUPER_BLOCKS = True
+                quant.INT4_SUPER_BLOCKS = default_layout
             load_s = time.perf_counter() - started
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks
             log(f"{name} {cname}: skipped (quickdraft could not load it: {exc})")

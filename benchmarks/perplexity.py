@@ -63,7 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="a catalogue name, bundled model or folder")
     p.add_argument("--formats", default="none,int8,int4", help="quantizations, comma-separated (none: float32; "
-                   "int4-f16: int4 in the kernel's float16 layout, not its super-block one where that fits)")
+                   "int4-super: int4 in the kernel's super-block layout where it fits, not the float16 one)")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--kv-cache-dtypes", default=None,
                    help="comma-separated KV cache types (float32, float16, bfloat16): score through a cache of each")
@@ -83,10 +83,10 @@ def main() -> None:
     how = "one forward pass" + (f", then through a KV cache filled {args.chunk} tokens at a time" if args.kv_cache_dtypes else "")
     lines = [f"# {args.model}: perplexity over the first {args.tokens} tokens of each text, {how}, 1 thread"]
     for fmt in args.formats.split(","):
-        quantization = {"none": None, "int4-f16": "int4"}.get(fmt, fmt)
-        quant.INT4_SUPER_BLOCKS = fmt != "int4-f16"  # int4-f16: int4 in the kernel's float16 layout everywhere
+        quantization = {"none": None, "int4-super": "int4"}.get(fmt, fmt)
+        default_layout, quant.INT4_SUPER_BLOCKS = quant.INT4_SUPER_BLOCKS, fmt == "int4-super"
         model = prepare(load_model(path, dtype=torch.float32, quantization=quantization), quantization)
-        quant.INT4_SUPER_BLOCKS = True
+        quant.INT4_SUPER_BLOCKS = default_layout
         for g, ids in texts.items():
             for kv in [None] + (args.kv_cache_dtypes.split(",") if args.kv_cache_dtypes else []):
                 t = time.perf_counter()

@@ -1,7 +1,7 @@
 """A verify step's cost against a one-token step, T(q) / T(1) for q = 1..9 query rows, per
 instruction-set path (kernels.use_isa: AVX-512, AVX2 + FMA forced on an AVX-512 machine) and
-weight format (float32, bfloat16, int8, int4; float32 activations; int4-f16: int4 in the kernel's
-float16 layout where int4 packs super-blocks), on SmolLM2-135M and on a
+weight format (float32, bfloat16, int8, int4; float32 activations; int4-super: int4 in the kernel's
+super-block layout, quant.INT4_SUPER_BLOCKS), on SmolLM2-135M and on a
 randomly initialised model of SmolLM2-1.7B's shape (24 layers, hidden 2048, MLP 8192, 32 heads,
 vocabulary 49,152; its speed is that of the real one: same shapes, same kernels). Batch 1, one
 prompt's context in the cache (400 tokens by default), the whole model's forward (eager by
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 FORMATS = {"f32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("float32", "int8"),
-           "int4": ("float32", "int4"), "int4-f16": ("float32", "int4")}  # int4-f16: int4's float16 layout everywhere
+           "int4": ("float32", "int4"), "int4-super": ("float32", "int4")}  # int4-super: its super-block layout
 # SmolLM2-1.7B's config.json (HuggingFaceTB/SmolLM2-1.7B-Instruct), weights random
 SHAPE_17B = dict(model_type="llama", vocab_size=49152, hidden_size=2048, intermediate_size=8192,
                  num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32, head_dim=64,
@@ -66,11 +66,11 @@ def load(model: str, fmt: str, layers: int | None):
         net.model.layers = net.model.layers[:layers]
     from quickdraft.model import quant
 
-    quant.INT4_SUPER_BLOCKS = fmt != "int4-f16"  # (not the super-block layout where inputs are multiples of 256)
+    default_layout, quant.INT4_SUPER_BLOCKS = quant.INT4_SUPER_BLOCKS, fmt == "int4-super"
     try:
         return prepare(net, quantization)
     finally:
-        quant.INT4_SUPER_BLOCKS = True
+        quant.INT4_SUPER_BLOCKS = default_layout
 
 
 def measure(args, model: str, fmt: str) -> dict:

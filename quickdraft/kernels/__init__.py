@@ -505,8 +505,8 @@ def pack_int4_super(q: torch.Tensor, scale_codes: torch.Tensor, offset_codes: to
     (256 inputs) a scale factor D and an offset factor O (out, in / 256), float16 values. Over
     each group w = q * (scale code * D) + offset code * O (both products exact in float32).
     Returns uint8 (ceil(out / 64), in / 256, 9472): per 64-output block and super group, the 64 D
-    then the 64 O as float16, then per group its nibbles as `pack_int4`'s, its 64 scale codes and
-    its 64 offset codes: 4.625 bits a weight. Raises ValueError on other shapes or a factor that
+    then the 64 O as float16, then per group its nibbles as `pack_int4`'s and per half of the
+    outputs (32 each) their 32 scale codes then their 32 offset codes: 4.625 bits a weight. Raises ValueError on other shapes or a factor that
     is not a finite float16."""
     n, k = q.shape
     groups = k // GROUP
@@ -531,8 +531,9 @@ def pack_int4_super(q: torch.Tensor, scale_codes: torch.Tensor, offset_codes: to
         t = torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
         return t.view(blocks, BLOCK, -1).transpose(1, 2).contiguous().view(torch.uint8)
 
-    pieces = torch.cat([grouped[..., :GROUP * BLOCK // 2], per_output(scale_codes, torch.uint8),
-                        per_output(offset_codes, torch.int8)], dim=2)  # (blocks, groups, 1152)
+    codes = torch.stack([per_output(scale_codes, torch.uint8).view(blocks, groups, 2, 32),
+                         per_output(offset_codes, torch.int8).view(blocks, groups, 2, 32)], dim=3)  # (.., half, kind, 32)
+    pieces = torch.cat([grouped[..., :GROUP * BLOCK // 2], codes.reshape(blocks, groups, 2 * BLOCK)], dim=2)  # 1152
     header = torch.cat([per_output(h, torch.float16) for h in half], dim=2)  # (blocks, supers, 256)
     out = torch.cat([header, pieces.view(blocks, supers, -1)], dim=2)
     return weights_memory(out)
@@ -562,8 +563,9 @@ def unpack_int4(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
         def per_output(t: torch.Tensor) -> torch.Tensor:  # (blocks, cols, 64) -> (n, cols)
             return t.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
 
-        codes_s = per_output(pieces[..., size:size + BLOCK]).float()
-        codes_o = per_output(pieces[..., size + BLOCK:size + 2 * BLOCK].contiguous().view(torch.int8)).float()
+        codes = pieces[..., size:].reshape(blocks, supers * SUPER, 2, 2, 32)  # (.., half, kind, 32)
+        codes_s = per_output(codes[..., 0, :].reshape(blocks, supers * SUPER, BLOCK)).float()
+        codes_o = per_output(codes[..., 1, :].reshape(blocks, supers * SUPER, BLOCK).contiguous().view(torch.int8)).float()
         factor_s = per_output(header[..., :BLOCK]).repeat_interleave(SUPER, dim=1)
         factor_o = per_output(header[..., BLOCK:]).repeat_interleave(SUPER, dim=1)
         return q, codes_s * factor_s, codes_o * factor_o

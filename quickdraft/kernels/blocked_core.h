@@ -717,7 +717,9 @@ constexpr int64_t QGB_SYM = QG * NB / 2 + NB * 2;  // the symmetric layout's: 10
 // is a multiple of QSG): packed (N/64, G/8, QSB), per block and super group of QSG = 8 groups (256
 // inputs) one contiguous QSB-byte piece: a header of 64 float16 scale factors D then 64 float16
 // offset factors O (one per output), then the 8 groups' pieces of QSP bytes each: the nibbles as
-// above, 64 scale codes (uint8) and 64 offset codes (int8). A group's s = float(scale code) * D and
+// above, then per half h of the outputs (32h .. 32h + 31) one 64-byte line: their 32 scale codes
+// (uint8), then their 32 offset codes (int8), so a pass over one half of a block (the AVX-512 5-6-row
+// kernel's) reads only its own lines, as in the float16 layout. A group's s = float(scale code) * D and
 // o = float(offset code) * O: both products exact in float32 (8 bits times float16's 11), so every
 // path gets the same floats and the epilogue below is unchanged; 4.625 bits a weight, against 5
 // (float16 scales and offsets) and Q4_K's 4.5 (6-bit codes packed: unpacked here to whole bytes).
@@ -735,6 +737,8 @@ inline const uint8_t* q4_piece(const uint8_t* wb, int64_t gb, int64_t g) {
   return gb == QSB ? wb + (g / QSG) * QSB + QSH + (g % QSG) * QSP : wb + g * gb;
 }
 inline const uint8_t* q4_header(const uint8_t* wb, int64_t g) { return wb + (g / QSG) * QSB; }
+// In a super-block piece, output o's scale code (its offset code 32 bytes further).
+constexpr int64_t q4_code_at(int64_t o) { return 1024 + 64 * (o / 32) + o % 32; }
 // Bytes of a piece (what a path prefetches per group).
 constexpr int64_t q4_piece_bytes(int64_t gb) { return gb == QSB ? QSP : gb; }
 
@@ -847,8 +851,8 @@ inline void q4_scale_offset(const uint8_t* wb, int64_t gb, int64_t g, const uint
                             float& o) {
   if (gb == QSB) {  // codes times the super group's factors (exact)
     const uint8_t* h = q4_header(wb, g);
-    s = float(piece[1024 + n]) * half_to_float(h + 2 * n);
-    o = float(int8_t(piece[1088 + n])) * half_to_float(h + 128 + 2 * n);
+    s = float(piece[q4_code_at(n)]) * half_to_float(h + 2 * n);
+    o = float(int8_t(piece[q4_code_at(n) + 32])) * half_to_float(h + 128 + 2 * n);
     return;
   }
   s = half_to_float(piece + 1024 + 2 * n);
@@ -922,6 +926,17 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void nibbles16
   hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 }
 
+// A super group's header lines read before its pieces' (the order a stream prefetcher follows; the
+// epilogue reads them after the first group's nibbles otherwise): lines first, first + step, ...
+// (4 lines: D then O), in each of NBLK blocks bb bytes apart.
+template <int NBLK>
+__attribute__((target("avx512f"), always_inline)) inline void q4_touch_header(const uint8_t* wb, int64_t bb, int64_t g,
+                                                                             int first, int step) {
+  for (int blk = 0; blk < NBLK; ++blk)
+    for (int line = first; line < 4; line += step)
+      _mm_prefetch(reinterpret_cast<const char*>(q4_header(wb + blk * bb, g)) + 64 * line, _MM_HINT_T0);
+}
+
 // Outputs o .. o + 15's scales and offsets in group g (piece: its piece in the block at wb), layout L.
 template <int L>
 __attribute__((target("avx512f,avx512bw,f16c"), always_inline)) inline void q4_scales16(const uint8_t* wb, int64_t g,
@@ -929,8 +944,8 @@ __attribute__((target("avx512f,avx512bw,f16c"), always_inline)) inline void q4_s
                                                                                         __m512& sc, __m512& of) {
   if constexpr (L == Q4_SUPER) {
     const uint8_t* h = q4_header(wb, g);
-    const __m128i cs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1024 + o));
-    const __m128i co = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 1088 + o));
+    const __m128i cs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + q4_code_at(o)));
+    const __m128i co = _mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + q4_code_at(o) + 32));
     sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(cs)),
                        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 2 * o))));
     of = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(co)),
@@ -961,6 +976,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
     for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, b);
   }
   for (int64_t g = 0; g < G; ++g) {
+    if constexpr (L == Q4_SUPER)
+      if (g % QSG == 0) q4_touch_header<NBLK>(wb, bb, g, 0, 1);
     __m512i acc[MR][V];
 #pragma GCC unroll 16
     for (int j = 0; j < V; ++j)
@@ -1043,6 +1060,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
       for (int r = 0; r < MR; ++r) f[r][e] = b;
     }
     for (int64_t g = 0; g < G; ++g) {
+      if constexpr (L == Q4_SUPER)
+        if (g % QSG == 0) q4_touch_header<1>(wb, 0, g, h, 2);  // (this half's: lines h and 2 + h)
       const uint8_t* piece = q4_piece(wb, gb, g);
       const int8_t* xq = x.q + g * QG;
       __m512i acc[MR][2];
@@ -1164,8 +1183,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void q4_scales8(c
                                                                                __m256& sc, __m256& of) {
   if constexpr (L == Q4_SUPER) {
     const uint8_t* h = q4_header(wb, g);
-    const __m128i cs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 1024 + o));
-    const __m128i co = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + 1088 + o));
+    const __m128i cs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + q4_code_at(o)));
+    const __m128i co = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(piece + q4_code_at(o) + 32));
     sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(cs)),
                        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * o))));
     of = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(co)),
@@ -2743,8 +2762,8 @@ inline void q4_scales4(const uint8_t* wb, int64_t gb, int64_t g, const uint8_t* 
   if (gb == QSB) {
     const uint8_t* h = q4_header(wb, g);
     uint32_t cs, co;
-    std::memcpy(&cs, piece + 1024 + o, 4);
-    std::memcpy(&co, piece + 1088 + o, 4);
+    std::memcpy(&cs, piece + q4_code_at(o), 4);
+    std::memcpy(&co, piece + q4_code_at(o) + 32, 4);
     const uint32x4_t us = vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(cs))));
     const int32x4_t os = vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(co))));
     sc = vmulq_f32(vcvtq_f32_u32(us), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(h + 2 * o)))));

@@ -441,7 +441,8 @@ class Int4BlockedLinear(FastLinear):
     with the nibbles; per group float16 scales and offsets, 0.625 byte per weight resident and read
     (a GGUF's Q4_0 matrix, symmetric, stores no offsets: 0.5625, `kernels.int4_symmetric`), or in
     the super-block layout 8-bit codes of float16 factors shared by 8 groups, 0.578
-    (`kernels.int4_super`: float weights whose inputs are a multiple of 256, a GGUF's Q4_K)."""
+    (`kernels.int4_super`; with quant.INT4_SUPER_BLOCKS: float weights whose inputs are a multiple
+    of 256, a GGUF's Q4_K)."""
 
     fmt = "int4"
     calls_kernels = True

@@ -16,7 +16,7 @@
   | `blocked_bf16` | CPU bfloat16 with AVX-512 or AVX2 + FMA (native bf16 or not) | quickdraft's blocked kernel, bf16 blocks widened to float32 in registers (exact), float32 sums | half of `blocked`'s bytes (SmolLM2's lm_head: 0.47x its time at 1 row) | as `blocked`; prefill on the kernel |
   | `onednn` | CPU bfloat16 with native bf16 where quickdraft's kernels do not run | oneDNN's packed bf16 GEMM (AMX / AVX512-BF16) | as F.linear or better | k+1 rows cost ~1 row; prefill on AMX (not row-invariant) |
   | `int8` | any | per-channel scales; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (activations quantised to int8 per group of 32 as int4's, integer dot products (VNNI where the CPU has it), the scales applied once per output), else `torch._weight_int8pack_mm` (bf16 activations on CPU) | 1 byte/weight | blocked: k+1 rows ~1 row, the kernel at every row count; PyTorch's: past 16 rows dequantised to bf16, dense GEMM |
-  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (activations quantised to int8 per group of 32, integer dot products (VNNI where the CPU has it)); from float weights whose inputs are a multiple of 256 the super-block layout (per 8 groups a float16 scale and offset factor per output, per group 8-bit codes: llama.cpp's Q4_K scheme, a GGUF's Q4_K as it is), else float16 scales and offsets (a GGUF's Q4_0 without offsets), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.578 byte/weight (super-blocks; float16 layout 0.625, Q4_0 0.5625) | blocked: k+1 rows ~1 row, the kernel at every row count (as int8); PyTorch's: past 16 rows from an unpacked uint8 copy (1 byte/weight more resident) to bf16, dense GEMM |
+  | `int4` | CPU | groups of 32, asymmetric; CPU with AVX-512 or AVX2: quickdraft's blocked kernel (activations quantised to int8 per group of 32, integer dot products (VNNI where the CPU has it), float16 scales and offsets; a GGUF's Q4_0 without offsets; with INT4_SUPER_BLOCKS, where inputs are a multiple of 256, super-blocks: per 8 groups a float16 scale and offset factor per output, per group 8-bit codes, a GGUF's Q4_K as it is), else `torch._weight_int4pack_mm_for_cpu` (bf16) | 0.625 byte/weight (Q4_0: 0.5625; super-blocks 0.578) | blocked: k+1 rows ~1 row, the kernel at every row count (as int8); PyTorch's: past 16 rows from an unpacked uint8 copy (1 byte/weight more resident) to bf16, dense GEMM |
 
   Where PyTorch has no such kernel for the device (int8 on CUDA, int4 everywhere but CPU) the
   matmul dequantises per call (a fallback, labelled as such in its repr).
@@ -49,10 +49,12 @@ from .formats import (INT4_GROUP, INT4_SUPER, BlockedBF16Linear, BlockedLinear, 
                       int4_quantize_super, int4_zero_form)
 
 QUANTIZATIONS = ("none", "int8", "int4")
-# int4 from float weights in the kernel's super-block layout (4.625 bits a weight) where a layer's inputs are
-# a multiple of 256, else its float16 layout (5 bits); False: the float16 layout everywhere (benchmarks
-# compare the two: benchmarks/llamacpp.py's int4-f16 configurations)
-INT4_SUPER_BLOCKS = True
+# True: int4 in the kernel's super-block layout (4.625 bits a weight, against the float16 layout's 5) where a
+# layer's inputs are a multiple of 256, and a GGUF's Q4_K with its own codes. Off by default: on an AMD EPYC
+# Zen 4 it decodes 4-7% faster (fewer bytes) but its 5-6-row AVX-512 kernel (a verify step of k = 4-5) took
+# 1.2-1.5x the float16 layout's time, GCC spilling its registers (benchmarks/results/verify_table_int4_super_
+# zen4_cpu.md); benchmarks turn it on to compare (int4_layouts.py, llamacpp.py's int4-super-q4_0)
+INT4_SUPER_BLOCKS = False
 
 
 def onednn_bf16_supported() -> bool:
@@ -111,7 +113,7 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
             return make_linear(linears, "int8")
         if source:  # a GGUF's Q4_0 / Q4_1 / Q4_K blocks, as they are: no second rounding
             native = [n() if callable(n) else n for n in native]  # (a GGUF's, read now: gguf_state_dict)
-            if blocked and all(len(n) == 5 for n in native):  # Q4_K's codes and factors: its super-block layout
+            if blocked and INT4_SUPER_BLOCKS and all(len(n) == 5 for n in native):  # Q4_K's codes and factors
                 packed = _pack_super([torch.cat(parts) for parts in zip(*native)])
                 if packed is not None:
                     return Int4BlockedLinear(w, bias, splits, packed, source)

@@ -350,11 +350,16 @@ def test_int4_quantize_super_covers_each_group_within_half_its_step():
     assert err <= 1.05 * err_ref, (err, err_ref)
 
 
-def test_int4_format_takes_the_super_block_layout_where_inputs_are_multiples_of_256():
+def test_int4_format_takes_the_super_block_layout_where_inputs_are_multiples_of_256(monkeypatch):
+    """With quant.INT4_SUPER_BLOCKS (off by default: the float16 layout everywhere)."""
     if not blocked_supported():
         pytest.skip("no vector path (AVX-512, AVX2) here: int4 keeps PyTorch's kernel")
+    from quickdraft.model import quant
+
     torch.manual_seed(0)
     wide, narrow = torch.nn.Linear(512, 96), torch.nn.Linear(288, 96)
+    assert not kernels.int4_super(make_linear([wide], "int4").qpacked)  # the default
+    monkeypatch.setattr(quant, "INT4_SUPER_BLOCKS", True)
     fast, slow = make_linear([wide], "int4"), make_linear([narrow], "int4")
     assert kernels.int4_super(fast.qpacked) and fast.qpacked.shape == (2, 2, 9472)
     assert not kernels.int4_super(slow.qpacked) and slow.qpacked.shape == (2, 9, 1280)

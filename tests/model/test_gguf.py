@@ -16,6 +16,7 @@ import torch
 from quickdraft import LLM, QuickdraftError, SamplingParams, UnsupportedModelError, kernels
 from quickdraft.model.gguf import GGUF_POINTER, convert_gguf, read_gguf
 from quickdraft.model.loader import checkpoint_dir, load_model
+from quickdraft.model import quant
 from quickdraft.model.quant import blocked_supported
 from quickdraft.model.tokenizer import Tokenizer, eos_token_ids
 
@@ -348,8 +349,19 @@ def test_4bit_blocks_load_into_int4_as_they_are(tmp_path, qtype):
     assert "from GGUF blocks" in repr(up)
     got = up.dequantized(torch.float32)[up.splits[0]:]
     assert (got - ref).abs().max() <= 2 ** -7 * ref.abs().max()  # bf16 scales: 8 significant bits
-    if qtype == "Q4_K" and blocked_supported():  # its codes and factors as they are: the file's values exactly
-        assert kernels.int4_super(up.qpacked) and torch.equal(got, ref)
+    if qtype == "Q4_K" and blocked_supported():  # the float16 layout by default; super-blocks on request
+        assert not kernels.int4_super(up.qpacked)
+        quant.INT4_SUPER_BLOCKS = True
+        try:  # its codes and factors as they are: the file's values exactly, and lossless speculation on them
+            sup = LLM(target=path, draft=path, dtype="float32", quantization="int4", draft_quantization="int4",
+                      num_speculative_tokens=3, policy="fixed")
+            sup_plain = LLM(target=path, dtype="float32", quantization="int4", policy="fixed")
+        finally:
+            quant.INT4_SUPER_BLOCKS = False
+        sup_up = sup.target.model.layers[0].mlp.gate_up_proj
+        assert kernels.int4_super(sup_up.qpacked) and torch.equal(sup_up.dequantized(torch.float32)[up.splits[0]:], ref)
+        p, sp = [5, 9, 14, 3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        assert sup.generate([p], sp)[0].token_ids == sup_plain.generate([p], sp)[0].token_ids
     prompt, params = [5, 9, 14, 3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(target=path, dtype="float32", quantization="int4", policy="fixed")
     assert llm.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
