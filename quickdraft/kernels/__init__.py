@@ -499,15 +499,17 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None)
 
 def pack_int4_super(q: torch.Tensor, scale_codes: torch.Tensor, offset_codes: torch.Tensor,
                     scale_factors: torch.Tensor, offset_factors: torch.Tensor) -> torch.Tensor:
-    """Group-wise 4-bit weights in the int4 kernel's super-block layout (a GGUF's Q4_K as it is):
+    """Group-wise 4-bit weights in the int4 kernel's super-block layout (a GGUF's Q4_K as it is;
+    `quant.INT4_SUPER_BLOCKS` turns it on for models):
     q (out, in) in 0..15 as for `pack_int4`; per output and group of 32 inputs a scale code in
     0..255 and an offset code in -128..127 (out, in / 32); per output and super group of 8 groups
     (256 inputs) a scale factor D and an offset factor O (out, in / 256), float16 values. Over
     each group w = q * (scale code * D) + offset code * O (both products exact in float32).
     Returns uint8 (ceil(out / 64), in / 256, 9472): per 64-output block and super group, the 64 D
     then the 64 O as float16, then per group its nibbles as `pack_int4`'s and per half of the
-    outputs (32 each) their 32 scale codes then their 32 offset codes: 4.625 bits a weight. Raises ValueError on other shapes or a factor that
-    is not a finite float16."""
+    outputs (32 each) their 32 scale codes then their 32 offset codes: 4.625 bits a weight.
+    Raises ValueError on other shapes, codes out of range, or a factor that is not a finite
+    float16."""
     n, k = q.shape
     groups = k // GROUP
     if (k % (GROUP * SUPER) or scale_codes.shape != (n, groups) or offset_codes.shape != (n, groups)

@@ -713,8 +713,8 @@ constexpr int64_t QG = 32;                         // inputs per group
 constexpr int64_t QGB = QG * NB / 2 + 2 * NB * 2;  // bytes per (block, group): 1024 + 256
 constexpr int64_t QGB_SYM = QG * NB / 2 + NB * 2;  // the symmetric layout's: 1024 + 128 (no offsets)
 
-// The super-block layout (a GGUF's Q4_K as it is, and quantisation="int4" where every group count
-// is a multiple of QSG): packed (N/64, G/8, QSB), per block and super group of QSG = 8 groups (256
+// The super-block layout (with quant.INT4_SUPER_BLOCKS: a GGUF's Q4_K as it is, and quantization="int4"
+// where the group count is a multiple of QSG): packed (N/64, G/8, QSB), per block and super group of QSG = 8 groups (256
 // inputs) one contiguous QSB-byte piece: a header of 64 float16 scale factors D then 64 float16
 // offset factors O (one per output), then the 8 groups' pieces of QSP bytes each: the nibbles as
 // above, then per half h of the outputs (32h .. 32h + 31) one 64-byte line: their 32 scale codes
@@ -723,6 +723,11 @@ constexpr int64_t QGB_SYM = QG * NB / 2 + NB * 2;  // the symmetric layout's: 10
 // o = float(offset code) * O: both products exact in float32 (8 bits times float16's 11), so every
 // path gets the same floats and the epilogue below is unchanged; 4.625 bits a weight, against 5
 // (float16 scales and offsets) and Q4_K's 4.5 (6-bit codes packed: unpacked here to whole bytes).
+// Not the default yet: a verify step of 5 / 6 rows (block_rows_q4_halves) took 1.37x / 1.26x the
+// float16 layout's time from DRAM (one row 0.89x; benchmarks/results/verify_table_int4_super_zen4_cpu.md),
+// though only 1.04-1.09x with the weights in L3. GCC spills the quads' weights there (the codes'
+// conversion takes registers); an asm load ended the spills at 5 rows but not the gap (1.2-1.3x from
+// DRAM, 1 thread), so the rest is how that kernel's every-other-line reads stream this layout.
 constexpr int64_t QSG = 8;                          // groups per super group
 constexpr int64_t QSP = QG * NB / 2 + 2 * NB;       // bytes of one group in it: 1024 + 64 + 64
 constexpr int64_t QSH = 4 * NB;                     // its header: 64 D + 64 O, float16
