@@ -186,6 +186,17 @@ def int4_case(n, k, seed=0):
     return q, scale, offset
 
 
+def assert_rows_alone_and_two_threads_give(got: torch.Tensor, mm, x: torch.Tensor) -> None:
+    """`mm` of each row of x alone, and of all of x on 2 threads, gives `got`'s bits."""
+    assert torch.equal(torch.cat([mm(x[i:i + 1]) for i in range(len(x))]), got)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(mm(x), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def int4_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the int4 kernel quantises it (blocked_core.h's int4 section): per row and group of 32,
     d = amax / 127, a = rne(x * (1 / d)) in float32; returned dequantised (a * d) in float64."""
@@ -215,14 +226,7 @@ def test_int4_blocks_are_the_group_wise_matmul_and_rows_stay_independent(m, k, n
     # against float activations: the int8 rounding (half a step of amax / 127 per input) alone
     exact = x.double() @ w.t() + b.double()
     assert (got.double() - exact).abs().max() <= 2e-2 * (exact.abs().max() + 1)
-    alone = torch.cat([kernels.blocked_mm_int4(x[i:i + 1], packed, b, n) for i in range(m)])
-    assert torch.equal(alone, got)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(kernels.blocked_mm_int4(x, packed, b, n), got)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_alone_and_two_threads_give(got, lambda rows: kernels.blocked_mm_int4(rows, packed, b, n), x)
 
 
 @pytest.mark.parametrize("k,n", [(96, 70), (576, 200), (64, 1)])
@@ -300,13 +304,7 @@ def test_int4_super_block_layout_is_the_group_wise_matmul(m, isa):
     want = int4_activations(x) @ w.t() + b.double()
     got = kernels.blocked_mm_int4(x, sup, b, n)
     assert (got.double() - want).abs().max() <= 1e-5 * (want.abs().max() + 1)
-    assert torch.equal(torch.cat([kernels.blocked_mm_int4(x[i:i + 1], sup, b, n) for i in range(m)]), got)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(kernels.blocked_mm_int4(x, sup, b, n), got)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_alone_and_two_threads_give(got, lambda rows: kernels.blocked_mm_int4(rows, sup, b, n), x)
 
 
 def test_int4_super_block_bad_operands_are_clear_errors():
