@@ -67,16 +67,12 @@ def main() -> None:
                                                             else args.model)
     set_threads(max(args.threads))
     llms, loads = {}, {}
-    default_layout = quant.INT4_SUPER_BLOCKS
     for name, on in LAYOUTS.items():
-        quant.INT4_SUPER_BLOCKS = on
-        try:
+        with quant.int4_super_blocks(on):
             started = time.perf_counter()
             llms[name] = LLM(target, quantization="int4", method="none", device="cpu",
                              compile="aot" if args.compile == "aot" else False)
             loads[name] = time.perf_counter() - started
-        finally:
-            quant.INT4_SUPER_BLOCKS = default_layout
     ids = llms["super"].tokenizer.encode(PROMPT)
     bytes_per_token = {n: quant.bytes_read_per_token(llm.engine.target) for n, llm in llms.items()}
     steps = {n: type(llm.engine._forward).__name__ for n, llm in llms.items()}

@@ -934,11 +934,8 @@ def benchmark_model(name: str, llama: LlamaCpp, args) -> dict:
             started = time.perf_counter()
             draft = models.draft if config.draft else models.head if config.head else None
             target = peer_file if config.shipped or config.same_gguf else models.target
-            default_layout, quant.INT4_SUPER_BLOCKS = quant.INT4_SUPER_BLOCKS, config.int4_super
-            try:
+            with quant.int4_super_blocks(config.int4_super):
                 llm = LLM(target, draft=draft, **kwargs, policy="fixed")
-            finally:
-                quant.INT4_SUPER_BLOCKS = default_layout
             load_s = time.perf_counter() - started
         except (QuickdraftError, RuntimeError, NotImplementedError) as exc:  # e.g. a kernel this CPU lacks
             log(f"{name} {cname}: skipped (quickdraft could not load it: {exc})")

@@ -84,9 +84,8 @@ def main() -> None:
     lines = [f"# {args.model}: perplexity over the first {args.tokens} tokens of each text, {how}, 1 thread"]
     for fmt in args.formats.split(","):
         quantization = {"none": None, "int4-super": "int4"}.get(fmt, fmt)
-        default_layout, quant.INT4_SUPER_BLOCKS = quant.INT4_SUPER_BLOCKS, fmt == "int4-super"
-        model = prepare(load_model(path, dtype=torch.float32, quantization=quantization), quantization)
-        quant.INT4_SUPER_BLOCKS = default_layout
+        with quant.int4_super_blocks(fmt == "int4-super"):
+            model = prepare(load_model(path, dtype=torch.float32, quantization=quantization), quantization)
         for g, ids in texts.items():
             for kv in [None] + (args.kv_cache_dtypes.split(",") if args.kv_cache_dtypes else []):
                 t = time.perf_counter()

@@ -66,11 +66,8 @@ def load(model: str, fmt: str, layers: int | None):
         net.model.layers = net.model.layers[:layers]
     from quickdraft.model import quant
 
-    default_layout, quant.INT4_SUPER_BLOCKS = quant.INT4_SUPER_BLOCKS, fmt == "int4-super"
-    try:
+    with quant.int4_super_blocks(fmt == "int4-super"):
         return prepare(net, quantization)
-    finally:
-        quant.INT4_SUPER_BLOCKS = default_layout
 
 
 def measure(args, model: str, fmt: str) -> dict:

@@ -35,9 +35,11 @@ or int8, every other tensor shared with the target.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import itertools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -56,6 +58,17 @@ QUANTIZATIONS = ("none", "int8", "int4")
 # (benchmarks/results/verify_table_int4_super_zen4_cpu.md); benchmarks turn it on to compare (int4_layouts.py,
 # llamacpp.py's int4-super-q4_0, verify_table.py's and perplexity.py's int4-super)
 INT4_SUPER_BLOCKS = False
+
+
+@contextlib.contextmanager
+def int4_super_blocks(on: bool) -> Iterator[None]:
+    """INT4_SUPER_BLOCKS set to `on` inside the block (models prepared there), then as it was."""
+    global INT4_SUPER_BLOCKS
+    before, INT4_SUPER_BLOCKS = INT4_SUPER_BLOCKS, on
+    try:
+        yield
+    finally:
+        INT4_SUPER_BLOCKS = before
 
 
 def onednn_bf16_supported() -> bool:
@@ -119,12 +132,11 @@ def make_linear(linears: list[nn.Linear], fmt: str) -> FastLinear:
                 if packed is not None:
                     return Int4BlockedLinear(w, bias, splits, packed, source)
             q, scale, zero = (torch.cat(parts) for parts in zip(*[int4_zero_form(n) for n in native]))
-        elif blocked and INT4_SUPER_BLOCKS and w.shape[1] % (INT4_GROUP * INT4_SUPER) == 0:  # 4.625 bits a weight
-            packed = _pack_super(int4_quantize_super(w))
-            if packed is not None:
-                return Int4BlockedLinear(w, bias, splits, packed, source)
-            q, scale, zero = int4_quantize(w)
         else:
+            if blocked and INT4_SUPER_BLOCKS and w.shape[1] % (INT4_GROUP * INT4_SUPER) == 0:  # 4.625 bits a weight
+                packed = _pack_super(int4_quantize_super(w))
+                if packed is not None:
+                    return Int4BlockedLinear(w, bias, splits, packed, source)
             q, scale, zero = int4_quantize(w)
         offset = zero - 8 * scale
         if blocked:

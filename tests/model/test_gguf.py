@@ -351,13 +351,10 @@ def test_4bit_blocks_load_into_int4_as_they_are(tmp_path, qtype):
     assert (got - ref).abs().max() <= 2 ** -7 * ref.abs().max()  # bf16 scales: 8 significant bits
     if qtype == "Q4_K" and blocked_supported():  # the float16 layout by default; super-blocks on request
         assert not kernels.int4_super(up.qpacked)
-        quant.INT4_SUPER_BLOCKS = True
-        try:  # its codes and factors as they are: the file's values exactly, and lossless speculation on them
-            sup = LLM(target=path, draft=path, dtype="float32", quantization="int4", draft_quantization="int4",
-                      num_speculative_tokens=3, policy="fixed")
+        with quant.int4_super_blocks(True):  # its codes and factors as they are: the file's values exactly,
+            sup = LLM(target=path, draft=path, dtype="float32", quantization="int4",  # and lossless speculation
+                      draft_quantization="int4", num_speculative_tokens=3, policy="fixed")
             sup_plain = LLM(target=path, dtype="float32", quantization="int4", policy="fixed")
-        finally:
-            quant.INT4_SUPER_BLOCKS = False
         sup_up = sup.target.model.layers[0].mlp.gate_up_proj
         assert kernels.int4_super(sup_up.qpacked) and torch.equal(sup_up.dequantized(torch.float32)[up.splits[0]:], ref)
         p, sp = [5, 9, 14, 3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
