@@ -1033,28 +1033,34 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
   }
 }
 
-// Five or six rows of one block, its sums in registers: the block's two halves (outputs 0 .. 31
+// Three to six rows of one block, its sums in registers: the block's two halves (outputs 0 .. 31
 // from each quad's first 64-byte chunk, 32 .. 63 from its second) one after the other, each over
 // all groups, MR rows x 2 vectors of running float sums and as many integer sums, so a group's
 // epilogue neither loads nor stores y (block_rows_q4 keeps 4 x MR sums of 16 outputs, more than
 // the registers hold beside the integer sums, in y itself: a load and a store per sum and group,
 // and at six rows spills). The same integer sums and the same epilogue per output in the same group
-// order: the same bits. Measured on an AMD EPYC Zen 4, 1 thread, weights from DRAM on 2 MiB pages
-// (SmolLM2-1.7B's layer shapes, 12 layers, the two kernels in alternating processes): six rows
-// 0.74-0.92x block_rows_q4's time (2048 x 16384: 17.2-18.3 ms against 20.5-22.6), five 0.78-0.86x,
-// nine (6 + 3) 0.92-0.96x; but four rows 1.0-1.2x, and blocks of fewer than 64 groups (SmolLM2's
-// K = 576: 1.3-1.4x; 1536: 1.05-1.1x) slower: each half reads every other line of the block from DRAM, which streams
-// more slowly, and only a long block's saved epilogue pays for it. (The same split of int8's blocks,
-// two lines of every four, took 2.7x the time there: a pattern of reads can cost more than it
-// saves.) So it runs where the kernels read one stream (row_streams: AMD, or
-// QUICKDRAFT_ROW_STREAMS=1), the choice measured; Intel keeps block_rows_q4 (not measured there).
-constexpr int64_t HALVES_MIN_GROUPS = 64;
+// order: the same bits. Each half reads every other line of the block, which the hardware's
+// prefetchers stream slowly from DRAM, so while the two passes run (from L2 after the first) the
+// kernel prefetches the next block's lines evenly over them (EvenPrefetch, where prefetch_ahead()
+// is 0), and the DRAM stream goes on under the compute. Measured on an AMD EPYC Zen 4, 1 thread,
+// SmolLM2-1.7B's layer shapes from DRAM (6 layers, thread clock, alternating processes): without the
+// even stream five rows took 2.1-3.1x the time of six (29.5 / 44.1 against 17.6 / 21.2 ms), with it
+// 14.1-14.9 ms and six 16.0-16.7; four rows then 0.90-0.94x block_rows_q4's time, three 0.92-1.0x,
+// SmolLM2's shapes (K = 576, 1536: 18 and 48 groups, once 1.3-1.4x block_rows_q4's time) 0.85-0.95x
+// at 4-6 rows; two rows stay on block_rows_q4 (1.1-1.4x there). (The same split of int8's blocks,
+// two lines of every four, took 2.7x the time there without a prefetch stream.) It runs where the
+// kernels read one stream (row_streams: AMD, or QUICKDRAFT_ROW_STREAMS=1), the choice measured;
+// Intel keeps block_rows_q4 (not measured there).
 template <int MR, bool VNNI, int L>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_halves(const Q4Act& x, const uint8_t* wb,
                                                                                       const float* bias, float* y,
                                                                                       int64_t ldy, int64_t ncols) {
   constexpr int64_t gb = q4_size(L);
   const int64_t G = x.G;
+  // the next block's lines, evenly over the 2 x G x 8 chunk iterations of both passes
+  const int64_t lines = q4_block_bytes(gb, G) / 64;
+  const bool even_on = prefetch_ahead() == 0;
+  EvenPrefetch even{reinterpret_cast<const char*>(wb) + 64 * lines, even_on ? lines : 0, lines, 2 * G * 8, 0};
   for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
     __m512 f[MR][2];
 #pragma GCC unroll 2
@@ -1076,6 +1082,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
       for (int c = 0; c < 8; ++c) {
         __m512i lo, hi;
         nibbles16(piece + 128 * c + 64 * h, lo, hi);
+        if (even_on) even.step();
 #pragma GCC unroll 6
         for (int r = 0; r < MR; ++r) {
           const __m512i a = _mm512_set1_epi32(quad_at(xq + r * x.ldq + 4 * c));
@@ -1104,7 +1111,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
 }
 
 // Rows [0, M) of NBLK adjacent blocks: four blocks for one row, two for two or three rows (one on
-// AMD: row_streams), one block for more, in row groups of up to six (block_rows_q4_halves for 5-6).
+// AMD: row_streams), one block for more, in row groups of up to six (block_rows_q4_halves for 3-6 on AMD).
 template <int NBLK, bool VNNI, int L>
 void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
                  int64_t ncols) {
@@ -1122,8 +1129,8 @@ void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias
   row_groups(M, [&](auto mr, int64_t m) {
     constexpr int MR = decltype(mr)::value;
     const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
-    if constexpr (MR >= 5)
-      if (x.G >= HALVES_MIN_GROUPS && row_streams() == 1)
+    if constexpr (MR >= 3)
+      if (row_streams() == 1)
         return block_rows_q4_halves<MR, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
     block_rows_q4<MR, 1, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
   });

@@ -3,8 +3,9 @@ three rows take one, two or four adjacent blocks at a time (by default one on AM
 streams from DRAM ran at half the speed, four or two on Intel); and their software prefetch
 (QUICKDRAFT_PREFETCH, bytes ahead: 0 by default on AMD, where the hardware's prefetchers alone
 streamed faster, save AVX2's panels of a few rows, which then stream the next chunk evenly over
-their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). With one stream, int4's groups of 5-6 rows over 64+ groups run
-on AVX-512 a block's two halves in turn (blocked_core.h's block_rows_q4_halves). Every setting must
+their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). With one stream, int4's groups of 3-6 rows run on AVX-512 a
+block's two halves in turn (blocked_core.h's block_rows_q4_halves), streaming the next block evenly
+where the prefetch distance is 0. Every setting must
 give the same bits, on every path and in every weight format, so each is run here whatever the
 CPU's default."""
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel libr
 _CHILD = r"""
 import sys, torch
 from quickdraft import kernels
-K, N = 2048, 600  # 64 groups of 32 inputs (int4's 5-6-row kernel on AVX-512 from 64); 10 blocks of 64 outputs, the last one partial
+K, N = 2048, 600  # 64 groups of 32 inputs; 10 blocks of 64 outputs, the last one partial
 g = torch.Generator().manual_seed(0)
 x = torch.randn(7, K, generator=g)
 w = torch.randn(K, N, generator=g) / K ** 0.5
