@@ -8,6 +8,7 @@ down, lm_head).
         --out benchmarks/results/blocked_rows_cpu.txt
     python benchmarks/blocked_rows.py --shapes bundled   # the bundled target's and SmolLM2's (K, N) of before
     python benchmarks/blocked_rows.py --shapes 1.7b --rows 1,2,3,4,5,6,7,8,9 --clock thread   # SmolLM2-1.7B's
+    python benchmarks/blocked_rows.py --shapes 1.7b --format int4 --dram 96 --clock thread   # weights from DRAM
     python benchmarks/blocked_rows.py --tiny             # a smoke test: one small shape, few calls
     python benchmarks/blocked_rows.py --format int8,int4 --rows 1,6,64,338 --threads 2   # prefill-sized calls too
     python benchmarks/blocked_rows.py --isa avx512 --format int8,int4 --amx every,off --clock thread
@@ -36,28 +37,41 @@ SHAPES = {  # (K in, N out)
 }
 
 
-def _operands(fmt: str, K: int, N: int):
+def _operands(fmt: str, K: int, N: int, dram_bytes: int = 0):
+    """A callable x -> the kernel's product with a (K, N) weight of format `fmt`; with dram_bytes, as
+    many copies of the weight as exceed that many bytes, one call after another reading the next
+    (weights from DRAM, as a model's layers stream every step, rather than from the caches)."""
+    f, nbytes = _operand(fmt, K, N)
+    if not dram_bytes:
+        return f
+    copies = [f] + [_operand(fmt, K, N)[0] for _ in range(-(-dram_bytes // nbytes) - 1)]
+    turn = iter(range(1 << 62))
+    return lambda x: copies[next(turn) % len(copies)](x)
+
+
+def _operand(fmt: str, K: int, N: int):
+    """(the callable, its packed weight's bytes)"""
     g = torch.Generator().manual_seed(0)
     if fmt == "f32":
         packed = kernels.pack(torch.randn(K, N, generator=g))
-        return lambda x: kernels.blocked_mm(x, packed, None, N)
+        return lambda x: kernels.blocked_mm(x, packed, None, N), packed.nbytes
     if fmt == "bf16":  # half float32's bytes, widened in registers (the float32 kernel's bits)
         packed = kernels.pack_bf16(torch.randn(K, N, generator=g))
-        return lambda x: kernels.blocked_mm_bf16(x, packed, None, N)
+        return lambda x: kernels.blocked_mm_bf16(x, packed, None, N), packed.nbytes
     if fmt == "int8":
         q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
         packed = kernels.pack_int8(q) if hasattr(kernels, "pack_int8") else kernels.pack(q.t())  # (before its layout: A/B runs)
         scale = torch.rand(N, generator=g)
-        return lambda x: kernels.blocked_mm_int8(x, packed, scale, None, N)
+        return lambda x: kernels.blocked_mm_int8(x, packed, scale, None, N), packed.nbytes
     if fmt == "int4":
         scale = torch.rand(N, K // 32, generator=g) / 50
         packed = kernels.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g), scale, -8 * scale)
-        return lambda x: kernels.blocked_mm_int4(x, packed, None, N)
+        return lambda x: kernels.blocked_mm_int4(x, packed, None, N), packed.nbytes
     if fmt == "int4s":  # int4's super-block layout (4.625 bits a weight against 5): what quantization="int4" packs
         codes = torch.randint(0, 256, (N, K // 32), generator=g), torch.randint(-128, 128, (N, K // 32), generator=g)
         factors = [(torch.rand(N, K // 256, generator=g) / 2000 + 1e-6).half().float() for _ in range(2)]
         packed = kernels.pack_int4_super(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g), *codes, *factors)
-        return lambda x: kernels.blocked_mm_int4(x, packed, None, N)
+        return lambda x: kernels.blocked_mm_int4(x, packed, None, N), packed.nbytes
     raise SystemExit(f"unknown format {fmt!r}: f32, bf16, int8, int4 or int4s")
 
 
@@ -85,6 +99,9 @@ def main() -> None:
     p.add_argument("--shapes", default="smollm2", choices=sorted(SHAPES))
     p.add_argument("--only", default=None, help="these shapes of --shapes alone, by name (e.g. gate_up,lm_head)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds per measurement (vector paths)")
+    p.add_argument("--dram", type=float, default=0, help="MiB: each shape's weight copied until the copies pass "
+                   "this size, the calls taking them in turn, so the weights stream from DRAM (e.g. 96 on a 32 MiB "
+                   "L3) rather than stay in the caches")
     p.add_argument("--clock", default="wall", choices=["wall", "thread"],
                    help="wall: perf_counter; thread: this thread's CPU time (time slices other processes take on a "
                         "shared machine do not count; their cache traffic still does)")
@@ -123,7 +140,7 @@ def main() -> None:
         for name, K, N in SHAPES[args.shapes]:
             if args.only and name not in args.only.split(","):
                 continue
-            f = _operands(fmt, K, N)
+            f = _operands(fmt, K, N, int(args.dram * 2 ** 20))
             for isa in isas:
                 amx = amx_settings if fmt in ("int8", "int4", "int4s") and isa == "avx512" else ["on"]
                 portable = isa == "portable"  # (scalar: seconds per call on lm_head; fewer rounds)
