@@ -718,7 +718,7 @@ constexpr int64_t QGB_SYM = QG * NB / 2 + NB * 2;  // the symmetric layout's: 10
 // inputs) one contiguous QSB-byte piece: a header of 64 float16 scale factors D then 64 float16
 // offset factors O (one per output), then the 8 groups' pieces of QSP bytes each: the nibbles as
 // above, then per half h of the outputs (32h .. 32h + 31) one 64-byte line: their 32 scale codes
-// (uint8), then their 32 offset codes (int8), so a pass over one half of a block (the AVX-512 5-6-row
+// (uint8), then their 32 offset codes (int8), so a pass over one half of a block (the AVX-512 3-6-row
 // kernel's) reads only its own lines, as in the float16 layout. A group's s = float(scale code) * D and
 // o = float(offset code) * O: both products exact in float32 (8 bits times float16's 11), so every
 // path gets the same floats and the epilogue below is unchanged; 4.625 bits a weight, against 5
@@ -727,7 +727,10 @@ constexpr int64_t QGB_SYM = QG * NB / 2 + NB * 2;  // the symmetric layout's: 10
 // float16 layout's time from DRAM (one row 0.89x; benchmarks/results/verify_table_int4_super_zen4_cpu.md),
 // though only 1.04-1.09x with the weights in L3. GCC spills the quads' weights there (the codes'
 // conversion takes registers); an asm load ended the spills at 5 rows but not the gap (1.2-1.3x from
-// DRAM, 1 thread), so the rest is how that kernel's every-other-line reads stream this layout.
+// DRAM, 1 thread), so the rest is how that kernel's every-other-line reads stream this layout. With that
+// kernel's even prefetch of the next block its calls of 3-9 rows from DRAM took 1.05-1.11x the float16
+// layout's time, one row 0.83x; on AVX2 0.95-1.09x at every row count
+// (benchmarks/results/blocked_rows_dram_prefetch_zen4_cpu.md): still not the default.
 constexpr int64_t QSG = 8;                          // groups per super group
 constexpr int64_t QSP = QG * NB / 2 + 2 * NB;       // bytes of one group in it: 1024 + 64 + 64
 constexpr int64_t QSH = 4 * NB;                     // its header: 64 D + 64 O, float16

@@ -53,9 +53,11 @@ from .formats import (INT4_GROUP, INT4_SUPER, BlockedBF16Linear, BlockedLinear, 
 QUANTIZATIONS = ("none", "int8", "int4")
 # True: int4 in the kernel's super-block layout (4.625 bits a weight, against the float16 layout's 5) where a
 # layer's inputs are a multiple of 256, and a GGUF's Q4_K with its own codes. Off by default: on an AMD EPYC
-# Zen 4 it decodes 4-7% faster (fewer bytes) but its 5-6-row AVX-512 kernel is slower from DRAM: verify steps of
+# Zen 4 it decodes 4-7% faster (fewer bytes) but its multi-row kernels are slower from DRAM: verify steps of
 # 5 / 6 rows (k = 4 / 5) took 1.37x / 1.26x the float16 layout's time on SmolLM2-1.7B's shape
-# (benchmarks/results/verify_table_int4_super_zen4_cpu.md); benchmarks turn it on to compare (int4_layouts.py,
+# (benchmarks/results/verify_table_int4_super_zen4_cpu.md), and with the halves kernel's prefetch stream its
+# calls of 3-9 rows still 1.05-1.11x (AVX2: no faster at one row; blocked_rows_dram_prefetch_zen4_cpu.md);
+# benchmarks turn it on to compare (int4_layouts.py,
 # llamacpp.py's int4-super-q4_0, verify_table.py's and perplexity.py's int4-super)
 INT4_SUPER_BLOCKS = False
 
