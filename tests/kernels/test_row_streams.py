@@ -42,7 +42,14 @@ ops = {
     "int8": (lambda p: lambda x: kernels.blocked_mm_int8(x, p, s8, bias, N))(kernels.pack_int8(q8)),
     "int4": (lambda p: lambda x: kernels.blocked_mm_int4(x, p, bias, N))(kernels.pack_int4(q4, s4, s4 / 3)),
     "int4-symmetric": (lambda p: lambda x: kernels.blocked_mm_int4(x, p, bias, N))(kernels.pack_int4(q4, s4, None)),
+    "int4-super": (lambda p: lambda x: kernels.blocked_mm_int4(x, p, bias, N))(kernels.pack_int4_super(
+        q4, torch.randint(0, 256, (N, K // 32), generator=g), torch.randint(-128, 128, (N, K // 32), generator=g),
+        *[2.0 ** torch.randint(-14, -6, (N, K // 256), generator=g).float() for _ in range(2)])),
 }
+# a short block too (18 groups: SmolLM2's K), int4's halves kernel running there from 3 rows as well
+k = 576
+w4 = torch.randint(0, 16, (N, k), dtype=torch.uint8, generator=g), torch.rand(N, k // 32, generator=g) / 50
+ops["int4-576"] = (lambda p: lambda x: kernels.blocked_mm_int4(x[:, :k], p, bias, N))(kernels.pack_int4(w4[0], w4[1], w4[1] / 3))
 out = {}
 for isa in kernels.cpu_isas():
     with kernels.use_isa(isa):
