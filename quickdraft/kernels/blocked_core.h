@@ -718,7 +718,7 @@ constexpr int64_t QGB_SYM = QG * NB / 2 + NB * 2;  // the symmetric layout's: 10
 // inputs) one contiguous QSB-byte piece: a header of 64 float16 scale factors D then 64 float16
 // offset factors O (one per output), then the 8 groups' pieces of QSP bytes each: the nibbles as
 // above, then per half h of the outputs (32h .. 32h + 31) one 64-byte line: their 32 scale codes
-// (uint8), then their 32 offset codes (int8), so a pass over one half of a block (the AVX-512 3-6-row
+// (uint8), then their 32 offset codes (int8), so a pass over one half of a block (the AVX-512 4-6-row
 // kernel's) reads only its own lines, as in the float16 layout. A group's s = float(scale code) * D and
 // o = float(offset code) * O: both products exact in float32 (8 bits times float16's 11), so every
 // path gets the same floats and the epilogue below is unchanged; 4.625 bits a weight, against 5
@@ -1036,7 +1036,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
   }
 }
 
-// Three to six rows of one block, its sums in registers: the block's two halves (outputs 0 .. 31
+// Four to six rows of one block (five to six where it has fewer than HALVES_LONG groups), its sums in registers: the block's two halves (outputs 0 .. 31
 // from each quad's first 64-byte chunk, 32 .. 63 from its second) one after the other, each over
 // all groups, MR rows x 2 vectors of running float sums and as many integer sums, so a group's
 // epilogue neither loads nor stores y (block_rows_q4 keeps 4 x MR sums of 16 outputs, more than
@@ -1048,12 +1048,16 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 // is 0), and the DRAM stream goes on under the compute. Measured on an AMD EPYC Zen 4, 1 thread,
 // SmolLM2-1.7B's layer shapes from DRAM (6 layers, thread clock, alternating processes): without the
 // even stream five rows took 2.1-3.1x the time of six (29.5 / 44.1 against 17.6 / 21.2 ms), with it
-// 14.1-14.9 ms and six 16.0-16.7; four rows then 0.90-0.94x block_rows_q4's time, three 0.92-1.0x,
-// SmolLM2's shapes (K = 576, 1536: 18 and 48 groups, once 1.3-1.4x block_rows_q4's time) 0.85-0.95x
-// at 4-6 rows; two rows stay on block_rows_q4 (1.1-1.4x there). (The same split of int8's blocks,
-// two lines of every four, took 2.7x the time there without a prefetch stream.) It runs where the
-// kernels read one stream (row_streams: AMD, or QUICKDRAFT_ROW_STREAMS=1), the choice measured;
-// Intel keeps block_rows_q4 (not measured there).
+// 14.1-14.9 ms and six 16.0-16.7; four rows then 0.90-0.94x block_rows_q4's time (2 threads: ~0.95x),
+// three 0.92-1.0x (2 threads 1.04-1.08x: three stay on block_rows_q4). SmolLM2's shapes (K = 576,
+// 1536: 18 and 48 groups, once 1.3-1.4x block_rows_q4's time), per row count against one row's
+// time, 1 / 2 threads (medians of 3 / 5 runs): five rows 1.60 / 1.38 against 1.74 / 1.43, six 1.79 /
+// 1.44 against 1.94 / 1.57, but four 1.34 / 1.22 against 1.47 / 1.16 and three 1.21 / 1.16
+// against 1.15 / 1.09: such short blocks take it from five rows. Two rows stay on block_rows_q4
+// (1.1-1.4x there). (The same split of int8's blocks, two lines of every four, took 2.7x the time
+// there without a prefetch stream.) It runs where the kernels read one stream (row_streams: AMD, or
+// QUICKDRAFT_ROW_STREAMS=1), the choice measured; Intel keeps block_rows_q4 (not measured there).
+constexpr int64_t HALVES_LONG = 64;  // groups from which four rows take it
 template <int MR, bool VNNI, int L>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_halves(const Q4Act& x, const uint8_t* wb,
                                                                                       const float* bias, float* y,
@@ -1114,7 +1118,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
 }
 
 // Rows [0, M) of NBLK adjacent blocks: four blocks for one row, two for two or three rows (one on
-// AMD: row_streams), one block for more, in row groups of up to six (block_rows_q4_halves for 3-6 on AMD).
+// AMD: row_streams), one block for more, in row groups of up to six (block_rows_q4_halves for 4-6 or 5-6 on AMD).
 template <int NBLK, bool VNNI, int L>
 void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias, float* y, int64_t ldy,
                  int64_t ncols) {
@@ -1132,8 +1136,8 @@ void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias
   row_groups(M, [&](auto mr, int64_t m) {
     constexpr int MR = decltype(mr)::value;
     const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
-    if constexpr (MR >= 3)
-      if (row_streams() == 1)
+    if constexpr (MR >= 4)
+      if (row_streams() == 1 && MR >= (x.G >= HALVES_LONG ? 4 : 5))
         return block_rows_q4_halves<MR, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
     block_rows_q4<MR, 1, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
   });

@@ -263,7 +263,7 @@ def int4_super_exact_case(n, k, seed=0):
     return q, codes_s, codes_o, *factors
 
 
-# 3-6-row groups take the AVX-512 kernel that runs a block's halves in turn (on AMD)
+# 4-6-row groups (5-6 in blocks under 64 groups) take the AVX-512 kernel that runs a block's halves in turn (on AMD)
 @pytest.mark.parametrize("k,n", [(256, 64), (512, 70), (1536, 200), (2048, 130), (256, 1)])
 def test_int4_super_block_layout_is_the_scales_and_offsets_its_codes_make(k, n, isa):
     """The super-block layout (per 8 groups a float16 scale and offset factor per output, per group

@@ -3,8 +3,8 @@ three rows take one, two or four adjacent blocks at a time (by default one on AM
 streams from DRAM ran at half the speed, four or two on Intel); and their software prefetch
 (QUICKDRAFT_PREFETCH, bytes ahead: 0 by default on AMD, where the hardware's prefetchers alone
 streamed faster, save AVX2's panels of a few rows, which then stream the next chunk evenly over
-their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). With one stream, int4's groups of 3-6 rows run on AVX-512 a
-block's two halves in turn (blocked_core.h's block_rows_q4_halves), streaming the next block evenly
+their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). With one stream, int4's groups of 4-6 rows (5-6 in short blocks)
+run on AVX-512 a block's two halves in turn (blocked_core.h's block_rows_q4_halves), streaming the next block evenly
 where the prefetch distance is 0. Every setting must
 give the same bits, on every path and in every weight format, so each is run here whatever the
 CPU's default."""
@@ -46,7 +46,7 @@ ops = {
         q4, torch.randint(0, 256, (N, K // 32), generator=g), torch.randint(-128, 128, (N, K // 32), generator=g),
         *[2.0 ** torch.randint(-14, -6, (N, K // 256), generator=g).float() for _ in range(2)])),
 }
-# a short block too (18 groups: SmolLM2's K), int4's halves kernel running there from 3 rows as well
+# a short block too (18 groups: SmolLM2's K), where int4's halves kernel runs from 5 rows
 k = 576
 w4 = torch.randint(0, 16, (N, k), dtype=torch.uint8, generator=g), torch.rand(N, k // 32, generator=g) / 50
 ops["int4-576"] = (lambda p: lambda x: kernels.blocked_mm_int4(x[:, :k], p, bias, N))(kernels.pack_int4(w4[0], w4[1], w4[1] / 3))
