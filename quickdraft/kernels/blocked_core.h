@@ -1036,8 +1036,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
   }
 }
 
-// Four to six rows of one block (five to six where it has fewer than HALVES_LONG groups), its sums in registers: the block's two halves (outputs 0 .. 31
-// from each quad's first 64-byte chunk, 32 .. 63 from its second) one after the other, each over
+// Four to six rows of one block (five or six where it has fewer than HALVES_LONG groups), its sums
+// in registers: the block's two halves (outputs 0 .. 31 from each quad's first 64-byte chunk,
+// 32 .. 63 from its second) one after the other, each over
 // all groups, MR rows x 2 vectors of running float sums and as many integer sums, so a group's
 // epilogue neither loads nor stores y (block_rows_q4 keeps 4 x MR sums of 16 outputs, more than
 // the registers hold beside the integer sums, in y itself: a load and a store per sum and group,
@@ -1317,9 +1318,10 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2_rows(const Q4Args& a, int6
   // Where prefetch_ahead() is 0 (AMD: the hardware's prefetchers alone), six rows or more still
   // prefetch two groups ahead: there each group's passes from L1 take long enough that the
   // hardware's stream falls behind. On an AMD EPYC Zen 4 (AVX2 forced, 1 thread, SmolLM2-1.7B's
-  // layer shapes from DRAM, alternating processes) 6 rows took 0.81-0.93x the time, 9 rows 0.77-0.79x,
-  // 16 rows 0.76x, 48 rows 0.91x (SmolLM2's shapes: 6 rows the same, 9-16 0.80-0.86x); one group
-  // ahead was about as good, but at 3-5 rows either was 2-7% slower (the same bits either way).
+  // layer shapes from DRAM, 3 paired runs: benchmarks/results/blocked_rows_dram_prefetch_zen4_cpu.md)
+  // 9 rows took 0.71-0.85x the time, 6 rows 0.86-1.01x; in single runs 16 rows 0.76x, 48 rows 0.91x,
+  // SmolLM2's shapes 9-16 rows 0.80-0.86x. One group ahead was about as good, but at 3-5 rows either
+  // was 2-7% slower (the same bits either way).
   const int pf = prefetch_ahead() ? prefetch_ahead() : a.M >= 6 ? int(2 * pb) : 0;
   const int64_t M = a.M, G = a.G, ld = a.n;
   for (int64_t b = b0; b < b1; ++b) {

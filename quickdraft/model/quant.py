@@ -57,8 +57,8 @@ QUANTIZATIONS = ("none", "int8", "int4")
 # 5 / 6 rows (k = 4 / 5) took 1.37x / 1.26x the float16 layout's time on SmolLM2-1.7B's shape
 # (benchmarks/results/verify_table_int4_super_zen4_cpu.md), and with the halves kernel's prefetch stream its
 # calls of 3-9 rows still 1.05-1.11x (AVX2: no faster at one row; blocked_rows_dram_prefetch_zen4_cpu.md);
-# benchmarks turn it on to compare (int4_layouts.py,
-# llamacpp.py's int4-super-q4_0, verify_table.py's and perplexity.py's int4-super)
+# benchmarks turn it on to compare (int4_layouts.py, llamacpp.py's int4-super-q4_0, verify_table.py's and
+# perplexity.py's int4-super)
 INT4_SUPER_BLOCKS = False
 
 

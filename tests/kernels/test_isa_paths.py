@@ -86,8 +86,8 @@ def test_float32_and_int8_matmuls_are_the_same_bits_on_every_path(k, n, threads)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
-# 4-6-row groups (5-6 in blocks under 64 groups) take the AVX-512 kernel that runs a block's halves in turn where one read stream is
-# the choice (AMD; test_row_streams.py runs it on any CPU)
+# 4-6-row groups (5-6 in blocks under 64 groups) take the AVX-512 kernel that runs a block's halves in
+# turn where one read stream is the choice (AMD; test_row_streams.py runs it on any CPU)
 @pytest.mark.parametrize("k,n", [(32, 70), (96, 323), (576, 200), (64, 1), (2048, 130)])
 def test_int4_matmuls_are_the_same_bits_on_every_path(k, n, symmetric, threads):
     g = torch.Generator().manual_seed(k + n)

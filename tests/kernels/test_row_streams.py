@@ -3,9 +3,10 @@ three rows take one, two or four adjacent blocks at a time (by default one on AM
 streams from DRAM ran at half the speed, four or two on Intel); and their software prefetch
 (QUICKDRAFT_PREFETCH, bytes ahead: 0 by default on AMD, where the hardware's prefetchers alone
 streamed faster, save AVX2's panels of a few rows, which then stream the next chunk evenly over
-their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). With one stream, int4's groups of 4-6 rows (5-6 in short blocks)
-run on AVX-512 a block's two halves in turn (blocked_core.h's block_rows_q4_halves), streaming the next block evenly
-where the prefetch distance is 0. Every setting must
+their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). With one stream,
+int4's groups of 4-6 rows (5-6 in short blocks) run on AVX-512 a block's two halves in turn
+(blocked_core.h's block_rows_q4_halves), streaming the next block evenly where the prefetch
+distance is 0. Every setting must
 give the same bits, on every path and in every weight format, so each is run here whatever the
 CPU's default."""
 
