@@ -18,6 +18,7 @@ down, lm_head).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 from pathlib import Path
@@ -44,9 +45,8 @@ def _operands(fmt: str, K: int, N: int, dram_bytes: int = 0):
     f, nbytes = _operand(fmt, K, N)
     if not dram_bytes:
         return f
-    copies = [f] + [_operand(fmt, K, N)[0] for _ in range(-(-dram_bytes // nbytes) - 1)]
-    turn = iter(range(1 << 62))
-    return lambda x: copies[next(turn) % len(copies)](x)
+    copies = itertools.cycle([f] + [_operand(fmt, K, N)[0] for _ in range(-(-dram_bytes // nbytes) - 1)])
+    return lambda x: next(copies)(x)
 
 
 def _operand(fmt: str, K: int, N: int):
