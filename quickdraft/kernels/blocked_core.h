@@ -236,8 +236,8 @@ int row_streams() {
 bool four_streams() { return row_streams() == 4; }
 
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
-// M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead, but 4-5 on AMD). Only the
-// combinations that fit the registers are instantiated.
+// M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead, but 4-6 float32 rows
+// and 4-5 bfloat16 rows on AMD). Only the combinations that fit the registers are instantiated.
 template <typename W, int NBLK>
 void run_rows(const float* x, int64_t ldx, int64_t M, const W* wb, int64_t K, const float* bias, float* y, int64_t ldy,
               int64_t ncols) {
@@ -652,8 +652,16 @@ void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   // against 17.9-18.1, its 2048 x 16384 gate_up 3.3-3.4 against 5.2; 5 rows 12.1-12.3 against
   // 14.9-15.3 and 3.6-3.7 against 3.8 (its 2048 x 6144 qkv 1.32 against 1.23-1.24 ms: slower); the
   // bundled target's whole verify step T(4)/T(1) 0.97-1.01 against 1.28, T(5) 1.02 against 1.11.
-  // Six rows were 8-11% slower so, and bfloat16's 4-5 rows the same either way.
-  if (M >= 4 && !(M <= 5 && row_streams() == 1)) return chunked_avx512(a, b0, b1);
+  // Six rows measured 8-11% slower so in that comparison, and bfloat16's 4-5 rows the same either way.
+  // Float32's 6 rows too (24 sums, 4 weight vectors and a broadcast: 29 of the 32 registers): measured
+  // again with every layer's weight streamed from DRAM (each layer its own copy, on 2 MiB pages), 1
+  // thread, 2 alternating processes each: SmolLM2's layers T(6)/T(1) 0.95-1.03 against 1.11-1.18 in
+  // chunks, SmolLM2-1.7B's 0.96-1.02 against 1.19-1.22, its 2048 x 49152 lm_head 1.07-1.10 against
+  // 1.20-1.27; at 2 threads (both cores at this VM's bandwidth) a wash, 1.7B's layers 0.99-1.57
+  // (median 1.08) against 0.92-1.12 (1.09) over 7 pairs. bfloat16's 6 rows were slower so (1.7B's
+  // layers 1.71-1.81 against 1.51-1.66: its widening makes them compute-bound): they keep the chunks.
+  const int64_t one_pass = std::is_same<W, float>::value ? 6 : 5;
+  if (M >= 4 && !(M <= one_pass && row_streams() == 1)) return chunked_avx512(a, b0, b1);
   auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
   int64_t b = b0;
   if (M == 1 && four_streams())
