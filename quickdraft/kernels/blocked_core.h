@@ -660,6 +660,9 @@ void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   // 1.20-1.27; at 2 threads (both cores at this VM's bandwidth) a wash, 1.7B's layers 0.99-1.57
   // (median 1.08) against 0.92-1.12 (1.09) over 7 pairs. bfloat16's 6 rows were slower so (1.7B's
   // layers 1.71-1.81 against 1.51-1.66: its widening makes them compute-bound): they keep the chunks.
+  // Whole eager steps, the trees in alternating processes: SmolLM2's six-row step 0.88x the time at 1
+  // thread (T(6)/T(1) 1.25 -> 1.12), 0.80x at 2 (1.25 -> 1.09), the 1.7B shape's 0.94x at 1
+  // (benchmarks/results/verify_steps_f32_six_rows_zen4_cpu.md).
   const int64_t one_pass = std::is_same<W, float>::value ? 6 : 5;
   if (M >= 4 && !(M <= one_pass && row_streams() == 1)) return chunked_avx512(a, b0, b1);
   auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
