@@ -646,24 +646,20 @@ __attribute__((target("avx512f"))) void chunked_avx512(const MatArgs<W>& a, int6
 template <typename W>
 void blocks_avx512(const MatArgs<W>& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, K = a.K, n = a.n;
-  // 4-5 rows where one stream is the choice (AMD): one pass over each block, every sum in registers
-  // (block_rows), faster there than the chunks. On an AMD EPYC Zen 4, 1 thread, float32, the two in
-  // alternating processes (2 each): 4 rows of SmolLM2-1.7B's 2048 x 49152 lm_head 11.5-11.7 ms
-  // against 17.9-18.1, its 2048 x 16384 gate_up 3.3-3.4 against 5.2; 5 rows 12.1-12.3 against
-  // 14.9-15.3 and 3.6-3.7 against 3.8 (its 2048 x 6144 qkv 1.32 against 1.23-1.24 ms: slower); the
-  // bundled target's whole verify step T(4)/T(1) 0.97-1.01 against 1.28, T(5) 1.02 against 1.11.
-  // Six rows measured 8-11% slower so in that comparison, and bfloat16's 4-5 rows the same either way.
-  // Float32's 6 rows too (24 sums, 4 weight vectors and a broadcast: 29 of the 32 registers): measured
-  // again with every layer's weight streamed from DRAM (each layer its own copy, on 2 MiB pages), 1
-  // thread, 2 alternating processes each: SmolLM2's layers T(6)/T(1) 0.95-1.03 against 1.11-1.18 in
-  // chunks, SmolLM2-1.7B's 0.96-1.02 against 1.19-1.22, its 2048 x 49152 lm_head 1.07-1.10 against
-  // 1.20-1.27; at 2 threads (both cores at this VM's bandwidth) a wash, 1.7B's layers 0.99-1.57
-  // (median 1.08) against 0.92-1.12 (1.09) over 7 pairs. bfloat16's 6 rows were slower so (1.7B's
-  // layers 1.71-1.81 against 1.51-1.66: its widening makes them compute-bound): they keep the chunks.
-  // Whole eager steps, the trees in alternating processes: SmolLM2's six-row step 0.88x the time at 1
-  // thread (T(6)/T(1) 1.25 -> 1.12), 0.80x at 2 (1.25 -> 1.09), the 1.7B shape's 0.94x at 1
-  // (benchmarks/results/verify_steps_f32_six_rows_zen4_cpu.md).
-  const int64_t one_pass = std::is_same<W, float>::value ? 6 : 5;
+  // Where one stream is the choice (AMD), 4-6 float32 rows and 4-5 bfloat16 rows: one pass over each
+  // block, every sum in registers (block_rows; six rows: 24 sums, 4 weight vectors and a broadcast,
+  // 29 of the 32 registers), faster there than the chunks. On an AMD EPYC Zen 4, 1 thread, float32,
+  // alternating processes: 4 rows of SmolLM2-1.7B's 2048 x 49152 lm_head 11.5-11.7 ms against
+  // 17.9-18.1, its 2048 x 16384 gate_up 3.3-3.4 against 5.2; 5 rows 12.1-12.3 against 14.9-15.3 and
+  // 3.6-3.7 against 3.8 (its 2048 x 6144 qkv 1.32 against 1.23-1.24 ms: slower); the bundled target's
+  // whole verify step T(4)/T(1) 0.97-1.01 against 1.28, T(5) 1.02 against 1.11. Six rows measured 8-11%
+  // slower so in that comparison, but with every layer's weight streamed from DRAM (blocked_rows.py
+  // --dram) their T(6)/T(1) was 0.92-1.07 against 0.98-1.25 in chunks, and whole eager steps took 0.88x
+  // the time for SmolLM2 at 1 thread (T(6)/T(1) 1.25 -> 1.12), 0.80x at 2, the 1.7B shape's 0.94x
+  // (benchmarks/results/verify_steps_f32_six_rows_zen4_cpu.md). bfloat16's six rows, bound by their
+  // widening, were slower so (1.7B's layers T(6)/T(1) 1.71-1.81 against 1.51-1.66), and its 4-5 rows
+  // the same either way.
+  constexpr int64_t one_pass = std::is_same<W, float>::value ? 6 : 5;
   if (M >= 4 && !(M <= one_pass && row_streams() == 1)) return chunked_avx512(a, b0, b1);
   auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
   int64_t b = b0;
