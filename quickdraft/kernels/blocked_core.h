@@ -1614,6 +1614,66 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
   }
 }
 
+// Four to six rows of one block with every sum in registers (block_rows_q8 keeps its running
+// float sums in y: a masked load and store per sum and group): the block's two halves (outputs
+// 0 .. 31 from each quad's first two lines, 32 .. 63 from its last two) one after the other, each
+// over all groups, MR x 2 integer sums and MR x 2 running float sums. The same integer sums and the
+// same epilogue per output in the same group order: the same bits. Each half reads two lines of
+// every four, which the hardware's prefetchers stream slowly from DRAM, so the next block's lines
+// are prefetched evenly over both passes (EvenPrefetch, as block_rows_q4_halves).
+template <int MR, bool VNNI>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves(const Q8Act& x, const int8_t* wb,
+                                                                                 int64_t stride, const float* scale,
+                                                                                 const float* bias, float* y,
+                                                                                 int64_t ldy, int64_t ncols) {
+  const int64_t G = x.G;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  // the next block's lines, evenly over the 2 x G x 8 quad iterations of both passes
+  const int64_t lines = stride / 64;
+  const bool even_on = prefetch_ahead() == 0;
+  EvenPrefetch even{reinterpret_cast<const char*>(wb) + stride, even_on ? lines : 0, lines, 2 * G * 8, 0};
+  for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
+    __m512 f[MR][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* piece = wb + g * Q8B + 128 * h;  // (this half's two lines of each quad)
+      __m512i acc[MR][2];
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = VNNI ? _mm512_set1_epi32(-128 * x.asum[r * G + g]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        __m512i w0 = _mm512_loadu_si512(piece + 256 * c), w1 = _mm512_loadu_si512(piece + 256 * c + 64);
+        if (VNNI) {
+          w0 = _mm512_xor_si512(w0, flip);
+          w1 = _mm512_xor_si512(w1, flip);
+        }
+        if (even_on) even.step();
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) {
+          const __m512i a = _mm512_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
+          acc[r][0] = q8_dot16<VNNI>(acc[r][0], w0, a);
+          acc[r][1] = q8_dot16<VNNI>(acc[r][1], w1, a);
+        }
+      }
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) {
+        const __m512 d = _mm512_set1_ps(x.d[r * G + g]);
+        f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), d, f[r][0]);
+        f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), d, f[r][1]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int e = 0; e < 2; ++e) {
+      const __mmask16 mask = tail_mask(ncols - 32 * h - 16 * e);
+      const __m512 s = _mm512_maskz_loadu_ps(mask, scale + 32 * h + 16 * e);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 32 * h + 16 * e) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+      for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 32 * h + 16 * e, mask, _mm512_fmadd_ps(f[r][e], s, b));
+    }
+  }
+}
+
 // Rows [0, M) of NBLK adjacent blocks: NBLK = 2: one to three rows on Intel (two read streams: as
 // fast as one block at one row, a little faster at two and three; four blocks, the float kernel's
 // choice for one row on Intel, were slower here; on AMD one block: row_streams); 1: any, six rows
@@ -1630,7 +1690,12 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
     return;
   }
   int64_t m = 0;
-  for (; M - m > 7; m += 6) block_rows_q8<6, 1, VNNI>(x.rows_from(m), wb, stride, scale, bias, y + m * ldy, ldy, ncols);
+  const bool halves = row_streams() == 1;  // (AMD: five and six rows in halves)
+  auto six = [&](const Q8Act& xm, float* ym) {
+    if (halves) block_rows_q8_halves<6, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
+    else block_rows_q8<6, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
+  };
+  for (; M - m > 7; m += 6) six(x.rows_from(m), y + m * ldy);
   if (M - m == 7) {
     block_rows_q8<4, 1, VNNI>(x.rows_from(m), wb, stride, scale, bias, y + m * ldy, ldy, ncols);
     m += 4;
@@ -1638,8 +1703,11 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
   const Q8Act xm = x.rows_from(m);
   float* ym = y + m * ldy;
   switch (M - m) {
-    case 6: block_rows_q8<6, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
-    case 5: block_rows_q8<5, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 6: six(xm, ym); break;
+    case 5:
+      if (halves) block_rows_q8_halves<5, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
+      else block_rows_q8<5, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
+      break;
     case 4: block_rows_q8<4, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
     case 3: block_rows_q8<3, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
     case 2: block_rows_q8<2, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
