@@ -1614,13 +1614,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
   }
 }
 
-// Four to six rows of one block with every sum in registers (block_rows_q8 keeps its running
+// Five or six rows of one block with every sum in registers (block_rows_q8 keeps its running
 // float sums in y: a masked load and store per sum and group): the block's two halves (outputs
 // 0 .. 31 from each quad's first two lines, 32 .. 63 from its last two) one after the other, each
 // over all groups, MR x 2 integer sums and MR x 2 running float sums. The same integer sums and the
-// same epilogue per output in the same group order: the same bits. Each half reads two lines of
-// every four, which the hardware's prefetchers stream slowly from DRAM, so the next block's lines
-// are prefetched evenly over both passes (EvenPrefetch, as block_rows_q4_halves).
+// same epilogue per output in the same group order: the same bits. The next block's lines are
+// prefetched evenly over both passes (EvenPrefetch, as block_rows_q4_halves). Where the kernels read
+// one stream (row_streams: AMD). Measured on an AMD EPYC Zen 4 from DRAM against block_rows_q8
+// (SmolLM2's and SmolLM2-1.7B's layer shapes, alternating processes): six rows 0.72x the time at
+// 1 thread (median over ten matrices), 0.64x at 2; five rows 0.83x / 0.92x; the 1.7B shape's
+// six-row eager step 0.69x at 1 thread, T(6)/T(1) 1.67 -> 1.24 (SmolLM2: 1.47 -> 1.15;
+// benchmarks/results/verify_steps_int8_halves_zen4_cpu.md). Four rows in halves were slower than
+// block_rows_q8 (1.2-1.45x one row's time against 1.0-1.2), the one-pass kernel with the same
+// prefetch stream no faster, and seven rows in halves (31 registers) no faster than 4 + 3.
 template <int MR, bool VNNI>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves(const Q8Act& x, const int8_t* wb,
                                                                                  int64_t stride, const float* scale,
@@ -1678,7 +1684,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
 // fast as one block at one row, a little faster at two and three; four blocks, the float kernel's
 // choice for one row on Intel, were slower here; on AMD one block: row_streams); 1: any, six rows
 // at a time, 7 as 4 + 3 (at most 24 integer sums in registers: each weight vector serves six rows,
-// faster than two passes of three).
+// faster than two passes of three; on AMD five and six rows in halves: block_rows_q8_halves).
 // (Measured with a standalone timing of these functions, SmolLM2's shapes, the Intel Xeon with VNNI.)
 template <int NBLK, bool VNNI>
 void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, const float* scale, const float* bias,
