@@ -478,8 +478,13 @@ class StepRandom:
         return g
 
     def exponential(self, stream: int, n: int, index: int = 0) -> torch.Tensor:
-        """(B, n) Exp(1) draws; row b's from (key_b, position_b, stream, index)."""
-        return torch.stack([torch.empty(n, device=self.device).exponential_(generator=self._generator(b, stream, index))
+        """(B, n) Exp(1) draws; row b's from (key_b, position_b, stream, index): -log(1 - U) of
+        53-bit uniforms U in [0, 1) (float64, so no draw is 0 but with probability 2^-53 and
+        the small ones keep their precision), as float32. PyTorch's CPU `exponential_` draws
+        one element at a time: a SmolLM2 row (49,152 draws) took 1.1-1.2 ms against 0.46-0.50
+        ms this way, a fifth of a served 4-stream step's time (2 cores, AMD EPYC Zen 4)."""
+        return torch.stack([torch.empty(n, dtype=torch.float64, device=self.device)
+                            .uniform_(generator=self._generator(b, stream, index)).neg_().log1p_().neg_().float()
                             for b in range(len(self.keys))])
 
     def draft_noise(self, k: int, n: int) -> torch.Tensor:
