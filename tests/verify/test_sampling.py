@@ -1,5 +1,5 @@
 """SamplingParams validation and the pure functions of quickdraft/sampling.py:
-process_logits (temperature, top-k, top-p, min-p, greedy), race and the counter-based
+process_logits (temperature, top-k, top-p, min-p, greedy), draw (inverse CDF) and the counter-based
 per-request randomness (StepRandom)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from quickdraft import QuickdraftError
-from quickdraft.sampling import BatchSampling, SamplingParams, StepRandom, Stream, process_logits, race, seed_key
+from quickdraft.sampling import BatchSampling, SamplingParams, StepRandom, Stream, draw, process_logits, seed_key
 
 CPU = torch.device("cpu")
 
@@ -116,7 +116,7 @@ def test_seed_out_of_64_bit_range_rejected_or_usable(seed):
     except QuickdraftError as e:  # rejecting it at validation is fine
         assert "seed" in str(e)
         return
-    StepRandom([seed_key(params.seed)], [0], CPU).exponential(Stream.SAMPLE, 4)  # else it must be usable
+    StepRandom([seed_key(params.seed)], [0], CPU).draws(Stream.SAMPLE, 4)  # else it must be usable
 
 
 def test_quickdraft_error_is_value_error():
@@ -374,14 +374,14 @@ def test_process_logits_matches_reference(rows):
     assert ((expected > 1e-30) <= (probs.numpy() > 0)).all()
 
 
-# ------------------------------------------------------------------ race and sample
+# ------------------------------------------------------------------ draw and StepRandom
 
 
-def test_race_follows_weights():
+def test_draw_follows_weights():
     n = 100_000
     weights = torch.tensor([1.0, 2.0, 0.0, 3.0, 4.0])  # unnormalised, with a zero
     g = torch.Generator().manual_seed(4)
-    tokens = race(weights.expand(n, 5), torch.empty(n, 5).exponential_(generator=g))
+    tokens = draw(weights.expand(n, 5), torch.rand(n, dtype=torch.float64, generator=g))
     assert tokens.shape == (n,) and tokens.dtype == torch.long
     assert (tokens != 2).all()
     assert gof_pvalue(tokens, weights) > 1e-3
@@ -389,58 +389,80 @@ def test_race_follows_weights():
     assert gof_pvalue(tokens, [1.0, 1.0, 0.0, 1.0, 1.0]) < 1e-6  # control: uniform
 
 
-def test_race_batched_per_row_weights():
+def test_draw_batched_per_row_weights():
     n = 50_000
     w = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
     g = torch.Generator().manual_seed(5)
-    tokens = race(w.repeat(n, 1), torch.empty(2 * n, 3).exponential_(generator=g)).view(n, 2)
+    tokens = draw(w.repeat(n, 1), torch.rand(2 * n, dtype=torch.float64, generator=g)).view(n, 2)
     assert gof_pvalue(tokens[:, 0], w[0]) > 1e-3 and gof_pvalue(tokens[:, 1], w[1]) > 1e-3
     assert gof_pvalue(tokens[:, 0], w[1]) < 1e-6
 
 
-def test_race_one_hot_is_deterministic():
+def test_draw_one_hot_is_deterministic():
     w = torch.nn.functional.one_hot(torch.tensor([3, 0, 2]), 4).float()
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
-        assert race(w, torch.empty(3, 4).exponential_(generator=g)).tolist() == [3, 0, 2]
+        assert draw(w, torch.rand(3, dtype=torch.float64, generator=g)).tolist() == [3, 0, 2]
 
 
-def test_race_with_step_random_follows_probs():
-    """What the engine samples with: race over one StepRandom row per request."""
+def test_draw_edges_land_on_positive_weights():
+    """u at the ends of [0, 1) and weights with zeros at either end, tiny or huge totals: always
+    a token of positive weight (never one that top-k / top-p / a grammar removed); all-zero
+    weights give index 0."""
+    w = torch.tensor([[0.0, 0.0, 1e-30, 0.0, 2e-30, 0.0, 0.0],
+                      [0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 5e30],
+                      [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    top = 1.0 - 2.0**-53  # the largest StepRandom.draws value
+    for u, expect in ((0.0, [2, 1, 0]), (top, [4, 6, 0]), (0.5, [4, 6, 0])):
+        assert draw(w, torch.full((3,), u, dtype=torch.float64)).tolist() == expect
+    # u * total rounds to the total for totals like this one; the threshold stays below it
+    w = torch.tensor([1.5, 0.0])
+    assert draw(w, torch.tensor(top, dtype=torch.float64)).item() == 0
+    # a row's token depends on its own weights and uniform only, however many rows share the call
+    g = torch.Generator().manual_seed(8)
+    p = torch.rand(64, 1000, generator=g) ** 8
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    alone = torch.stack([draw(p[b:b + 1], u[b:b + 1])[0] for b in range(64)])
+    assert torch.equal(alone, draw(p, u))
+
+
+def test_draw_with_step_random_follows_probs():
+    """What the engine samples with: one StepRandom draw per request."""
     n = 20_000
     probs = torch.tensor([0.1, 0.6, 0.3])
     rnd = StepRandom([seed_key(6)] * n, list(range(n)), CPU)  # n positions of one request
-    tokens = race(probs.expand(n, 3), rnd.exponential(Stream.SAMPLE, 3))
+    tokens = draw(probs.expand(n, 3), rnd.draws(Stream.SAMPLE)[:, 0])
     assert gof_pvalue(tokens, probs) > 1e-3
     assert gof_pvalue(tokens, [0.15, 0.55, 0.3]) < 1e-6
 
 
 def test_same_seed_same_draws_different_seed_different_draws():
-    def draws(seed):
+    def tokens(seed):
         rnd = StepRandom([seed_key(seed)] * 20, list(range(20)), CPU)
-        return race(torch.full((20, 50), 1 / 50), rnd.exponential(Stream.SAMPLE, 50))
+        return draw(torch.full((20, 50), 1 / 50), rnd.draws(Stream.SAMPLE)[:, 0])
 
-    assert torch.equal(draws(123), draws(123))
-    assert not torch.equal(draws(123), draws(124))
+    assert torch.equal(tokens(123), tokens(123))
+    assert not torch.equal(tokens(123), tokens(124))
     a, b = StepRandom([seed_key(7)], [3], CPU), StepRandom([seed_key(7)], [3], CPU)
-    assert torch.equal(a.exponential(Stream.FINAL, 8), b.exponential(Stream.FINAL, 8))
+    assert torch.equal(a.draws(Stream.FINAL, 8), b.draws(Stream.FINAL, 8))
     assert torch.equal(a.uniform(Stream.ACCEPT, 8), b.uniform(Stream.ACCEPT, 8))
 
 
 def test_unseeded_requests_differ():
     a, b = StepRandom([seed_key(None)], [0], CPU), StepRandom([seed_key(None)], [0], CPU)
-    assert not torch.equal(a.exponential(Stream.SAMPLE, 16), b.exponential(Stream.SAMPLE, 16))
+    assert not torch.equal(a.draws(Stream.SAMPLE, 16), b.draws(Stream.SAMPLE, 16))
 
 
-def test_noise_shapes_and_ranges():
+def test_draw_shapes_and_ranges():
     rnd = StepRandom([seed_key(s) for s in range(4)], [0] * 4, CPU)
-    e = rnd.exponential(Stream.FINAL, 1000)
+    d = rnd.draws(Stream.FINAL, 1000)
     u = rnd.uniform(Stream.ACCEPT, 1000)
-    assert e.shape == u.shape == (4, 1000)
-    assert (e >= 0).all() and ((u >= 0) & (u < 1)).all()
-    assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
+    assert d.shape == u.shape == (4, 1000) and d.dtype == torch.float64
+    assert ((d >= 0) & (d < 1)).all() and ((u >= 0) & (u < 1)).all()
+    assert stats.kstest(d.flatten().numpy(), "uniform").pvalue > 1e-3
     assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
-    assert not torch.equal(e[0], e[1])  # rows have their own keys
+    assert not torch.equal(d[0], d[1])  # rows have their own keys
+    assert (d * 2.0**53 == (d * 2.0**53).round()).all() and len(set(d.flatten().tolist())) == d.numel()
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-38, 1e-300, 5e-324, 1e-7, 9.9e-6])
@@ -455,7 +477,7 @@ def test_tiny_temperatures_are_greedy_never_nan(temperature):
     probs = process_logits(logits, s)
     assert not torch.isnan(probs).any()
     assert torch.equal(probs[0::2], torch.nn.functional.one_hot(logits[0::2].argmax(-1), 50).float())
-    tokens = race(probs, StepRandom([seed_key(i) for i in range(4)], [0] * 4, CPU).exponential(Stream.SAMPLE, 50))
+    tokens = draw(probs, StepRandom([seed_key(i) for i in range(4)], [0] * 4, CPU).draws(Stream.SAMPLE)[:, 0])
     assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
 
 
@@ -478,7 +500,7 @@ def test_seeds_use_all_64_bits():
     """PyTorch's CPU generator keeps the low 32 bits of a seed: s and s + 2**32 were one stream."""
     for s in (0, 7, 2**31 + 5):
         ra, rb = StepRandom([seed_key(s)], [5], CPU), StepRandom([seed_key(s + 2**32)], [5], CPU)
-        assert not torch.equal(ra.exponential(1, 32), rb.exponential(1, 32))
+        assert not torch.equal(ra.draws(1, 32), rb.draws(1, 32))
         assert not torch.equal(ra.uniform(3, 8), rb.uniform(3, 8))
     assert len({seed_key(None) for _ in range(100)}) == 100
 
@@ -487,20 +509,22 @@ def test_step_random_rows_depend_on_their_own_key_and_position_only():
     keys = [seed_key(s) for s in (1, 2, 3)]
     alone = StepRandom(keys[:1], [10], CPU)
     batch = StepRandom([keys[2], keys[0], keys[1]], [4, 10, 99], CPU)
-    assert torch.equal(alone.exponential(Stream.FINAL, 50)[0], batch.exponential(Stream.FINAL, 50)[1])
-    assert torch.equal(alone.uniform(Stream.ACCEPT, 3)[0], batch.uniform(Stream.ACCEPT, 7)[1, :3])  # any width
-    assert torch.equal(alone.draft_noise(2, 20)[0], batch.draft_noise(5, 20)[1, :2])  # any depth
+    assert torch.equal(alone.draws(Stream.FINAL, 50)[0], batch.draws(Stream.FINAL, 50)[1])
+    assert torch.equal(alone.draws(Stream.FINAL, 3)[0], batch.draws(Stream.FINAL, 7)[1, :3])  # any width
+    assert torch.equal(alone.uniform(Stream.ACCEPT, 3)[0], batch.uniform(Stream.ACCEPT, 7)[1, :3])
+    assert torch.equal(alone.draft_draws(2, 3)[0], batch.draft_draws(5, 3)[1, :2])  # any depth
     # another position, another stream, another index: other numbers
-    assert not torch.equal(alone.exponential(Stream.FINAL, 50), StepRandom(keys[:1], [11], CPU).exponential(4, 50))
-    assert not torch.equal(alone.exponential(Stream.FINAL, 50), alone.exponential(Stream.SAMPLE, 50))
-    assert not torch.equal(alone.draft_noise(2, 20)[0, 0], alone.draft_noise(2, 20)[0, 1])
+    assert not torch.equal(alone.draws(Stream.FINAL, 50), StepRandom(keys[:1], [11], CPU).draws(4, 50))
+    assert not torch.equal(alone.draws(Stream.FINAL, 50), alone.draws(Stream.SAMPLE, 50))
+    assert not torch.equal(alone.draft_draws(2, 3)[0, 0], alone.draft_draws(2, 3)[0, 1])
+    assert not torch.equal(alone.draws(Stream.DRAFT, 3, 0), alone.draws(Stream.DRAFT, 3, 1))
 
 
 def test_step_random_distributions():
     from quickdraft.sampling import StepRandom, seed_key
 
     rnd = StepRandom([seed_key(s) for s in range(8)], list(range(8)), CPU)
-    e, u = rnd.exponential(4, 2000), rnd.uniform(3, 500)
-    assert ((u >= 0) & (u < 1)).all() and (e >= 0).all()
-    assert stats.kstest(e.flatten().numpy(), "expon").pvalue > 1e-3
+    d, u = rnd.draws(4, 2000), rnd.uniform(3, 500)
+    assert ((u >= 0) & (u < 1)).all() and ((d >= 0) & (d < 1)).all()
+    assert stats.kstest(d.flatten().numpy(), "uniform").pvalue > 1e-3
     assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3

@@ -7,7 +7,7 @@ Tree format (proposers.base.Draft): tokens (B, N), -1 = unused node; parents (B,
 index order. target_probs / target_argmax index 0 is "after the root", 1 + i "after node i".
 
 Losslessness is tested as in tests/test_verify.py: many independent rows (trials) in one
-batched call, seeded noise, and a chi-square test of the emitted tokens. The target is a
+batched call, seeded draws, and a chi-square test of the emitted tokens. The target is a
 second-order Markov chain (the next token depends on the last two tokens: p0 after the
 root, P1[a] after a, P2[a, b] after (a, b)), so every tree node has its own distribution
 and a verifier that mixes up nodes (a sibling's or a cousin's p) would be caught. A row
@@ -233,7 +233,14 @@ def sample_tree(parents: list[int], q0: torch.Tensor, q1: torch.Tensor, n: int, 
 
 
 def randomness(n: int, N: int, g: torch.Generator):
-    return torch.rand(n, N, generator=g), torch.empty(n, V).exponential_(generator=g)
+    return torch.rand(n, N, generator=g), torch.rand(n, dtype=torch.float64, generator=g)
+
+
+def inverse_cdf(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The reference's final draw, written apart from sampling.draw: the first token whose
+    float64 running sum of r passes u x its total."""
+    c = r.double().cumsum(-1)
+    return (c > u.double()[..., None] * c[..., -1:]).int().argmax(-1)
 
 
 def fixed_tree(n: int, toks=DET_TOKENS, pars=DET_PARENTS):
@@ -244,7 +251,7 @@ def fixed_tree(n: int, toks=DET_TOKENS, pars=DET_PARENTS):
 # ----------------------------------------------- a reference verifier, and wrong variants
 
 
-def reference_verify(parents: list[int], tokens, target_probs, draft_probs, uniform, noise,
+def reference_verify(parents: list[int], tokens, target_probs, draft_probs, uniform, final,
                      variant: str = "exact"):
     """Vectorised over rows for one tree *shape* shared by all rows (tokens may differ).
 
@@ -295,7 +302,7 @@ def reference_verify(parents: list[int], tokens, target_probs, draft_probs, unif
     num_accepted = (path >= 0).sum(1)
     emitted = torch.cat([torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1),
                          torch.full((n, 1), -1, dtype=torch.long)], 1)
-    emitted[rows, num_accepted] = (r / noise).argmax(-1)
+    emitted[rows, num_accepted] = inverse_cdf(r, final)
     return emitted, num_accepted, path
 
 
@@ -519,8 +526,8 @@ def test_rejection_worked_example_deterministic():
                           # node 2: p(3) = 0, rejected even with u = 0; final token from p after node 1
         [0.59, 0.0, 0.0],  # node 0 accepted (0.59 < 0.6); a leaf: bonus from p after node 0
     ])
-    noise = torch.ones(2, 4)  # the race then picks the most likely token
-    emitted, acc, path = tree_rejection_sample(tokens, parents, p.expand(2, 4, 4), None, uniform, noise)
+    final = torch.tensor([0.9, 0.9], dtype=torch.float64)  # past 0.6 of the mass: token 2 after node 1
+    emitted, acc, path = tree_rejection_sample(tokens, parents, p.expand(2, 4, 4), None, uniform, final)
     assert acc.tolist() == [1, 1]
     assert path.tolist() == [[1, -1], [0, -1]]
     assert emitted.tolist() == [[2, 2, -1], [1, 3, -1]]
@@ -531,8 +538,8 @@ def test_rejection_deterministic_rejected_children_are_excluded():
     # every child rejected: the final token comes from p with the children's tokens removed
     tokens, parents = pad_trees([([0, 1], [-1, -1])])
     p = torch.tensor([[[0.5, 0.3, 0.2, 0.0]] * 3])
-    noise = torch.tensor([[0.01, 0.01, 1.0, 1.0]])  # would pick 0 or 1 if they were still in r
-    emitted, acc, _ = tree_rejection_sample(tokens, parents, p, None, torch.tensor([[0.99, 0.99]]), noise)
+    final = torch.tensor([0.0], dtype=torch.float64)  # would pick 0 if it were still in r
+    emitted, acc, _ = tree_rejection_sample(tokens, parents, p, None, torch.tensor([[0.99, 0.99]]), final)
     assert acc.tolist() == [0] and emitted.tolist() == [[2, -1]]
 
 
@@ -543,10 +550,10 @@ def test_rejection_worked_example_sampled_residual_carries_over_siblings():
     q = torch.tensor([[[0.2, 0.6, 0.2, 0.0]] * 2])
     # sibling 1: accept iff u < p/q = 2/3: u = 0.9 rejects; r = norm(max(p - q, 0)) = (1, 0, 0, 0)
     # sibling 2: r(1) = 0, rejected even with u = 0 (testing against p would accept it)
-    emitted, acc, path = tree_rejection_sample(tokens, parents, p, q, torch.tensor([[0.9, 0.0]]), torch.ones(1, 4))
+    emitted, acc, path = tree_rejection_sample(tokens, parents, p, q, torch.tensor([[0.9, 0.0]]), torch.tensor([0.5], dtype=torch.float64))
     assert acc.tolist() == [0] and emitted.tolist() == [[0, -1]] and path.tolist() == [[-1]]
     # sibling 1 accepted: u = 0.6 < 2/3
-    emitted, acc, path = tree_rejection_sample(tokens, parents, p, q, torch.tensor([[0.6, 0.0]]), torch.ones(1, 4))
+    emitted, acc, path = tree_rejection_sample(tokens, parents, p, q, torch.tensor([[0.6, 0.0]]), torch.tensor([0.5], dtype=torch.float64))
     assert acc.tolist() == [1] and path.tolist() == [[0]] and emitted[0, 0] == 1
 
 
@@ -559,8 +566,8 @@ def test_rejection_padding_and_ragged_batch():
         [2, 0, 0, 0, 0, 0],  # root -> 2: node 0 (token 3) rejected; recovered 2
         [0, 1, 2, 3, 4, 2],  # the whole chain accepted; bonus 2
     ]), V).float()
-    noise = torch.empty(B, V).exponential_(generator=torch.Generator().manual_seed(0))
-    emitted, acc, path = tree_rejection_sample(tokens, parents, p, None, torch.full((B, N), 0.5), noise)
+    final = torch.rand(B, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    emitted, acc, path = tree_rejection_sample(tokens, parents, p, None, torch.full((B, N), 0.5), final)
     assert acc.tolist() == [1, 0, 5]
     assert path.tolist() == [[1, -1, -1, -1, -1], [-1] * 5, [0, 1, 2, 3, 4]]
     assert emitted.tolist() == [[0, 4, -1, -1, -1, -1], [2, -1, -1, -1, -1, -1], [0, 1, 2, 3, 4, 2]]
@@ -593,7 +600,7 @@ def random_tree_rows(B: int, N: int, g: torch.Generator, distinct: bool = True, 
     return tokens, parents
 
 
-def scalar_reference(tokens, parents, target_probs, draft_probs, uniform, noise):
+def scalar_reference(tokens, parents, target_probs, draft_probs, uniform, final):
     """Row by row, node by node, in float64: the rule as the docstring states it."""
     B, N = tokens.shape
     out = []
@@ -617,7 +624,7 @@ def scalar_reference(tokens, parents, target_probs, draft_probs, uniform, noise)
                     r = res / res.sum()
             if not moved:
                 break
-        out.append((path, int((r / noise[b].double()).argmax())))
+        out.append((path, int(inverse_cdf(r, final[b]))))
     return out
 
 
@@ -630,10 +637,10 @@ def test_rejection_matches_scalar_reference_on_random_trees(sampled):
     target_probs[:, :, 4] *= torch.rand(B, N + 1, generator=g) < 0.5  # some zeros in p
     target_probs /= target_probs.sum(-1, keepdim=True)
     draft_probs = torch.softmax(torch.randn(B, N, V, generator=g), -1) if sampled else None
-    uniform, noise = randomness(B, N, g)
-    emitted, acc, path = tree_rejection_sample(tokens, parents, target_probs, draft_probs, uniform, noise)
+    uniform, final = randomness(B, N, g)
+    emitted, acc, path = tree_rejection_sample(tokens, parents, target_probs, draft_probs, uniform, final)
     check_tree_format(tokens, parents, emitted, acc, path, V)
-    for b, (ref_path, last) in enumerate(scalar_reference(tokens, parents, target_probs, draft_probs, uniform, noise)):
+    for b, (ref_path, last) in enumerate(scalar_reference(tokens, parents, target_probs, draft_probs, uniform, final)):
         assert path[b, : len(ref_path)].tolist() == ref_path and acc[b] == len(ref_path), f"row {b}"
         assert emitted[b, len(ref_path)] == last, f"row {b}"
     assert len(set(acc.tolist())) >= 3  # the batch is ragged in accepted lengths
@@ -646,7 +653,7 @@ def test_rejection_matches_scalar_reference_on_random_trees(sampled):
 @given(B=st.integers(1, 6), N=st.integers(1, 8), seed=st.integers(0, 2**31 - 1), match=st.floats(0.0, 1.0))
 def test_one_hot_target_equals_greedy(B, N, seed, match):
     """A greedy row (one-hot p) makes tree_rejection_sample exactly tree_greedy_verify,
-    whatever the noise, with q = None, one-hot q, or a soft q."""
+    whatever the draws, with q = None, one-hot q, or a soft q."""
     g = torch.Generator().manual_seed(seed)
     tokens, parents = random_tree_rows(B, N, g, distinct=True)
     target_argmax = torch.randint(0, V, (B, N + 1), generator=g)
@@ -660,13 +667,13 @@ def test_one_hot_target_equals_greedy(B, N, seed, match):
                 if not sib.any():
                     tokens[b, i] = want[b, i]
     p = torch.nn.functional.one_hot(target_argmax, V).float()
-    uniform, noise = randomness(B, N, g)
+    uniform, final = randomness(B, N, g)
     expected = tree_greedy_verify(tokens, parents, target_argmax)
     check_tree_format(tokens, parents, *expected, V)
     one_hot_q = torch.nn.functional.one_hot(tokens.clamp(min=0), V).float()
     soft_q = torch.softmax(torch.randn(B, N, V, generator=g), -1)
     for q in (None, one_hot_q, soft_q):
-        got = tree_rejection_sample(tokens, parents, p, q, uniform, noise)
+        got = tree_rejection_sample(tokens, parents, p, q, uniform, final)
         for a, e in zip(got, expected):
             assert torch.equal(a, e)
 
@@ -677,10 +684,10 @@ def test_one_hot_q_equals_deterministic():
     B, N = 2000, 8
     tokens, parents = random_tree_rows(B, N, g)
     target_probs = torch.softmax(torch.randn(B, N + 1, V, generator=g), -1)
-    uniform, noise = randomness(B, N, g)
+    uniform, final = randomness(B, N, g)
     q = torch.nn.functional.one_hot(tokens.clamp(min=0), V).float()
-    a = tree_rejection_sample(tokens, parents, target_probs, None, uniform, noise)
-    b = tree_rejection_sample(tokens, parents, target_probs, q, uniform, noise)
+    a = tree_rejection_sample(tokens, parents, target_probs, None, uniform, final)
+    b = tree_rejection_sample(tokens, parents, target_probs, q, uniform, final)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -691,16 +698,16 @@ def test_one_hot_q_equals_deterministic():
 def run_deterministic(target: Chain2, n: int, seed: int, toks=DET_TOKENS, pars=DET_PARENTS):
     g = torch.Generator().manual_seed(seed)
     tokens, parents = fixed_tree(n, toks, pars)
-    uniform, noise = randomness(n, len(toks), g)
-    args = (tokens, parents, target.node_probs(tokens, parents), None, uniform, noise)
+    uniform, final = randomness(n, len(toks), g)
+    args = (tokens, parents, target.node_probs(tokens, parents), None, uniform, final)
     return args, tree_rejection_sample(*args)
 
 
 def run_sampled(target: Chain2, q0, q1, n: int, seed: int, pars=SAMPLED_PARENTS):
     g = torch.Generator().manual_seed(seed)
     tokens, parents, q = sample_tree(pars, q0, q1, n, g)
-    uniform, noise = randomness(n, len(pars), g)
-    args = (tokens, parents, target.node_probs(tokens, parents), q, uniform, noise)
+    uniform, final = randomness(n, len(pars), g)
+    args = (tokens, parents, target.node_probs(tokens, parents), q, uniform, final)
     return args, tree_rejection_sample(*args)
 
 
@@ -816,8 +823,8 @@ def test_lossless_mixed_batch():
     perm = torch.randperm(4 * n, generator=g)  # interleave the kinds of rows
     tokens, parents, draft_probs, target_probs = tokens[perm], parents[perm], draft_probs[perm], target_probs[perm]
     kind = torch.arange(4 * n)[perm] // n
-    uniform, noise = randomness(4 * n, N, g)
-    emitted, acc, path = tree_rejection_sample(tokens, parents, target_probs, draft_probs, uniform, noise)
+    uniform, final = randomness(4 * n, N, g)
+    emitted, acc, path = tree_rejection_sample(tokens, parents, target_probs, draft_probs, uniform, final)
     assert emitted.shape == (4 * n, 4) and path.shape == (4 * n, 3)  # D = 3 from group C
     for k in range(3):
         rows = kind == k

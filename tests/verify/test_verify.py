@@ -2,7 +2,7 @@
 
 The distribution tests run many independent trials at once: a large batch of identical
 rows (the same p and q), a draft token sampled from q in every row, and fresh U[0, 1)
-and Exp(1) noise per row. Rows are independent trials, so the emitted tokens at a
+draws per row (accept tests and the final token). Rows are independent trials, so the emitted tokens at a
 position form an i.i.d. sample that a chi-square test compares with the target p.
 
 Every distribution check is paired with a control (the draft's q, or a slightly perturbed
@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from quickdraft.sampling import BatchSampling, SamplingParams, process_logits, race
+from quickdraft.sampling import BatchSampling, SamplingParams, process_logits
+from quickdraft.sampling import draw as draw_index
 from quickdraft.verify import greedy_verify_host, rejection_sample
 
 N = 200_000  # trials per distribution test
@@ -114,8 +115,8 @@ def trials(p: torch.Tensor, q: torch.Tensor | None, n: int = N, seed: int = 0, d
     target_probs = p.expand(n, k + 1, V).contiguous()
     draft_probs = None if q is None else q.expand(n, k, V).contiguous()
     uniform = torch.rand(n, k, generator=g)
-    noise = torch.empty(n, V).exponential_(generator=g)
-    tokens, num_accepted = rejection_sample(draft, target_probs, draft_probs, uniform, noise)
+    final = torch.rand(n, dtype=torch.float64, generator=g)
+    tokens, num_accepted = rejection_sample(draft, target_probs, draft_probs, uniform, final)
     return draft, tokens, num_accepted
 
 
@@ -175,27 +176,26 @@ def test_accept_rule_is_u_below_p_over_q():
     uniform = torch.tensor([[0.0], [0.49], [0.51], [0.999]])
     B = len(uniform)
     draft = torch.zeros(B, 1, dtype=torch.long)  # token 0: p = 0.3, q = 0.6, ratio 0.5
-    noise = torch.ones(B, V)
-    _, acc = rejection_sample(draft, p.expand(B, 2, V), q.expand(B, 1, V), uniform, noise)
+    final = torch.zeros(B, dtype=torch.float64)
+    _, acc = rejection_sample(draft, p.expand(B, 2, V), q.expand(B, 1, V), uniform, final)
     assert acc.tolist() == [1, 1, 0, 0]
     # p(x) >= q(x): always accepted, whatever u in [0, 1)
     draft = torch.full((B, 1), 2)
-    _, acc = rejection_sample(draft, p.expand(B, 2, V), q.expand(B, 1, V), uniform, noise)
+    _, acc = rejection_sample(draft, p.expand(B, 2, V), q.expand(B, 1, V), uniform, final)
     assert acc.tolist() == [1, 1, 1, 1]
     # p(x) = 0: never accepted, even with u = 0
     p0 = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
     draft = torch.zeros(B, 1, dtype=torch.long)
-    tokens, acc = rejection_sample(draft, p0.expand(B, 2, V), q.expand(B, 1, V), uniform, noise)
+    tokens, acc = rejection_sample(draft, p0.expand(B, 2, V), q.expand(B, 1, V), uniform, final)
     assert acc.tolist() == [0, 0, 0, 0]
     assert set(tokens[:, 0].tolist()) <= {1, 2}
 
 
 def test_rejection_stops_at_first_rejection():
     """A draft after a rejected one is not accepted, even when its own test passes."""
-    V = 3
     p = torch.tensor([[0.0, 1.0, 0.0]] * 3)
     draft = torch.tensor([[0, 1]])  # x1 rejected (p = 0), x2 would be accepted
-    tokens, acc = rejection_sample(draft, p[None], None, torch.zeros(1, 2), torch.ones(1, V))
+    tokens, acc = rejection_sample(draft, p[None], None, torch.zeros(1, 2), torch.zeros(1, dtype=torch.float64))
     assert acc.tolist() == [0]
     assert tokens.tolist() == [[1, -1, -1]]
 
@@ -257,9 +257,9 @@ def test_naive_resampling_is_caught():
     g = torch.Generator().manual_seed(41)
     draft = draw(q, N, g)
     u = torch.rand(N, generator=g)
-    noise = torch.empty(N, 5).exponential_(generator=g)
+    final = torch.rand(N, dtype=torch.float64, generator=g)
     accept = u * q[0][draft[:, 0]] < p[0][draft[:, 0]]
-    naive_first = torch.where(accept, draft[:, 0], race(p[0].expand(N, 5), noise))
+    naive_first = torch.where(accept, draft[:, 0], draw_index(p[0].expand(N, 5), final))
     assert gof_pvalue(naive_first, p[0]) < FAIL
     _, tokens, _ = trials(p, q, seed=41)
     assert gof_pvalue(tokens[:, 0], p[0]) > PASS
@@ -291,7 +291,7 @@ def test_prefix_dependent_target():
     target = torch.stack([p0.expand(N, V), P1[x1], P_TABLE[3].expand(N, V)], 1)
     draft_probs = torch.stack([q0.expand(N, V), Q1[x1]], 1)
     tokens, acc = rejection_sample(draft, target, draft_probs, torch.rand(N, k, generator=g),
-                                   torch.empty(N, V).exponential_(generator=g))
+                                   torch.rand(N, dtype=torch.float64, generator=g))
     assert gof_pvalue(tokens[:, 0], p0) > PASS
     for t in range(V):
         rows = (acc >= 1) & (x1 == t)
@@ -398,7 +398,7 @@ def test_k0_samples_from_target():
     assert gof_pvalue(tokens[:, 0], p[0]) > PASS
     assert gof_pvalue(tokens[:, 0], perturbed(p[0])) < FAIL
     tokens_none, acc_none = rejection_sample(draft, p.expand(N, 1, 5), None, torch.rand(N, 0),
-                                             torch.empty(N, 5).exponential_())
+                                             torch.rand(N, dtype=torch.float64))
     assert tokens_none.shape == (N, 1) and (acc_none == 0).all()
 
 
@@ -488,7 +488,7 @@ def test_greedy_k0_emits_one_token_per_row():
        match=st.floats(0.0, 1.0))
 def test_rejection_sample_one_hot_equals_greedy(B, k, V, seed, match):
     """Greedy rows (one-hot p from process_logits at temperature 0) make rejection_sample
-    exactly the greedy rule (greedy_verify_host), whatever the noise, with a one-hot q, with q = None, and even
+    exactly the greedy rule (greedy_verify_host), whatever the draws, with a one-hot q, with q = None, and even
     with a non-degenerate q (a sampling draft verified by a greedy target)."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, k + 1, V, generator=g)
@@ -499,11 +499,11 @@ def test_rejection_sample_one_hot_equals_greedy(B, k, V, seed, match):
     draft = torch.where(copy, target_argmax[:, :k], torch.randint(0, V, (B, k), generator=g))
     q = torch.nn.functional.one_hot(draft, V).float()
     uniform = torch.rand(B, k, generator=g)
-    noise = torch.empty(B, V).exponential_(generator=g)
+    final = torch.rand(B, dtype=torch.float64, generator=g)
     q_soft = torch.softmax(torch.randn(B, k, V, generator=g), -1)  # a sampled draft against a greedy target
     expected = greedy_host(draft, target_argmax)
     for draft_probs in (q, None, q_soft):
-        tokens, acc = rejection_sample(draft, p, draft_probs, uniform, noise)
+        tokens, acc = rejection_sample(draft, p, draft_probs, uniform, final)
         assert torch.equal(tokens, expected[0])
         assert torch.equal(acc, expected[1])
     check_format(draft, *expected, V)
