@@ -426,6 +426,33 @@ def test_draw_edges_land_on_positive_weights():
     assert torch.equal(alone, draw(p, u))
 
 
+def test_draw_across_blocks():
+    """Vocabularies over DRAW_BLOCK (a multiple of it or not): a chi-square over tokens spread
+    across blocks, and thresholds at and just under every block boundary (where a block's own
+    running sum and its float64 block sum may round apart) land on positive weights."""
+    from quickdraft.sampling import DRAW_BLOCK
+
+    g = torch.Generator().manual_seed(12)
+    for V in (2 * DRAW_BLOCK, 3 * DRAW_BLOCK + 77):
+        w = torch.zeros(V)
+        hot = torch.tensor([0, DRAW_BLOCK - 1, DRAW_BLOCK, V - 1])  # both sides of a boundary, the last token
+        w[hot] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        n = 40_000
+        tokens = draw(w.expand(n, V), torch.rand(n, dtype=torch.float64, generator=g))
+        assert set(tokens.unique().tolist()) <= set(hot.tolist())
+        ranks = torch.searchsorted(hot, tokens)
+        assert gof_pvalue(ranks, [1.0, 2.0, 3.0, 4.0]) > 1e-3
+        assert gof_pvalue(ranks, [1.0, 2.0, 3.2, 3.8]) < 1e-6  # control
+        # random weights with zeros sprinkled in (so blocks often end on zeros); u at the boundaries
+        p = torch.rand(V, generator=g) * (torch.rand(V, generator=g) < 0.5)
+        ends = p.view(-1)[: V - V % DRAW_BLOCK].view(-1, DRAW_BLOCK).sum(-1, dtype=torch.float64).cumsum(0)
+        total = p.double().sum()
+        u = (ends[:-1] / total).clamp(max=1 - 2.0**-53)
+        u = torch.cat([u, torch.nextafter(u, torch.zeros_like(u)), torch.tensor([0.0, 1 - 2.0**-53], dtype=torch.float64)])
+        got = draw(p.expand(len(u), V), u)
+        assert (p[got] > 0).all()
+
+
 def test_draw_with_step_random_follows_probs():
     """What the engine samples with: one StepRandom draw per request."""
     n = 20_000
