@@ -173,6 +173,8 @@ CASES: dict[str, Case] = {
                           "--name", "kv"],
                          ["kv.json", "kv.md"],
                          check=_check_kv_growth),
+    "sampling_cost.py": Case(["--batch", "1", "2", "--tokens", "4", "--model", str(ROOT / "quickdraft" / "default_models" / "target"),
+                              "--out", "{out}/sc.json"], ["sc.json"]),
     "gc_pause.py": Case(["--repeats", "1", "--out-dir", "{out}", "--name", "gc"], ["gc.json", "gc.md"],
                         check=_check_gc_pause),
     "gpu_check.py": Case(["--small", "--device", "cpu", "--parts", "abe", "--budget-s", "600", "--out", "{out}"],
