@@ -977,7 +977,7 @@ class Engine:
         if k > 0:
             penalties = self._batch_penalties
             draft = self.proposer.propose(ProposeBatch([r.tokens for r in rows], k, sampling, rnd, penalties,
-                                                       None if penalties is None else [r.output for r in rows]))
+                                                       None if penalties is None else [r.output for r in rows], ks))
             if min(ks) < k:
                 draft = _limit_depth(draft, ks)
             if draft.tokens.shape[1] == 0:  # nothing proposed for any row

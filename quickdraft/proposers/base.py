@@ -47,6 +47,13 @@ class ProposeBatch:
     # may draft from penalised distributions (q is then what it sampled from) or ignore them
     penalties: PenaltyState | None = None
     outputs: list[list[int]] | None = None
+    ks: list[int] | None = None  # each row's own depth bound (<= k); None: k for every row
+
+    def row_k(self, b: int) -> int:
+        """Row b's own depth bound. The engine drafts to the deepest row's k and cuts each row's
+        draft to its own; a proposer whose drafts or state for a row depend on the bound (a node
+        budget, a Jacobi window) uses this, so that a row's drafts never depend on the others'."""
+        return self.k if self.ks is None else min(self.k, self.ks[b])
 
 
 @dataclass

@@ -146,7 +146,7 @@ class LookaheadProposer(Proposer):
     # -- the step ---------------------------------------------------------------------
 
     def propose(self, batch: ProposeBatch) -> Draft:
-        return Draft.tree([self._propose_row(b, t, batch.k) for b, t in enumerate(batch.tokens)], self.device)
+        return Draft.tree([self._propose_row(b, t, batch.row_k(b)) for b, t in enumerate(batch.tokens)], self.device)
 
     def _propose_row(self, b: int, text: list[int], k: int) -> tuple[list[int], list[int]]:
         row, N, L = self._row(b, text), self.ngram, len(text)

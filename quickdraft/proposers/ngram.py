@@ -176,7 +176,8 @@ class NgramProposer(TokenRows, Proposer):
         return conts[np.sort(first)[: self.num_candidates]].tolist()
 
     def propose(self, batch: ProposeBatch) -> Draft:
-        paths = [self.propose_row(self.row_tokens(b, toks), batch.k) for b, toks in enumerate(batch.tokens)]
+        rows = [self.row_tokens(b, toks) for b, toks in enumerate(batch.tokens)]  # (every row's kept in step)
+        paths = [self.propose_row(row, batch.row_k(b)) if batch.row_k(b) > 0 else [] for b, row in enumerate(rows)]
         if self.num_candidates == 1:
             return Draft.chain([p[0] if p else [] for p in paths], self.device)
         return Draft.tree([merge_paths(p) for p in paths], self.device)

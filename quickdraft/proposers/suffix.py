@@ -368,8 +368,12 @@ class SuffixProposer(TokenRows, Proposer):
     def propose(self, batch: ProposeBatch) -> Draft:
         rows = []
         for b, context in enumerate(batch.tokens):
-            local = self.speculate_local(self.row_tokens(b, context), context, batch.k)
-            other = self.speculate_global(context, batch.k)
+            k, tokens = batch.row_k(b), self.row_tokens(b, context)  # (every row's kept in step)
+            if k == 0:
+                rows.append(([], [], 0.0))
+                continue
+            local = self.speculate_local(tokens, context, k)
+            other = self.speculate_global(context, k)
             rows.append(local if local[2] >= other[2] else other)
         if self.tree:
             return Draft.tree([(t, p) for t, p, _ in rows], self.device)
