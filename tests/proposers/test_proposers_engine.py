@@ -229,3 +229,32 @@ def test_seeds_differing_above_32_bits_give_different_outputs(target_dir, noisy_
     outs = [llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=24, seed=s, ignore_eos=True))[0]
             for s in (5, 5 + 2**32, 5)]
     assert outs[0].token_ids == outs[2].token_ids != outs[1].token_ids
+
+
+class _CPU:
+    device = "cpu"
+
+
+@pytest.mark.parametrize("method,options", [("lookahead", {}), ("lookahead", {"window": 3, "ngram": 3, "guesses": 2}),
+                                            ("ngram", {"num_candidates": 3, "min_ngram": 1}), ("suffix", {"global_max_tokens": 0})])
+def test_a_rows_draft_follows_its_own_depth_bound(method, options):
+    """The engine drafts to the deepest row's k and cuts each row's draft to its own (ks). A row's
+    draft and state must come from its own bound: lookahead built its Jacobi window to the batch's
+    k, so a seeded request's tokens changed with an unseeded neighbour's acceptance."""
+    from quickdraft.proposers import PROPOSERS
+    from quickdraft.proposers.base import ProposeBatch
+
+    mine = [0, 5, 7, 9, 11, 5, 7, 9, 11, 5, 7, 9, 11, 5]
+    other = [0, 20, 21, 22, 20, 21, 22, 20, 21, 22, 20, 21]
+    alone, beside = (PROPOSERS[method].build(target=_CPU(), **options) for _ in range(2))
+    alone.start(0, mine)
+    beside.start(0, mine)
+    beside.start(1, other)
+    for k_mine in (1, 2):
+        a = alone.propose(ProposeBatch([mine], k_mine, None, [], ks=[k_mine]))
+        b = beside.propose(ProposeBatch([mine, other], 5, None, [], ks=[k_mine, 5]))
+        want = [t for t in a.tokens[0].tolist() if t >= 0]
+        assert [t for t in b.tokens[0].tolist() if t >= 0] == want and want
+        if method == "lookahead":
+            assert beside.rows[0].pending.inputs == alone.rows[0].pending.inputs
+            alone.rows[0].pending = beside.rows[0].pending = None  # (no feedback: start the next step afresh)
