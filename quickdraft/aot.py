@@ -687,8 +687,7 @@ class AOTStep:
                 return self.tree_runner(input_ids.contiguous(), positions.contiguous(), slots.contiguous(),
                                         attn_mask.contiguous(), cache.k, cache.v)
             return None
-        if (cache is None or positions is None
-                or logits_at is not None or B * T > self.max_rows or T > _MAX_QUERY
+        if (cache is None or positions is None or B * T > self.max_rows or T > _MAX_QUERY
                 or not cache.k[0].is_contiguous()):
             return None
         if kv_len is None:
@@ -697,8 +696,16 @@ class AOTStep:
             self._key_pos = torch.arange(max(kv_len, 2 * self._key_pos.shape[0]))
         # the package assumes the strides it was traced with (contiguous): an expanded view
         # (stride 0) would be read as if it were not
-        return self.runner(input_ids.contiguous(), positions.contiguous(), self._key_pos[:max(kv_len, 2)],
-                           cache.k, cache.v)
+        out = self.runner(input_ids.contiguous(), positions.contiguous(), self._key_pos[:max(kv_len, 2)],
+                          cache.k, cache.v)
+        if logits_at is None:
+            return out
+        # the logits at `logits_at` (B, n) only, as the model's forward gives them: the package computes
+        # every position's (a draft's catch-up: 2 tokens a row), the rows' bits the same either way
+        pick = logits_at.to(input_ids.device)[..., None]
+        if self.hidden_at is None:
+            return out.gather(1, pick.expand(-1, -1, out.shape[-1]))
+        return (out[0].gather(1, pick.expand(-1, -1, out[0].shape[-1])), out[1])
 
     def __repr__(self) -> str:
         return f"AOTStep({self.path.name}{'' if self.tree_path is None else ', ' + self.tree_path.name})"

@@ -119,13 +119,31 @@ def test_steps_release_the_gil(target_step, monkeypatch):
     assert _steps_other_threads_ran_during(held, model) == 0
 
 
-def test_other_signatures_run_eagerly(target_step):
+def test_logits_at_is_served_by_the_package(target_step, monkeypatch):
+    """A call for some positions' logits (a draft catching up: 2 tokens a row, a padded one among
+    them) runs the package, not the eager model, and gives those positions' rows of its full output."""
     model, step = target_step
-    cache = KVCache.for_model(model, 1, 32)
-    ids = torch.tensor([[5, 6, 7]])
+    calls = []
+    runner = step.runner
+    monkeypatch.setattr(step, "runner", lambda *a: calls.append(1) or runner(*a))
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("the eager forward ran"))
+    g = torch.Generator().manual_seed(3)
+    caches = [KVCache.for_model(model, 2, 32) for _ in range(3)]
+    for t in zip(*(c.k + c.v for c in caches)):
+        r = torch.randn(t[0].shape, generator=g)
+        for c in t:
+            c.copy_(r)
+    ids, pos, last = torch.tensor([[5, 6], [7, 8]]), torch.tensor([[9, 10], [4, -1]]), torch.tensor([[1], [0]])
     with torch.inference_mode():
-        got = step(ids, torch.arange(3)[None], cache.rows(0, 1), logits_at=torch.tensor([[2]]), kv_len=3)
-    assert got.shape == (1, 1, model.config.vocab_size)
+        got = step(ids, pos, caches[0].rows(0, 2), logits_at=last, kv_len=11)
+        full = step(ids, pos, caches[1].rows(0, 2), kv_len=11)
+        monkeypatch.undo()
+        eager = model(ids, pos, caches[2].rows(0, 2), logits_at=last, kv_len=11)
+    assert len(calls) == 2 and got.shape == (2, 1, model.config.vocab_size)
+    assert torch.equal(got, full.gather(1, last[..., None].expand(-1, -1, full.shape[-1])))
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+    for a, b in zip(caches[0].k + caches[0].v, caches[2].k + caches[2].v):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # the same slots written (none for the padding)
 
 
 def test_stale_package_is_refused(target_step, caplog):
