@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .constraints import Constraint
 from .errors import QuickdraftError
 
@@ -502,7 +503,11 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     picks a block, the block's own running sum the index. One uniform per token drawn, where an
     exponential race (argmax w / E) needs one Exp(1) draw per vocabulary entry (~0.5 ms a row of
     49,152 on a CPU); no full-size float64 buffers. The threshold is held below the total, so
-    the index lands on a positive weight; all-zero weights give index 0."""
+    the index lands on a positive weight; all-zero weights give index 0. On a CPU with
+    quickdraft's kernels, one call (kernels.draw: its block sums in an order of its own)."""
+    if (weights.device.type == "cpu" and weights.dtype == torch.float32 and u.dtype == torch.float64
+            and not torch.compiler.is_compiling() and kernels.available()):
+        return kernels.draw(weights, u.expand(weights.shape[:-1]))
     V = weights.shape[-1]
     n = min(V, DRAW_BLOCK)
     w = weights if V % n == 0 else torch.nn.functional.pad(weights, (0, -V % n))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .sampling import draw
 from .tree import tree_structure
 
@@ -55,6 +56,8 @@ def rejection_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor, dra
     exactly as sampling from p alone.
     """
     B, k = draft_tokens.shape
+    if k == 0:  # plain sampling: the token from p (what the steps below come to, in two ops)
+        return draw(target_probs[:, 0], final)[:, None], torch.zeros(B, dtype=torch.long, device=draft_tokens.device)
     present = draft_tokens >= 0  # -1 ends a row's chain
     x = draft_tokens.clamp(min=0)
     p_x = target_probs[:, :k].gather(-1, x[..., None]).squeeze(-1)  # (B, k)
@@ -155,6 +158,13 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
     rows = torch.arange(B, device=device)
     valid = tokens >= 0
     anc, depth = structure if structure is not None else tree_structure(parents, valid)
+    if (device.type == "cpu" and target_probs.dtype == torch.float32 and uniform.dtype == torch.float32
+            and (draft_probs is None or draft_probs.dtype == torch.float32) and final.dtype == torch.float64
+            and not torch.compiler.is_compiling() and kernels.available()):  # the walk below in one call
+        accepted_node, last = kernels.tree_rejection_sample(tokens, parents, target_probs, draft_probs, uniform, final)
+        num_accepted = torch.where(accepted_node >= 0, depth[rows, accepted_node.clamp(min=0)], 0)
+        on_path = anc[rows, accepted_node.clamp(min=0)] & (accepted_node >= 0)[:, None]
+        return _emit_path(tokens, on_path, depth, num_accepted, last)
     # Host syncs in tree verification (chains have none): the tree's depth and widest sibling
     # set size the loops and buffers below. Both are bounded by the draft's shape (k, width),
     # which could replace them with static bounds for CUDA graphs at the cost of padded work.

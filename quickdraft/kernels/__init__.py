@@ -354,6 +354,14 @@ def _register_fake() -> None:
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("quickdraft::draw")
+    def _(weights, u):
+        return u.new_empty(u.shape, dtype=torch.long)
+
+    @torch.library.register_fake("quickdraft::tree_rejection_sample")
+    def _(tokens, parents, target_probs, draft_probs, uniform, final):
+        return tokens.new_empty(tokens.shape[:1]), tokens.new_empty(tokens.shape[:1])
+
 
 HUGE_PAGE = 2 << 20  # x86-64's and AArch64's (4 KiB base pages) transparent huge page
 ARENA_BYTES = 64 << 20  # packed weights are placed one after another in mappings of this size (or the weight's)
@@ -657,3 +665,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     + eps), the mean's sum in one fixed order (blocked_core.h's norm section): a row's bits depend on
     that row alone, on every path and thread count."""
     return torch.ops.quickdraft.rms_norm.default(x, weight, eps)
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sampling.draw in one call on a CPU: weights (..., V) float32 >= 0, u (...) float64 U[0, 1) ->
+    (...) int64 indices. The same algorithm (float64 running sums in two levels, the threshold
+    below the total, the block's last positive weight past its sum, 0 without a positive total); the
+    block sums in one fixed order of their own (blocked_mm.cpp's sampling section), so where a
+    threshold falls within rounding of a block's end the index can differ from the tensor version's."""
+    return torch.ops.quickdraft.draw.default(weights, u)
+
+
+def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
+                          draft_probs: torch.Tensor | None, uniform: torch.Tensor,
+                          final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify.tree_rejection_sample's walk in one call on a CPU, each row on its own: tokens, parents
+    (B, N) int64, target_probs (B, N + 1, V) and draft_probs (B, N, V) or None float32, uniform
+    (B, N) float32, final (B,) float64 -> (the accepted node (B,), -1 for none; the last token (B,)).
+    The same rule; a residual's mass summed in float64 in an order of its own (blocked_mm.cpp's
+    sampling section) and the last token drawn as `draw` draws it."""
+    return torch.ops.quickdraft.tree_rejection_sample.default(tokens, parents, target_probs, draft_probs,
+                                                               uniform, final)

@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from quickdraft import QuickdraftError
+from quickdraft import QuickdraftError, kernels
 from quickdraft.sampling import BatchSampling, SamplingParams, StepRandom, Stream, draw, process_logits, seed_key
 
 CPU = torch.device("cpu")
@@ -377,7 +377,17 @@ def test_process_logits_matches_reference(rows):
 # ------------------------------------------------------------------ draw and StepRandom
 
 
-def test_draw_follows_weights():
+@pytest.fixture(params=["kernel", "tensor"])
+def draw_path(request, monkeypatch):
+    """draw on quickdraft's kernel (one call, where the kernels run) and on its tensor version."""
+    if request.param == "tensor":
+        monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
+    elif not kernels.available():
+        pytest.skip("quickdraft's kernels are not available here")
+    return request.param
+
+
+def test_draw_follows_weights(draw_path):
     n = 100_000
     weights = torch.tensor([1.0, 2.0, 0.0, 3.0, 4.0])  # unnormalised, with a zero
     g = torch.Generator().manual_seed(4)
@@ -389,7 +399,7 @@ def test_draw_follows_weights():
     assert gof_pvalue(tokens, [1.0, 1.0, 0.0, 1.0, 1.0]) < 1e-6  # control: uniform
 
 
-def test_draw_batched_per_row_weights():
+def test_draw_batched_per_row_weights(draw_path):
     n = 50_000
     w = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
     g = torch.Generator().manual_seed(5)
@@ -398,14 +408,14 @@ def test_draw_batched_per_row_weights():
     assert gof_pvalue(tokens[:, 0], w[1]) < 1e-6
 
 
-def test_draw_one_hot_is_deterministic():
+def test_draw_one_hot_is_deterministic(draw_path):
     w = torch.nn.functional.one_hot(torch.tensor([3, 0, 2]), 4).float()
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
         assert draw(w, torch.rand(3, dtype=torch.float64, generator=g)).tolist() == [3, 0, 2]
 
 
-def test_draw_edges_land_on_positive_weights():
+def test_draw_edges_land_on_positive_weights(draw_path):
     """u at the ends of [0, 1) and weights with zeros at either end, tiny or huge totals: always
     a token of positive weight (never one that top-k / top-p / a grammar removed); all-zero
     weights give index 0."""
@@ -426,7 +436,7 @@ def test_draw_edges_land_on_positive_weights():
     assert torch.equal(alone, draw(p, u))
 
 
-def test_draw_across_blocks():
+def test_draw_across_blocks(draw_path):
     """Vocabularies over DRAW_BLOCK (a multiple of it or not): a chi-square over tokens spread
     across blocks, and thresholds at and just under every block boundary (where a block's own
     running sum and its float64 block sum may round apart) land on positive weights."""
@@ -453,7 +463,27 @@ def test_draw_across_blocks():
         assert (p[got] > 0).all()
 
 
-def test_draw_with_step_random_follows_probs():
+def test_draw_kernel_equals_the_tensor_version(monkeypatch):
+    """The kernel's index is the tensor version's (they differ only where a threshold falls within
+    rounding of a block's end: never in these draws), for vocabularies under, at and over a block,
+    peaked and flat weights with zeros, one row or many."""
+    if not kernels.available():
+        pytest.skip("quickdraft's kernels are not available here")
+    g = torch.Generator().manual_seed(21)
+    for V in (1, 7, 256, 300, 8192, 49152):
+        for rows in (1, 5):
+            w = torch.rand(rows, V, generator=g) ** 6 * (torch.rand(rows, V, generator=g) < 0.7)
+            w = torch.cat([w, torch.softmax(torch.randn(rows, V, generator=g) * 4, -1)])
+            u = torch.rand(2 * rows, 200, dtype=torch.float64, generator=g)
+            wide = w[:, None].expand(-1, 200, -1)
+            kernel = draw(wide, u)
+            with monkeypatch.context() as m:
+                m.setenv("QUICKDRAFT_KERNELS", "0")
+                tensor = draw(wide, u)
+            assert torch.equal(kernel, tensor), V
+
+
+def test_draw_with_step_random_follows_probs(draw_path):
     """What the engine samples with: one StepRandom draw per request."""
     n = 20_000
     probs = torch.tensor([0.1, 0.6, 0.3])
