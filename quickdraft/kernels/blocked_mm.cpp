@@ -272,7 +272,7 @@ at::Tensor draw(const at::Tensor& weights, const at::Tensor& u) {
 // (-1: none) and the last token.
 std::pair<int64_t, int64_t> tree_rejection_row(const int64_t* tokens, const int64_t* parents, int64_t N,
                                                const float* p, const float* q, const float* u, double final,
-                                               int64_t V, float* r, double* ends) {
+                                               int64_t V, float* r, float* res, double* ends) {
   std::copy(p, p + V, r);
   int64_t cur = 0, accepted = -1;  // 0: the root; 1 + i: node i
   for (bool moved = true; moved;) {
@@ -287,29 +287,25 @@ std::pair<int64_t, int64_t> tree_rejection_row(const int64_t* tokens, const int6
         std::copy(p + cur * V, p + (cur + 1) * V, r);
         break;
       }
-      const float r_x = r[x];
-      if (qc == nullptr) r[x] = 0.0f;  // the residual in place; restored if it has no mass
+      // the residual (deterministic: r with r(x) = 0; sampled: max(r - q, 0)) in res, its mass, then r =
+      // res / mass: plain loops the compiler vectorises
+      if (qc == nullptr) {
+        std::copy(r, r + V, res);
+        res[x] = 0.0f;
+      } else {
+        for (int64_t k = 0; k < V; ++k) {
+          const float d = r[k] - qc[k];
+          res[k] = d < 0.0f ? 0.0f : d;
+        }
+      }
       double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       int64_t i = 0;
-      if (qc == nullptr) {
-        for (; i + 8 <= V; i += 8)
-          for (int j = 0; j < 8; ++j) acc[j] += (double)r[i + j];
-        for (int j = 0; i < V; ++i, ++j) acc[j] += (double)r[i];
-      } else {
-        for (; i + 8 <= V; i += 8)
-          for (int j = 0; j < 8; ++j) acc[j] += (double)std::max(r[i + j] - qc[i + j], 0.0f);
-        for (int j = 0; i < V; ++i, ++j) acc[j] += (double)std::max(r[i] - qc[i], 0.0f);
-      }
+      for (; i + 8 <= V; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += (double)res[i + j];
+      for (int j = 0; i < V; ++i, ++j) acc[j] += (double)res[i];
       const float m = (float)(((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])));
-      if (!(m > 0.0f)) {  // a massless residual (rounding: r == q): keep r
-        r[x] = r_x;
-        continue;
-      }
-      if (qc == nullptr) {
-        for (int64_t k = 0; k < V; ++k) r[k] = r[k] / m;
-      } else {
-        for (int64_t k = 0; k < V; ++k) r[k] = std::max(r[k] - qc[k], 0.0f) / m;
-      }
+      if (!(m > 0.0f)) continue;  // a massless residual (rounding: r == q): keep r
+      for (int64_t k = 0; k < V; ++k) r[k] = res[k] / m;
     }
   }
   return {accepted, draw_row(r, V, final, ends)};
@@ -344,12 +340,12 @@ std::tuple<at::Tensor, at::Tensor> tree_rejection_sample(const at::Tensor& token
   const double* f = fc.data_ptr<double>();
   int64_t *a = accepted.data_ptr<int64_t>(), *l = last.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> r(V);
+    std::vector<float> r(V), res(V);
     std::vector<double> ends((V + DRAW_BLOCK - 1) / DRAW_BLOCK);
     for (int64_t b = begin; b < end; ++b) {
       const auto out = tree_rejection_row(t + b * N, pa + b * N, N, p + b * (N + 1) * V,
                                           q == nullptr ? nullptr : q + b * N * V, u + b * N, f[b], V, r.data(),
-                                          ends.data());
+                                          res.data(), ends.data());
       a[b] = out.first, l[b] = out.second;
     }
   });
