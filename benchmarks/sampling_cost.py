@@ -1,7 +1,8 @@
 """What sampling costs on this CPU: the draws alone, and SmolLM2's plain decoding sampled against greedy.
 
-1. Draws: a sampled token for B rows over SmolLM2's vocabulary (49,152; the verifier's final
-   token), and a 5-deep draft chain's tokens (what a draft model or EAGLE-3 head draws per step),
+1. Draws and verifiers: a sampled token for B rows over SmolLM2's vocabulary (49,152; the verifier's
+   final token), a 5-deep draft chain's tokens (what a draft model or EAGLE-3 head draws per step),
+   and the sampled verifiers on B rows (a 5-token chain; a 6-node tree, two siblings a depth),
    thread-clock medians.
 2. Decoding: a model (default SmolLM2 as shipped, `quickdraft pull smollm2`), method none, batch B,
    temperature 1.0 (seeded) and 0.0 in the same process: tokens a second and their ratio (the sampled step's
@@ -51,7 +52,10 @@ def draw_costs(batches: list[int], vocab: int = 49152, repeats: int = 7) -> dict
             def chain():
                 n = rnd.draft_noise(5, vocab)
                 return [S.race(probs, n[:, i]) for i in range(5)]
-        for name, f in (("final", final), ("chain5", chain)):
+        cases = [("final", final), ("chain5", chain)]
+        if hasattr(S, "draw"):
+            cases += verifier_cases(S, B, vocab, rnd, g)
+        for name, f in cases:
             f()
             times = []
             for _ in range(repeats):
@@ -61,6 +65,28 @@ def draw_costs(batches: list[int], vocab: int = 49152, repeats: int = 7) -> dict
                 times.append((time.thread_time() - t) / 10 * 1e3)
             out[f"{name}_B{B}_ms"] = statistics.median(times)
     return out
+
+
+def verifier_cases(S, B: int, vocab: int, rnd, g: torch.Generator) -> list:
+    """The sampled verifiers on B rows: a 5-token chain drawn from q (rejection_sample) and a sampled
+    6-node tree (two siblings a depth, three deep: tree_rejection_sample), q a perturbed p, so
+    that some tokens are accepted and some rejected."""
+    from quickdraft.verify import rejection_sample, tree_rejection_sample
+
+    def pair(n: int):
+        z = torch.randn(B, n + 1, vocab, generator=g) * 3
+        p = torch.softmax(z, -1)
+        q = torch.softmax(z[:, :n] + torch.randn(B, n, vocab, generator=g), -1)
+        x = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).view(B, n)
+        return p, q, x
+
+    p, q, x = pair(5)
+    u5, final = rnd.uniform(S.Stream.ACCEPT, 5), rnd.draws(S.Stream.FINAL)[:, 0]
+    tp, tq, tx = pair(6)
+    parents = torch.tensor([[-1, -1, 0, 0, 2, 2]] * B)
+    u6 = rnd.uniform(S.Stream.ACCEPT, 6)
+    return [("verify_chain5", lambda: rejection_sample(x, p, q, u5, final)),
+            ("verify_tree6", lambda: tree_rejection_sample(tx, parents, tp, tq, u6, final))]
 
 
 def decoding(model: str, batches: list[int], tokens: int) -> dict:
