@@ -358,6 +358,11 @@ def _register_fake() -> None:
     def _(weights, u):
         return u.new_empty(u.shape, dtype=torch.long)
 
+    @torch.library.register_fake("quickdraft::rejection_sample")
+    def _(tokens, target_probs, draft_probs, uniform, final):
+        B, k = tokens.shape
+        return tokens.new_empty((B, k + 1)), tokens.new_empty((B,))
+
     @torch.library.register_fake("quickdraft::tree_rejection_sample")
     def _(tokens, parents, target_probs, draft_probs, uniform, final):
         return tokens.new_empty(tokens.shape[:1]), tokens.new_empty(tokens.shape[:1])
@@ -674,6 +679,15 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     block sums in one fixed order of their own (blocked_mm.cpp's sampling section), so where a
     threshold falls within rounding of a block's end the index can differ from the tensor version's."""
     return torch.ops.quickdraft.draw.default(weights, u)
+
+
+def rejection_sample(tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                     uniform: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify.rejection_sample (k >= 1) in one call on a CPU, each row on its own: tokens (B, k) int64,
+    target_probs (B, k + 1, V) and draft_probs (B, k, V) or None float32, uniform (B, k) float32, final
+    (B,) float64 -> (emitted (B, k + 1), num_accepted (B,)). The same float32 arithmetic, and the last
+    token drawn as `draw` draws it: the same tokens as the tensor version beside the kernels' draw."""
+    return torch.ops.quickdraft.rejection_sample.default(tokens, target_probs, draft_probs, uniform, final)
 
 
 def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,

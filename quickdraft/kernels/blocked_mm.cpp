@@ -311,6 +311,75 @@ std::pair<int64_t, int64_t> tree_rejection_row(const int64_t* tokens, const int6
   return {accepted, draw_row(r, V, final, ends)};
 }
 
+// Exact speculative sampling over one row's chain (quickdraft.verify.rejection_sample's rule and its
+// float32 arithmetic): the first n tokens pass u q(x) < p(x) (q = 1 for deterministic tokens; -1 ends
+// the chain), then the last token is drawn (draw_row) from max(p - q, 0) after them, or from p where
+// all k passed, the chain ended or that residual has no mass. emitted: the n tokens, the last, then -1.
+void rejection_row(const int64_t* tokens, int64_t k, const float* p, const float* q, const float* u, double final,
+                   int64_t V, float* res, double* ends, int64_t* emitted, int64_t* num_accepted) {
+  int64_t n = 0;
+  while (n < k && tokens[n] >= 0 && u[n] * (q == nullptr ? 1.0f : q[n * V + tokens[n]]) < p[n * V + tokens[n]]) ++n;
+  const float* pn = p + n * V;
+  const float* weights = pn;
+  if (n < k && tokens[n] >= 0) {
+    bool mass = false;
+    if (q == nullptr) {
+      const int64_t x = tokens[n];
+      for (int64_t v = 0; v < V; ++v) {
+        const float d = pn[v] - (v == x ? 1.0f : 0.0f);
+        res[v] = d < 0.0f ? 0.0f : d;
+      }
+    } else {
+      const float* qn = q + n * V;
+      for (int64_t v = 0; v < V; ++v) {
+        const float d = pn[v] - qn[v];
+        res[v] = d < 0.0f ? 0.0f : d;
+      }
+    }
+    for (int64_t v = 0; v < V && !mass; ++v) mass = res[v] > 0.0f;
+    if (mass) weights = res;
+  }
+  for (int64_t i = 0; i <= k; ++i) emitted[i] = i < n ? tokens[i] : -1;
+  emitted[n] = draw_row(weights, V, final, ends);
+  *num_accepted = n;
+}
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& tokens, const at::Tensor& target_probs,
+                                                    const c10::optional<at::Tensor>& draft_probs,
+                                                    const at::Tensor& uniform, const at::Tensor& final) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "rejection_sample: tokens must be (B, k) int64");
+  const int64_t B = tokens.size(0), k = tokens.size(1);
+  TORCH_CHECK(target_probs.dim() == 3 && target_probs.scalar_type() == at::kFloat && target_probs.size(0) == B &&
+                  target_probs.size(1) == k + 1 && target_probs.size(2) > 0,
+              "rejection_sample: target_probs must be (B, k + 1, V) float32");
+  const int64_t V = target_probs.size(2);
+  TORCH_CHECK(!draft_probs.has_value() || (draft_probs->scalar_type() == at::kFloat && draft_probs->dim() == 3 &&
+                                           draft_probs->size(0) == B && draft_probs->size(1) == k &&
+                                           draft_probs->size(2) == V),
+              "rejection_sample: draft_probs must be (B, k, V) float32");
+  TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.sizes() == tokens.sizes() &&
+                  final.scalar_type() == at::kDouble && final.dim() == 1 && final.size(0) == B,
+              "rejection_sample: uniform must be (B, k) float32, final (B,) float64");
+  const at::Tensor tc = tokens.contiguous(), tp = target_probs.contiguous(), uc = uniform.contiguous(),
+                   fc = final.contiguous();
+  const at::Tensor dp = draft_probs.has_value() ? draft_probs->contiguous() : at::Tensor();
+  for (int64_t i = 0; i < tc.numel(); ++i)
+    TORCH_CHECK(tc.data_ptr<int64_t>()[i] < V, "rejection_sample: a token past the vocabulary");
+  at::Tensor emitted = at::empty({B, k + 1}, tc.options()), accepted = at::empty({B}, tc.options());
+  const int64_t* t = tc.data_ptr<int64_t>();
+  const float *p = tp.data_ptr<float>(), *q = dp.defined() ? dp.data_ptr<float>() : nullptr, *u = uc.data_ptr<float>();
+  const double* f = fc.data_ptr<double>();
+  int64_t *e = emitted.data_ptr<int64_t>(), *a = accepted.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> res(V);
+    std::vector<double> ends((V + DRAW_BLOCK - 1) / DRAW_BLOCK);
+    for (int64_t b = begin; b < end; ++b)
+      rejection_row(t + b * k, k, p + b * (k + 1) * V, q == nullptr ? nullptr : q + b * k * V, u + b * k, f[b], V,
+                    res.data(), ends.data(), e + b * (k + 1), a + b);
+  });
+  return {emitted, accepted};
+}
+
 std::tuple<at::Tensor, at::Tensor> tree_rejection_sample(const at::Tensor& tokens, const at::Tensor& parents,
                                                          const at::Tensor& target_probs,
                                                          const c10::optional<at::Tensor>& draft_probs,
@@ -478,6 +547,7 @@ TORCH_LIBRARY(quickdraft, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("draw(Tensor weights, Tensor u) -> Tensor");
+  m.def("rejection_sample(Tensor tokens, Tensor target_probs, Tensor? draft_probs, Tensor uniform, Tensor final) -> (Tensor, Tensor)");
   m.def("tree_rejection_sample(Tensor tokens, Tensor parents, Tensor target_probs, Tensor? draft_probs, Tensor uniform, Tensor final) -> (Tensor, Tensor)");
 }
 
@@ -489,5 +559,6 @@ TORCH_LIBRARY_IMPL(quickdraft, CPU, m) {
   m.impl("attend", &attend);
   m.impl("rms_norm", &rms_norm);
   m.impl("draw", &draw);
+  m.impl("rejection_sample", &rejection_sample);
   m.impl("tree_rejection_sample", &tree_rejection_sample);
 }

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from quickdraft import kernels
 from quickdraft.sampling import BatchSampling, SamplingParams, process_logits
 from quickdraft.sampling import draw as draw_index
 from quickdraft.verify import greedy_verify_host, rejection_sample
@@ -53,6 +54,18 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="module", params=["kernel", "tensor"])
+def verify_path(request):
+    """Every test on both verifiers: quickdraft's kernel (one call, where the kernels run) and the
+    tensor version (QUICKDRAFT_KERNELS=0: elsewhere, and on GPUs)."""
+    with pytest.MonkeyPatch.context() as m:
+        if request.param == "tensor":
+            m.setenv("QUICKDRAFT_KERNELS", "0")
+        elif not kernels.available():
+            pytest.skip("quickdraft's kernels are not available here")
+        yield request.param
 
 
 def gof_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
@@ -507,3 +520,30 @@ def test_rejection_sample_one_hot_equals_greedy(B, k, V, seed, match):
         assert torch.equal(tokens, expected[0])
         assert torch.equal(acc, expected[1])
     check_format(draft, *expected, V)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_kernel_equals_the_tensor_version(verify_path, monkeypatch, sampled):
+    """The kernel's chains decide and draw as the tensor version does (the draw's block sums aside,
+    which differ only within rounding of a block's end: never in these rows), over a vocabulary of
+    several blocks, with chains of every length, ended early (-1), accepted in full or not at all."""
+    if verify_path == "tensor":
+        pytest.skip("compares the two paths")
+    g = torch.Generator().manual_seed(31 + sampled)
+    B, k, V = 300, 4, 1000
+    z = torch.randn(B, k + 1, V, generator=g) * 2
+    p = torch.softmax(z, -1)
+    q = torch.softmax(z[:, :k] + torch.randn(B, k, V, generator=g), -1) if sampled else None
+    tokens = torch.multinomial((q if sampled else p[:, :k]).reshape(-1, V), 1, generator=g).view(B, k)
+    tokens[torch.rand(B, k, generator=g) < 0.05] = -1  # some chains end early
+    tokens = torch.where((tokens < 0).cumsum(1) > 0, -1, tokens)
+    uniform = torch.rand(B, k, generator=g)
+    uniform[:20] = 0.0  # every token passes
+    final = torch.rand(B, dtype=torch.float64, generator=g)
+    got = rejection_sample(tokens, p, q, uniform, final)
+    with monkeypatch.context() as m:
+        m.setenv("QUICKDRAFT_KERNELS", "0")
+        want = rejection_sample(tokens, p, q, uniform, final)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    lengths = set(got[1].tolist())
+    assert {0, k} <= lengths and len(lengths) >= 4  # none, all, and lengths between
