@@ -61,6 +61,13 @@ def _check_gc_pause(out: Path) -> None:
     assert frozen["frozen_objects"] >= loaded["tracked_objects"] > 10 * frozen["tracked_objects"]
 
 
+def _check_sampling_cost(out: Path) -> None:
+    result = _json(out, "sc.json")
+    for name in ("final", "chain5", "verify_chain5", "verify_tree6"):
+        assert all(result[f"{name}_B{b}_ms"] > 0 for b in (1, 2))
+    assert 0 < result["sampled_over_greedy_B2"] < 10
+
+
 def _check_kv_growth(out: Path) -> None:
     runs = _json(out, "kv.json")["runs"]
     assert set(runs) == {"reserved rows (view)", "no reservation (copy)", "target's rows reserved, the proposer's copied",
@@ -174,7 +181,7 @@ CASES: dict[str, Case] = {
                          ["kv.json", "kv.md"],
                          check=_check_kv_growth),
     "sampling_cost.py": Case(["--batch", "1", "2", "--tokens", "4", "--model", str(ROOT / "quickdraft" / "default_models" / "target"),
-                              "--out", "{out}/sc.json"], ["sc.json"]),
+                              "--out", "{out}/sc.json"], ["sc.json"], check=_check_sampling_cost),
     "gc_pause.py": Case(["--repeats", "1", "--out-dir", "{out}", "--name", "gc"], ["gc.json", "gc.md"],
                         check=_check_gc_pause),
     "gpu_check.py": Case(["--small", "--device", "cpu", "--parts", "abe", "--budget-s", "600", "--out", "{out}"],
