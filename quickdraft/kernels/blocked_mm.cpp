@@ -210,18 +210,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // ~25 small ops (~0.1 ms a call at batch 1, several calls a sampled speculative step).
 constexpr int64_t DRAW_BLOCK = 256;
 
+// The float64 sum of n floats in one fixed order (8 partial sums, combined pairwise): a plain loop
+// the compiler vectorises, the same bits on every ISA.
+double sum_fixed(const float* p, int64_t n) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += (double)p[i + j];
+  for (int j = 0; i < n; ++i, ++j) acc[j] += (double)p[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
 int64_t draw_row(const float* w, int64_t V, double u, double* ends) {
   const int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
   double run = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
-    const float* p = w + b * DRAW_BLOCK;
-    const int64_t n = std::min(DRAW_BLOCK, V - b * DRAW_BLOCK);
-    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-      for (int j = 0; j < 8; ++j) acc[j] += (double)p[i + j];
-    for (int j = 0; i < n; ++i, ++j) acc[j] += (double)p[i];
-    run += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    run += sum_fixed(w + b * DRAW_BLOCK, std::min(DRAW_BLOCK, V - b * DRAW_BLOCK));
     ends[b] = run;
   }
   const double total = ends[nb - 1];
@@ -261,6 +265,20 @@ at::Tensor draw(const at::Tensor& weights, const at::Tensor& u) {
   return out;
 }
 
+// max(r - q, 0) into res; where q is null (a deterministic token x, q = one-hot(x)), r with r(x) = 0
+// (the same for probabilities, which never exceed 1).
+void residual(const float* r, const float* q, int64_t x, int64_t V, float* res) {
+  if (q == nullptr) {
+    std::copy(r, r + V, res);
+    res[x] = 0.0f;
+    return;
+  }
+  for (int64_t k = 0; k < V; ++k) {
+    const float d = r[k] - q[k];
+    res[k] = d < 0.0f ? 0.0f : d;
+  }
+}
+
 // Recursive rejection sampling over one row's token tree (quickdraft.verify.tree_rejection_sample's
 // rule, its loop over levels and children here instead of ~20 tensor ops per child): from the root
 // with r = p(root), try the children of the current node in index order; a child x is accepted with
@@ -289,21 +307,8 @@ std::pair<int64_t, int64_t> tree_rejection_row(const int64_t* tokens, const int6
       }
       // the residual (deterministic: r with r(x) = 0; sampled: max(r - q, 0)) in res, its mass, then r =
       // res / mass: plain loops the compiler vectorises
-      if (qc == nullptr) {
-        std::copy(r, r + V, res);
-        res[x] = 0.0f;
-      } else {
-        for (int64_t k = 0; k < V; ++k) {
-          const float d = r[k] - qc[k];
-          res[k] = d < 0.0f ? 0.0f : d;
-        }
-      }
-      double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t i = 0;
-      for (; i + 8 <= V; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += (double)res[i + j];
-      for (int j = 0; i < V; ++i, ++j) acc[j] += (double)res[i];
-      const float m = (float)(((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])));
+      residual(r, qc, x, V, res);
+      const float m = (float)sum_fixed(res, V);
       if (!(m > 0.0f)) continue;  // a massless residual (rounding: r == q): keep r
       for (int64_t k = 0; k < V; ++k) r[k] = res[k] / m;
     }
@@ -323,19 +328,7 @@ void rejection_row(const int64_t* tokens, int64_t k, const float* p, const float
   const float* weights = pn;
   if (n < k && tokens[n] >= 0) {
     bool mass = false;
-    if (q == nullptr) {
-      const int64_t x = tokens[n];
-      for (int64_t v = 0; v < V; ++v) {
-        const float d = pn[v] - (v == x ? 1.0f : 0.0f);
-        res[v] = d < 0.0f ? 0.0f : d;
-      }
-    } else {
-      const float* qn = q + n * V;
-      for (int64_t v = 0; v < V; ++v) {
-        const float d = pn[v] - qn[v];
-        res[v] = d < 0.0f ? 0.0f : d;
-      }
-    }
+    residual(pn, q == nullptr ? nullptr : q + n * V, tokens[n], V, res);
     for (int64_t v = 0; v < V && !mass; ++v) mass = res[v] > 0.0f;
     if (mass) weights = res;
   }
