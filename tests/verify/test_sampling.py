@@ -377,16 +377,6 @@ def test_process_logits_matches_reference(rows):
 # ------------------------------------------------------------------ draw and StepRandom
 
 
-@pytest.fixture(params=["kernel", "tensor"])
-def draw_path(request, monkeypatch):
-    """draw on quickdraft's kernel (one call, where the kernels run) and on its tensor version."""
-    if request.param == "tensor":
-        monkeypatch.setenv("QUICKDRAFT_KERNELS", "0")
-    elif not kernels.available():
-        pytest.skip("quickdraft's kernels are not available here")
-    return request.param
-
-
 def test_draw_follows_weights(draw_path):
     n = 100_000
     weights = torch.tensor([1.0, 2.0, 0.0, 3.0, 4.0])  # unnormalised, with a zero

@@ -31,9 +31,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from quickdraft import kernels
 from quickdraft.tree import tree_mask, tree_structure
 from quickdraft.verify import tree_greedy_verify, tree_rejection_sample
+
+pytestmark = pytest.mark.usefixtures("verify_path")  # every test on the kernels and the tensor versions (conftest)
 
 N_TRIALS = 200_000  # rows per distribution test
 PASS = 1e-3  # a correct distribution must give a p-value above this
@@ -41,18 +42,6 @@ FAIL = 1e-6  # a wrong control must give a p-value below this
 V = 5
 
 
-
-
-@pytest.fixture(autouse=True, scope="module", params=["kernel", "tensor"])
-def verify_path(request):
-    """Every test on both walks: quickdraft's kernel (one call, where the kernels run) and the tensor
-    version (QUICKDRAFT_KERNELS=0: elsewhere, and on GPUs)."""
-    with pytest.MonkeyPatch.context() as m:
-        if request.param == "tensor":
-            m.setenv("QUICKDRAFT_KERNELS", "0")
-        elif not kernels.available():
-            pytest.skip("quickdraft's kernels are not available here")
-        yield request.param
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -19,10 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from quickdraft import kernels
 from quickdraft.sampling import BatchSampling, SamplingParams, process_logits
 from quickdraft.sampling import draw as draw_index
 from quickdraft.verify import greedy_verify_host, rejection_sample
+
+pytestmark = pytest.mark.usefixtures("verify_path")  # every test on the kernels and the tensor versions (conftest)
 
 N = 200_000  # trials per distribution test
 PASS = 1e-3  # a correct distribution must give a p-value above this
@@ -54,18 +55,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True, scope="module", params=["kernel", "tensor"])
-def verify_path(request):
-    """Every test on both verifiers: quickdraft's kernel (one call, where the kernels run) and the
-    tensor version (QUICKDRAFT_KERNELS=0: elsewhere, and on GPUs)."""
-    with pytest.MonkeyPatch.context() as m:
-        if request.param == "tensor":
-            m.setenv("QUICKDRAFT_KERNELS", "0")
-        elif not kernels.available():
-            pytest.skip("quickdraft's kernels are not available here")
-        yield request.param
 
 
 def gof_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
