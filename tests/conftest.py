@@ -3,6 +3,7 @@ config classes + save_pretrained, and a small byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -243,3 +244,41 @@ def plain(target_dir):
     from quickdraft import LLM
 
     return LLM(target_dir, method="none", policy="fixed")
+
+
+# ---- the sampling and verifier tests on both paths (tests/verify): quickdraft's kernels (the draw and
+# the sampled verifiers in one call each, where the kernels run) and their tensor versions
+# (QUICKDRAFT_KERNELS=0: CPUs without the kernels, and GPUs). One conftest for the whole tree: the
+# test modules import helpers from it by name (`from conftest import ...`).
+
+KERNEL_PATHS = ["kernel", "tensor"]
+
+
+def _kernels_available() -> bool:
+    from quickdraft import kernels  # (imported when a test asks: after this file has set the caches' folders)
+
+    return kernels.available()
+
+
+@contextlib.contextmanager
+def _on(path: str):
+    with pytest.MonkeyPatch.context() as m:
+        if path == "tensor":
+            m.setenv("QUICKDRAFT_KERNELS", "0")
+        elif not _kernels_available():
+            pytest.skip("quickdraft's kernels are not available here")
+        yield path
+
+
+@pytest.fixture(scope="module", params=KERNEL_PATHS)
+def verify_path(request):
+    """Every test of a module (pytestmark usefixtures) on each path."""
+    with _on(request.param) as path:
+        yield path
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def draw_path(request):
+    """One test on each path."""
+    with _on(request.param) as path:
+        yield path
