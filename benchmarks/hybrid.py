@@ -42,13 +42,17 @@ from quickdraft.llm import default_model_dirs
 from quickdraft.proposers import HybridProposer, PROPOSERS
 from quickdraft.train.corpus import load_corpus
 
-ROWS = {  # model -> row -> (method, draft)
+ROWS = {  # model -> row -> (method, draft[, spec options])
     "bundled": {"plain": ("none", None), "draft": ("draft", "draft"), "eagle3": ("eagle3", "target-eagle3"),
                 "suffix": ("suffix", None), "ngram": ("ngram", None), "auto": ("auto", "draft"),
-                "suffix,ngram,eagle3": ("suffix,ngram,eagle3", "target-eagle3")},
+                "suffix,ngram,eagle3": ("suffix,ngram,eagle3", "target-eagle3"),
+                # the hybrid with each row's candidates never merged into one tree (merge=False)
+                "auto-unmerged": ("auto", "draft", {"merge": False})},
     "smollm2": {"plain": ("none", None), "suffix": ("suffix", None), "ngram": ("ngram", None),
                 "auto": ("auto", None)},
 }
+
+OPTIONAL = {"auto-unmerged"}  # rows run only when --rows names them
 
 
 def fresh_memory(llm: LLM) -> None:
@@ -64,6 +68,7 @@ def fresh_memory(llm: LLM) -> None:
         p.prior = {n: type(s)(1.0, 1.0, 2.0) for n, s in p.prior.items()}
         p.drafted_by = dict.fromkeys(p.drafted_by, 0)
         p.model_steps = 0
+        p.merged_rows = 0
 
 
 def steps_of(llm: LLM) -> str:
@@ -108,11 +113,11 @@ def bench_model(model: str, args) -> dict:
     target = str(target) if model == "bundled" else "smollm2"
     drafts = {"draft": str(bundled_draft), "target-eagle3": "target-eagle3"}
     llms = {}
-    for row, (method, draft) in ROWS[model].items():
-        if args.rows and row not in args.rows and row != "plain":
+    for row, (method, draft, *options) in ROWS[model].items():
+        if (args.rows and row not in args.rows or not args.rows and row in OPTIONAL) and row != "plain":
             continue
         llms[row] = LLM(target, draft=drafts.get(draft), method=method, num_speculative_tokens=args.k,
-                        policy="fixed")
+                        policy="fixed", spec_options=options[0] if options else None)
     names = list(llms)
     loads = {name: prompts for name, prompts in workloads(model, llms["plain"], args.prompts).items()
              if name in args.workloads}
@@ -134,7 +139,7 @@ def bench_model(model: str, args) -> dict:
                 got[r] = run(llms[r], prompts, params)
                 p = llms[r].engine.proposer
                 if isinstance(p, HybridProposer):
-                    got[r] += (dict(p.drafted_by), p.model_steps)
+                    got[r] += (dict(p.drafted_by), p.model_steps, p.merged_rows)
             plain_s, plain_outs, _ = got["plain"][:3]
             for r in names:
                 secs, outs, s = got[r][:3]
@@ -142,7 +147,7 @@ def bench_model(model: str, args) -> dict:
                          "identical": outs == plain_outs, "mean_acceptance_length": s.mean_acceptance_length,
                          "tokens_per_step": s.tokens_per_step}
                 if len(got[r]) > 3:
-                    entry["drafted_by"], entry["model_steps"] = got[r][3], got[r][4]
+                    entry["drafted_by"], entry["model_steps"], entry["merged_rows"] = got[r][3:6]
                 reps[r].append(entry)
         summary = {}
         for r in names:
@@ -155,6 +160,7 @@ def bench_model(model: str, args) -> dict:
                           "repeats": e}
             if "drafted_by" in e[-1]:
                 summary[r]["drafted_by"], summary[r]["model_steps"] = e[-1]["drafted_by"], e[-1]["model_steps"]
+                summary[r]["merged_rows"] = e[-1]["merged_rows"]
             print(f"  {r:>22}: {summary[r]['speedup']:.2f}x plain, {summary[r]['tokens_per_s']:.1f} tok/s, "
                   f"acc len {summary[r]['mean_acceptance_length']:.2f}, identical {summary[r]['identical']}"
                   + (f", drafted by {summary[r]['drafted_by']}" if "drafted_by" in summary[r] else ""), flush=True)
@@ -198,6 +204,11 @@ def markdown(result: dict) -> list[str]:
                      and ("draft" in res["rows"][h] or "eagle3" in res["rows"][h])]
             lines += ["", "Steps in which the hybrid's model member drafted (last repeat): "
                       + ("; ".join(steps) or "none (no model member)")]
+            merged = [f"{wname} {h}: {w['rows'][h]['merged_rows']}" for wname, w in res["workloads"].items()
+                      for h in hybrids if "merged_rows" in w["rows"][h]]
+            if merged:
+                lines += ["", "Of those, rows whose free candidate and the model's were verified as one tree "
+                          "(last repeat): " + "; ".join(merged)]
         if "steps" in res:
             lines += ["", "Steps each row ran: " + "; ".join(f"{r}: {v}" for r, v in res["steps"].items())]
         lines += ["", "Rows drafted by each member of the hybrid (last repeat), and mean acceptance length:", ""]

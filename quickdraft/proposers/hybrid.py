@@ -27,6 +27,14 @@ Each step, for each row:
    estimates of methods not chosen stay current; for the chosen candidate this is exactly
    what the verifier accepted.
 
+4. Where the model drafted a deterministic chain (greedy requests) and a row also has a free
+   candidate, the row's draft is both in one token tree (`merge`, on by default): the chosen
+   candidate, then the other side's best (the free candidate of largest E, or the model's
+   chain) grafted on where it parts from it, up to the most nodes a row may draft. The verifier
+   keeps the longest path the target agrees with, so a row gets the better of the two wherever
+   they differ, for the price of their extra nodes in the verify step (a few rows: at batch 1 on
+   a CPU nearly free). Rows of a sampled draft (q) are never merged.
+
 The rows' chosen candidates become one draft (quickdraft.proposers.base.Draft): a chain when
 all are chains, else a token tree (a chain is a tree whose node i hangs under node i - 1). With
 q (the model drafted a row by sampling), the deterministic rows' q is one-hot at their tokens,
@@ -65,7 +73,7 @@ _MEASURED: dict[str, dict[int, tuple[float, float]]] = {}
 
 FREE_METHODS = ("suffix", "ngram")  # deterministic proposers that read the tokens only
 AUTO_FREE = ("suffix", "ngram")  # what method="auto" combines with the model's draft or head
-OWN_OPTIONS = ("draft_cost", "probe_every")
+OWN_OPTIONS = ("draft_cost", "probe_every", "merge")
 
 
 def parse_method(method) -> tuple[str, ...]:
@@ -173,6 +181,28 @@ def _first_path(tokens: list[int], parents: list[int]) -> list[int]:
         node = child
 
 
+def _merge(first: tuple[list[int], list[int]], other: tuple[list[int], list[int]],
+           most: int) -> tuple[list[int], list[int]]:
+    """`first` as it is, then `other`'s nodes grafted onto it as a trie (a node whose path is
+    already there is shared), parents before children, at most `most` nodes in all (the rest of
+    `other` left out: a left-out node's subtree with it)."""
+    tokens, parents = list(first[0]), list(first[1])
+    child = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents)) if t >= 0}
+    where: list[int | None] = []
+    for t, p in zip(*other):
+        at = None
+        if t >= 0 and (p < 0 or (p < len(where) and where[p] is not None)):
+            parent = -1 if p < 0 else where[p]
+            at = child.get((parent, t))
+            if at is None and len(tokens) < most:
+                at = len(tokens)
+                tokens.append(t)
+                parents.append(parent)
+                child[(parent, t)] = at
+        where.append(at)
+    return tokens, parents
+
+
 def _walk(tokens: list[int], parents: list[int], emitted: Sequence[int]) -> tuple[int, bool]:
     """How deep a candidate follows the emitted tokens, and whether that is final (it stopped
     at a known token, or at a leaf)."""
@@ -202,7 +232,7 @@ class HybridProposer(Proposer):
     samples = 6  # timed steps per bucket (medians)
 
     def __init__(self, members: dict[str, Proposer], draft_cost: float | None = None, probe_every: int = 16,
-                 device: torch.device | str = "cpu"):
+                 merge: bool = True, device: torch.device | str = "cpu"):
         self.members = members
         self.free = [(n, members[n]) for n in self.MEMBERS if n != self.MODEL]
         self.model = None if self.MODEL is None else members[self.MODEL]
@@ -212,6 +242,9 @@ class HybridProposer(Proposer):
                                   f"verify step), got {draft_cost!r}")
         self.draft_cost = None if draft_cost is None else float(draft_cost)
         self.probe_every = check_int("probe_every", probe_every, 1)
+        if not isinstance(merge, bool):
+            raise QuickdraftError(f"merge must be true or false, got {merge!r}")
+        self.merge = merge
         self.device = torch.device(device)
         # what the engine reads from a proposer with a model: its hidden states, its cached state
         if self.model is not None:
@@ -231,6 +264,7 @@ class HybridProposer(Proposer):
         self._step: dict | None = None  # what this step proposed, for observe
         self.drafted_by: dict[str, int] = dict.fromkeys(self.MEMBERS, 0)  # row-steps each method drafted
         self.model_steps = 0  # steps the model drafted (for any row)
+        self.merged_rows = 0  # row-steps whose draft held both a free candidate and the model's (module doc, 4)
 
     @classmethod
     def build(cls, *, target, draft=None, **options) -> HybridProposer:
@@ -441,9 +475,10 @@ class HybridProposer(Proposer):
                 self.drafted_by[pick] += 1
             for n, (toks, pars) in cands[b].items():
                 rows[b].pending.append((n, len(batch.tokens[b]), toks, pars))
-        draft, used = self._combine(cands, chosen, model_draft, batch)
+        merged = self._merged(cands, value, chosen, model_draft, batch)
+        draft, used = self._combine(cands, chosen, model_draft, batch, merged)
         self._step = dict(chosen=chosen, model_draft=model_draft, cands=cands, used=used, B=B, started=started,
-                          model_s=model_s)
+                          model_s=model_s, merged=merged)
         return draft
 
     def _model_pays(self, rows: list[_Row], best_free: list[float], k: int) -> bool:
@@ -455,8 +490,28 @@ class HybridProposer(Proposer):
         with_model = sum(max(f, self.expected(r, self.MODEL, k)) for r, f in zip(rows, best_free))
         return with_model / (c_verify + k * c_token) > sum(best_free) / c_verify
 
-    def _combine(self, cands, chosen, model_draft: Draft | None, batch: ProposeBatch):
-        """The rows' chosen candidates as one draft (module doc), and each row's (tokens, parents) in it."""
+    def _merged(self, cands, value, chosen, model_draft: Draft | None, batch: ProposeBatch) -> dict:
+        """Row -> its chosen candidate and the other side's best in one tree (module doc, 4): rows
+        with a free candidate and the model's chain, where the model's draft is deterministic."""
+        if not self.merge or model_draft is None or model_draft.parents is not None or \
+                (model_draft.probs is not None and not batch.sampling.all_greedy):
+            return {}
+        most = self.max_draft_tokens(batch.k)
+        merged = {}
+        for b, pick in enumerate(chosen):
+            free = [n for n, _ in self.free if n in cands[b]]
+            if pick is None or self.MODEL not in cands[b] or not free:
+                continue
+            other = self.MODEL if pick != self.MODEL else max(free, key=lambda n: value[b][n])
+            toks, pars = _merge(cands[b][pick], cands[b][other], most)
+            if len(toks) > len(cands[b][pick][0]):
+                merged[b] = (toks, pars)
+                self.merged_rows += 1
+        return merged
+
+    def _combine(self, cands, chosen, model_draft: Draft | None, batch: ProposeBatch, merged: dict | None = None):
+        """The rows' chosen candidates (or merged trees) as one draft (module doc), and each row's
+        (tokens, parents) in it."""
         B = len(chosen)
         probs_from = None
         if model_draft is not None and model_draft.probs is not None and not batch.sampling.all_greedy \
@@ -467,7 +522,7 @@ class HybridProposer(Proposer):
             if pick is None:
                 rows.append(([], []))
                 continue
-            toks, pars = cands[b][pick]
+            toks, pars = merged[b] if merged and b in merged else cands[b][pick]
             if probs_from is not None and pick != self.MODEL and not _is_chain(pars):
                 toks = _first_path(toks, pars)
                 pars = list(range(-1, len(toks) - 1))
@@ -503,7 +558,7 @@ class HybridProposer(Proposer):
         num, nodes = [], []
         for b in range(B):
             n = result.num_accepted[b]
-            if chosen[b] == self.MODEL:
+            if chosen[b] == self.MODEL and b not in step["merged"]:  # (a merged row's path may leave its chain)
                 num.append(n)
                 nodes.append(result.accepted_nodes[b] if tree and result.accepted_nodes is not None
                              else list(range(n)))

@@ -68,9 +68,10 @@ CASES = [
     ("suffix,ngram", {}),
     ("suffix,eagle3", MIXED),
     ("ngram,eagle3", {**MIXED, "eagle3.tree_width": 2}),
+    ("suffix,ngram,draft", {**MIXED, "merge": False}),
 ]
 IDS = ["suffix-draft", "suffix-chain-draft", "ngram-draft", "all-draft-tree", "all-measured", "free-only",
-       "suffix-eagle3", "ngram-eagle3-tree"]
+       "suffix-eagle3", "ngram-eagle3-tree", "unmerged"]
 
 
 @pytest.mark.parametrize("method,options", CASES, ids=IDS)
@@ -84,6 +85,9 @@ def test_greedy_equals_plain_batched_and_batch1(target_dir, noisy_draft, head, p
     used = [n for n, c in proposer.drafted_by.items() if c > 0]
     if options.get("draft_cost") == 0.0:  # both a free and the model member drafted rows
         assert len(used) >= 2 and proposer.MODEL in used, proposer.drafted_by
+        # rows with both candidates verify them in one tree, unless the model drafts trees or merge is off
+        chains = not any(o.endswith("tree_width") for o in options) and options.get("merge", True)
+        assert (proposer.merged_rows > 0) == chains, proposer.merged_rows
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
@@ -129,6 +133,22 @@ def test_model_cache_stays_exact_for_rows_it_did_not_draft(target_dir, draft_dir
             checked += 1
     assert checked > 20
     assert llm.engine.proposer.drafted_by["suffix"] > 0 and llm.engine.proposer.drafted_by["draft"] > 0
+    assert llm.engine.proposer.merged_rows > 0  # rows whose accepted path may leave the model's chain
+
+
+def test_merge_grafts_the_other_candidate_onto_the_chosen_one():
+    from quickdraft.proposers.hybrid import _merge
+
+    chain = ([5, 6, 7], [-1, 0, 1])
+    # a chain parting after two tokens: its rest hangs under the shared node
+    assert _merge(chain, ([5, 6, 9, 10], [-1, 0, 1, 2]), 16) == ([5, 6, 7, 9, 10], [-1, 0, 1, 1, 3])
+    # a tree (siblings 8 and 5 under the root; 4 under 5) onto the chain; nothing shared but 5
+    assert _merge(chain, ([8, 5, 4], [-1, -1, 1]), 16) == ([5, 6, 7, 8, 4], [-1, 0, 1, -1, 0])
+    # the node limit: what does not fit is left out, and its subtree with it
+    assert _merge(chain, ([9, 10, 11], [-1, 0, 1]), 4) == ([5, 6, 7, 9], [-1, 0, 1, -1])
+    assert _merge(chain, ([9, 10], [-1, 0]), 3) == chain
+    # unused nodes (-1) of the other are skipped, as are their children
+    assert _merge(chain, ([-1, 3], [-1, 0]), 16) == chain
 
 
 def test_self_draft_and_auto_expansion(target_dir, noisy_draft, head):
@@ -156,6 +176,7 @@ def test_self_draft_and_auto_expansion(target_dir, noisy_draft, head):
     ("suffix,draft", {"tree_width": 2}, "unknown"),
     ("suffix,draft", {"draft_cost": -1}, "draft_cost"),
     ("suffix,draft", {"probe_every": 0}, "probe_every"),
+    ("suffix,draft", {"merge": "yes"}, "merge must be true or false"),
 ])
 def test_bad_lists_and_options_are_clear_errors(target_dir, noisy_draft, method, options, message):
     with pytest.raises(QuickdraftError, match=message):
