@@ -49,7 +49,7 @@ ROWS = {  # model -> row -> (method, draft[, spec options])
                 # the hybrid with each row's candidates never merged into one tree (merge=False)
                 "auto-unmerged": ("auto", "draft", {"merge": False})},
     "smollm2": {"plain": ("none", None), "suffix": ("suffix", None), "ngram": ("ngram", None),
-                "auto": ("auto", None)},
+                "auto": ("auto", None), "auto-unmerged": ("auto", None, {"merge": False})},
 }
 
 OPTIONAL = {"auto-unmerged"}  # rows run only when --rows names them

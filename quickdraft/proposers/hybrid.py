@@ -27,13 +27,14 @@ Each step, for each row:
    estimates of methods not chosen stay current; for the chosen candidate this is exactly
    what the verifier accepted.
 
-4. Where the model drafted a deterministic chain (greedy requests) and a row also has a free
-   candidate, the row's draft is both in one token tree (`merge`, on by default): the chosen
-   candidate, then the other side's best (the free candidate of largest E, or the model's
-   chain) grafted on where it parts from it, up to the most nodes a row may draft. The verifier
-   keeps the longest path the target agrees with, so a row gets the better of the two wherever
-   they differ, for the price of their extra nodes in the verify step (a few rows: at batch 1 on
-   a CPU nearly free). Rows of a sampled draft (q) are never merged.
+4. A row with several candidates verifies them in one token tree (`merge`, on by default): its
+   chosen candidate, then the others (largest E first) grafted on where they part from it, at
+   most k nodes more and no more than a row may draft. The verifier keeps the longest path the
+   target accepts, so a row gets the better of its candidates wherever they differ, for the
+   price of their extra nodes in the verify step (a few rows: at batch 1 on a CPU nearly free).
+   The model's candidate joins as a deterministic chain only (greedy requests, or a model that
+   drafts deterministically); a step in which a row verifies the model's sampled draft (its q)
+   merges nothing.
 
 The rows' chosen candidates become one draft (quickdraft.proposers.base.Draft): a chain when
 all are chains, else a token tree (a chain is a tree whose node i hangs under node i - 1). With
@@ -491,20 +492,28 @@ class HybridProposer(Proposer):
         return with_model / (c_verify + k * c_token) > sum(best_free) / c_verify
 
     def _merged(self, cands, value, chosen, model_draft: Draft | None, batch: ProposeBatch) -> dict:
-        """Row -> its chosen candidate and the other side's best in one tree (module doc, 4): rows
-        with a free candidate and the model's chain, where the model's draft is deterministic."""
-        if not self.merge or model_draft is None or model_draft.parents is not None or \
-                (model_draft.probs is not None and not batch.sampling.all_greedy):
+        """Row -> its chosen candidate with the row's other candidates grafted on, in one tree
+        (module doc, 4). The model's candidate joins only as a deterministic chain; a step in
+        which a row verifies the model's sampled draft (its q) merges nothing."""
+        if not self.merge:
             return {}
-        most = self.max_draft_tokens(batch.k)
+        sampled = model_draft is not None and model_draft.probs is not None and not batch.sampling.all_greedy
+        if sampled and self.MODEL in chosen:
+            return {}
+        model_joins = model_draft is not None and model_draft.parents is None and not sampled
+        k, most = batch.k, self.max_draft_tokens(batch.k)
         merged = {}
         for b, pick in enumerate(chosen):
-            free = [n for n, _ in self.free if n in cands[b]]
-            if pick is None or self.MODEL not in cands[b] or not free:
+            others = sorted((n for n in cands[b] if n != pick and (n != self.MODEL or model_joins)),
+                            key=lambda n: -value[b][n])
+            if pick is None or not others:
                 continue
-            other = self.MODEL if pick != self.MODEL else max(free, key=lambda n: value[b][n])
-            toks, pars = _merge(cands[b][pick], cands[b][other], most)
-            if len(toks) > len(cands[b][pick][0]):
+            toks, pars = cands[b][pick]
+            size = len(toks)
+            limit = min(most, size + k)  # (the verify step grows by at most k nodes)
+            for other in others:
+                toks, pars = _merge((toks, pars), cands[b][other], limit)
+            if len(toks) > size:
                 merged[b] = (toks, pars)
                 self.merged_rows += 1
         return merged
