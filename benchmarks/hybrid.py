@@ -207,7 +207,7 @@ def markdown(result: dict) -> list[str]:
             merged = [f"{wname} {h}: {w['rows'][h]['merged_rows']}" for wname, w in res["workloads"].items()
                       for h in hybrids if "merged_rows" in w["rows"][h]]
             if merged:
-                lines += ["", "Of those, rows whose free candidate and the model's were verified as one tree "
+                lines += ["", "Rows whose candidates (two or more members') were verified as one tree "
                           "(last repeat): " + "; ".join(merged)]
         if "steps" in res:
             lines += ["", "Steps each row ran: " + "; ".join(f"{r}: {v}" for r, v in res["steps"].items())]
