@@ -46,13 +46,13 @@ ROWS = {  # model -> row -> (method, draft[, spec options])
     "bundled": {"plain": ("none", None), "draft": ("draft", "draft"), "eagle3": ("eagle3", "target-eagle3"),
                 "suffix": ("suffix", None), "ngram": ("ngram", None), "auto": ("auto", "draft"),
                 "suffix,ngram,eagle3": ("suffix,ngram,eagle3", "target-eagle3"),
-                # the hybrid with each row's candidates never merged into one tree (merge=False)
-                "auto-unmerged": ("auto", "draft", {"merge": False})},
+                # the hybrid with each row's candidates merged into one tree (merge=True)
+                "auto-merged": ("auto", "draft", {"merge": True})},
     "smollm2": {"plain": ("none", None), "suffix": ("suffix", None), "ngram": ("ngram", None),
-                "auto": ("auto", None), "auto-unmerged": ("auto", None, {"merge": False})},
+                "auto": ("auto", None), "auto-merged": ("auto", None, {"merge": True})},
 }
 
-OPTIONAL = {"auto-unmerged"}  # rows run only when --rows names them
+OPTIONAL = {"auto-merged"}  # rows run only when --rows names them
 
 
 def fresh_memory(llm: LLM) -> None:

@@ -27,7 +27,7 @@ Each step, for each row:
    estimates of methods not chosen stay current; for the chosen candidate this is exactly
    what the verifier accepted.
 
-4. A row with several candidates verifies them in one token tree (`merge`, on by default): its
+4. With `merge` (off by default), a row with several candidates verifies them in one token tree: its
    chosen candidate, then the others (largest E first) grafted on where they part from it, at
    most k nodes more and no more than a row may draft. The verifier keeps the longest path the
    target accepts, so a row gets the better of its candidates wherever they differ, for the
@@ -233,7 +233,7 @@ class HybridProposer(Proposer):
     samples = 6  # timed steps per bucket (medians)
 
     def __init__(self, members: dict[str, Proposer], draft_cost: float | None = None, probe_every: int = 16,
-                 merge: bool = True, device: torch.device | str = "cpu"):
+                 merge: bool = False, device: torch.device | str = "cpu"):
         self.members = members
         self.free = [(n, members[n]) for n in self.MEMBERS if n != self.MODEL]
         self.model = None if self.MODEL is None else members[self.MODEL]
@@ -265,7 +265,7 @@ class HybridProposer(Proposer):
         self._step: dict | None = None  # what this step proposed, for observe
         self.drafted_by: dict[str, int] = dict.fromkeys(self.MEMBERS, 0)  # row-steps each method drafted
         self.model_steps = 0  # steps the model drafted (for any row)
-        self.merged_rows = 0  # row-steps whose draft held both a free candidate and the model's (module doc, 4)
+        self.merged_rows = 0  # row-steps whose draft held several members' candidates in one tree (module doc, 4)
 
     @classmethod
     def build(cls, *, target, draft=None, **options) -> HybridProposer:

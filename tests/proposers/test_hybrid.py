@@ -68,10 +68,13 @@ CASES = [
     ("suffix,ngram", {}),
     ("suffix,eagle3", MIXED),
     ("ngram,eagle3", {**MIXED, "eagle3.tree_width": 2}),
-    ("suffix,ngram,draft", {**MIXED, "merge": False}),
+    ("suffix,ngram,draft", {**MIXED, "merge": True}),
+    ("suffix,ngram", {"merge": True}),
+    ("suffix,eagle3", {**MIXED, "merge": True}),
+    ("ngram,draft", {**MIXED, "draft.tree_width": 2, "merge": True}),
 ]
 IDS = ["suffix-draft", "suffix-chain-draft", "ngram-draft", "all-draft-tree", "all-measured", "free-only",
-       "suffix-eagle3", "ngram-eagle3-tree", "unmerged"]
+       "suffix-eagle3", "ngram-eagle3-tree", "merged", "free-merged", "eagle3-merged", "draft-tree-merged"]
 
 
 @pytest.mark.parametrize("method,options", CASES, ids=IDS)
@@ -85,9 +88,9 @@ def test_greedy_equals_plain_batched_and_batch1(target_dir, noisy_draft, head, p
     used = [n for n, c in proposer.drafted_by.items() if c > 0]
     if options.get("draft_cost") == 0.0:  # both a free and the model member drafted rows
         assert len(used) >= 2 and proposer.MODEL in used, proposer.drafted_by
-    # rows with several candidates verify them in one tree, unless merge is off (a model's tree joins
-    # no other candidate: with a single free member beside it, rows may have nothing to merge)
-    if not options.get("merge", True):
+    # with merge, rows with several candidates verify them in one tree (a model's tree joins no other
+    # candidate: with a single free member beside it, rows may have nothing to merge)
+    if not options.get("merge"):
         assert proposer.merged_rows == 0
     elif not any(o.endswith("tree_width") for o in options):
         assert proposer.merged_rows > 0
@@ -112,12 +115,13 @@ def test_auto_policy_and_requests_joining_and_leaving(target_dir, noisy_draft, p
     assert [o.token_ids for o in outs] == [p[:m] for p, m in zip(plain_out, (40, 9, 30, 17, 25))]
 
 
-def test_model_cache_stays_exact_for_rows_it_did_not_draft(target_dir, draft_dir):
+@pytest.mark.parametrize("merge", [False, True])
+def test_model_cache_stays_exact_for_rows_it_did_not_draft(target_dir, draft_dir, merge):
     """After every step, each row's positions the draft model counts as cached hold exactly the
     keys a fresh prefill of its committed tokens gives: rows drafted by suffix decoding keep
     only the part of the model's own draft that the committed tokens follow (a draft that often
     disagrees with the target: its tokens and the committed ones part often)."""
-    llm = make(target_dir, draft_dir, "suffix,draft", MIXED)
+    llm = make(target_dir, draft_dir, "suffix,draft", {**MIXED, "merge": merge})
     engine, member = llm.engine, llm.engine.proposer.model
     for p in PROMPTS:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
@@ -136,7 +140,7 @@ def test_model_cache_stays_exact_for_rows_it_did_not_draft(target_dir, draft_dir
             checked += 1
     assert checked > 20
     assert llm.engine.proposer.drafted_by["suffix"] > 0 and llm.engine.proposer.drafted_by["draft"] > 0
-    assert llm.engine.proposer.merged_rows > 0  # rows whose accepted path may leave the model's chain
+    assert (llm.engine.proposer.merged_rows > 0) == merge  # merged: a row's accepted path may leave the model's chain
 
 
 def test_merge_grafts_the_other_candidate_onto_the_chosen_one():
@@ -195,7 +199,7 @@ def test_a_list_with_draft_needs_a_draft(target_dir):
 
 SAMPLED = [
     ("suffix,draft", MIXED, dict(temperature=1.0)),
-    ("suffix,ngram", {"ngram.min_ngram": 1, "ngram.max_ngram": 2}, dict(temperature=1.0)),
+    ("suffix,ngram", {"ngram.min_ngram": 1, "ngram.max_ngram": 2, "merge": True}, dict(temperature=1.0)),
     ("suffix,ngram,draft", {**MIXED, "ngram.min_ngram": 1, "ngram.max_ngram": 2}, dict(temperature=0.8, top_p=0.9)),
     ("suffix,draft", {**MIXED, "draft.tree_width": 2, "draft.tree_sampled": True}, dict(temperature=1.0)),
     ("suffix,draft", {**MIXED, "draft.tree_width": 2}, dict(temperature=1.0)),
