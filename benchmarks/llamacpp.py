@@ -300,6 +300,8 @@ int main(void) {
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 1;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1; cfg.colsb[0] = 64; cfg.rows[0] = 16;
+    __asm__ volatile("" : : "r"(&cfg) : "memory");  /* GCC drops the stores above otherwise (it does
+        not see ldtilecfg read them), and tile 0, left unconfigured, faults as if AMX were missing */
     _tile_loadconfig(&cfg);
     _tile_zero(0);
     _tile_release();
