@@ -6,8 +6,8 @@ models; both are cached outside the repository, under the quickdraft cache
 
 - peers/llama.cpp-<v>/source: llama.cpp as vendored in the PyPI sdist of llama-cpp-python==<v>
   (`pip download --no-binary :all:`), built into peers/llama.cpp-<v>/build/bin with cmake + the
-  system C++ compiler (CPU only, -DGGML_NATIVE=ON, static; AMX left out where the CPU lists it
-  but a probe program using it dies, as in some VMs, else llama.cpp's AMX kernels hit SIGILL);
+  system C++ compiler (CPU only, -DGGML_NATIVE=ON, static; AMX left out where the CPU lists it:
+  llama.cpp's AMX kernels crashed on prompts there, cmake_flags);
   with `--isa avx2` a second build in peers/llama.cpp-<v>/build-avx2 (-DGGML_NATIVE=OFF, SSE4.2,
   AVX, AVX2, FMA, F16C, BMI2 on; AVX-VNNI, AVX-512 and AMX off: a Zen 3 / Intel Core 12th+ CPU);
 - peers/pydeps: sentencepiece, which llama.cpp's convert_hf_to_gguf.py imports (installed with
@@ -282,51 +282,26 @@ def ensure_llama_cpp(isa: str = "native") -> LlamaCpp:
 
 def cmake_flags(isa: str = "native") -> list[str]:
     """CMAKE_FLAGS with the ISA's, plus (native) the compiler told to leave AMX out where the CPU
-    advertises it but cannot run it (-march=native would build AMX kernels that die with SIGILL)."""
+    lists it. llama.cpp's AMX kernels (llama-cpp-python 0.3.36's llama.cpp) crashed there: built
+    with them on an Intel Xeon whose AMX runs (quickdraft's AMX kernels run and give their bits),
+    llama-completion died with SIGSEGV on SmolLM2's Q8_0, Q4_0 and Q4_1 files given a prompt of 41
+    tokens or more (its AMX path takes prompt batches; a 5-token prompt ran), and ran with
+    `--no-repack`, which leaves that path out; its decode speed was the same either way (Q8_0,
+    1 thread: 49 tok/s). So llama.cpp runs its
+    AVX-512 kernels on such a CPU, prompts included, and ours may use AMX for prompts: the prefill
+    rows compare the best each engine runs there."""
     flags = [*CMAKE_FLAGS, *ISA_CMAKE_FLAGS[isa]]
-    if isa != "native" or not amx_unusable():
+    if isa != "native" or not cpu_lists_amx():
         return flags
     no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     return [*flags, f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
 
 
-_AMX_PROBE = r"""
-#include <immintrin.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-int main(void) {
-    struct { unsigned char palette, start, pad[14]; unsigned short colsb[16]; unsigned char rows[16]; } cfg;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 1;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1; cfg.colsb[0] = 64; cfg.rows[0] = 16;
-    __asm__ volatile("" : : "r"(&cfg) : "memory");  /* GCC drops the stores above otherwise (it does
-        not see ldtilecfg read them), and tile 0, left unconfigured, faults as if AMX were missing */
-    _tile_loadconfig(&cfg);
-    _tile_zero(0);
-    _tile_release();
-    return 0;
-}
-"""
-
-
-def amx_unusable() -> bool:
-    """True where /proc/cpuinfo lists AMX but a program using a tile register fails (some
-    virtual machines pass the CPUID bits through without the tile state)."""
+def cpu_lists_amx() -> bool:
     try:
-        if "amx_tile" not in Path("/proc/cpuinfo").read_text().split():
-            return False
+        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        return False
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "probe.c").write_text(_AMX_PROBE)
-        built = subprocess.run([cc, "-O1", "-mamx-tile", "probe.c", "-o", "probe"], cwd=tmp, capture_output=True)
-        if built.returncode != 0:
-            return False  # a compiler without AMX: -march=native will not use it either
-        return subprocess.run([str(Path(tmp) / "probe")], capture_output=True).returncode != 0
 
 
 def fetch_source(dest: Path) -> None:
