@@ -287,9 +287,8 @@ def cmake_flags(isa: str = "native") -> list[str]:
     llama-completion died with SIGSEGV on SmolLM2's Q8_0, Q4_0 and Q4_1 files given a prompt of 41
     tokens or more (its AMX path takes prompt batches; a 5-token prompt ran), and ran with
     `--no-repack`, which leaves that path out; its decode speed was the same either way (Q8_0,
-    1 thread: 49 tok/s). So llama.cpp runs its
-    AVX-512 kernels on such a CPU, prompts included, and ours may use AMX for prompts: the prefill
-    rows compare the best each engine runs there."""
+    1 thread: 49 tok/s). So llama.cpp runs its AVX-512 kernels on such a CPU, prompts included,
+    and ours may use AMX for prompts: the prefill rows compare the best each engine runs there."""
     flags = [*CMAKE_FLAGS, *ISA_CMAKE_FLAGS[isa]]
     if isa != "native" or not cpu_lists_amx():
         return flags
