@@ -642,6 +642,21 @@ def use_amx(on: bool, every_call: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def use_attend_split(mode: str) -> Iterator[None]:
+    """attend split over the threads by keys and outputs ("auto": where a call's passes, one per kv
+    head and batch row for a few query rows, are too few for the threads and its keys many; "off";
+    "always": every call, on one thread too) inside the block, process-wide; the bits are the same
+    either way. For tests and benchmarks."""
+    if not available():
+        raise QuickdraftError("quickdraft's CPU kernels are not available here")
+    before = _lib().quickdraft_set_attend_split({"off": 0, "auto": 1, "always": 2}[mode])
+    try:
+        yield
+    finally:
+        _lib().quickdraft_set_attend_split(before)
+
+
+@contextlib.contextmanager
 def use_vnni(on: bool) -> Iterator[None]:
     """int8 and int4 with (True: where the CPU has them) or without (False: maddubs + madd) the integer
     dot-product instructions (AVX-512 VNNI, AVX-VNNI) inside the block, process-wide; the bits are

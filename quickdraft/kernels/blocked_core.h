@@ -61,6 +61,7 @@
 #include <cstring>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <vector>
 #include <type_traits>
 
@@ -2090,6 +2091,11 @@ struct AttendArgs {
   int kv = KV_F32;
 };
 
+// A pass's parts (AttendPass::part): a path does its whole pass in one call, or one part per call
+// when attend_tasks splits a kv head's work over threads (attend_split).
+enum AttendPart : int { PART_SCORES = 1, PART_SOFTMAX = 2, PART_PV = 4, PART_ALL = 7 };
+constexpr int64_t EVERY = int64_t(1) << 40;  // a part's key or output range's end: to the last
+
 // One pass of a path: query rows [0, rc) of one kv head, prepared by attend_rows.
 struct AttendPass {
   int rc;
@@ -2104,14 +2110,27 @@ struct AttendPass {
   float* out[RC_MAX];  // each row's D outputs
   float* qt;           // D x 16 floats of scratch (the AVX-512 path's transposed queries)
   float* kt;           // 4 x D floats of scratch: four 16-bit keys widened
+  float* inv;          // rc floats: each row's 1 / (its total weight), from the softmax to the weighted sums
+  // The part of the pass a call does: all of it, or (x86 paths, a split pass: attend_split) the
+  // scores of keys [k0, k1) (multiples of 16 apart, k1 past the last key: to the end), row `row`'s
+  // softmax, or the weighted sums of output vectors [c0, c1) of 16 (over every key, in key order).
+  int part = PART_ALL;
+  int64_t k0 = 0, k1 = EVERY, c0 = 0, c1 = EVERY;
+  int row = 0;
 };
 
+// The rows a call's softmax covers: all of them, or the one row a split pass's call names.
+inline int softmax_first(const AttendPass& p) { return p.part == PART_ALL ? 0 : p.row; }
+inline int softmax_end(const AttendPass& p) { return p.part == PART_ALL ? p.rc : p.row + 1; }
 
-// A pass's scores past `last` as -inf (the softmax reads whole groups of 16).
-inline void pad_scores(const AttendPass& p) {
+
+// Row r's scores past `last` as -inf (the softmax reads whole groups of 16).
+inline void pad_scores(const AttendPass& p, int r) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int r = 0; r < p.rc; ++r)
-    for (int64_t j = p.last; j < p.Lp; ++j) p.s[r * p.Lp + j] = ninf;
+  for (int64_t j = p.last; j < p.Lp; ++j) p.s[r * p.Lp + j] = ninf;
+}
+inline void pad_scores(const AttendPass& p) {
+  for (int r = 0; r < p.rc; ++r) pad_scores(p, r);
 }
 
 inline bool key_seen(const AttendPass& p, int r, int64_t j) { return j < p.last && p.mrow[r][j * p.ms3]; }
@@ -2382,53 +2401,58 @@ __attribute__((target("avx512f"))) void attend_avx512_kv(AttendPass& p) {
   const int rc = p.rc;
   float* s = p.s;
   const float ninf = -std::numeric_limits<float>::infinity();
-  const bool wide = rc >= WIDE_ROWS;
-  if (wide)
-    for (int64_t d = 0; d < D; ++d)
-      for (int r = 0; r < 16; ++r) p.qt[16 * d + r] = r < rc ? p.qs[r * D + d] : 0.f;
-  for (int64_t j0 = 0; j0 < last; j0 += KB) {
-    const int64_t j1 = std::min(last, j0 + KB);
-    if (wide) {
-      switch (nv) {  // the chains' length known at compile time for the usual head sizes
-        case 4: scores16_avx512<4, KV>(p, j0, j1); break;
-        case 8: scores16_avx512<8, KV>(p, j0, j1); break;
-        default: scores16_avx512<0, KV>(p, j0, j1); break;
+  if (p.part & PART_SCORES) {
+    const bool wide = rc >= WIDE_ROWS;
+    if (wide)
+      for (int64_t d = 0; d < D; ++d)
+        for (int r = 0; r < 16; ++r) p.qt[16 * d + r] = r < rc ? p.qs[r * D + d] : 0.f;
+    const int64_t k1 = std::min(last, p.k1);
+    for (int64_t j0 = p.k0; j0 < k1; j0 += KB) {
+      const int64_t j1 = std::min(k1, j0 + KB);
+      if (wide) {
+        switch (nv) {  // the chains' length known at compile time for the usual head sizes
+          case 4: scores16_avx512<4, KV>(p, j0, j1); break;
+          case 8: scores16_avx512<8, KV>(p, j0, j1); break;
+          default: scores16_avx512<0, KV>(p, j0, j1); break;
+        }
+        continue;
       }
-      continue;
+      int r = 0;
+      for (; r + 2 <= rc; r += 2) scores2_avx512<KV>(p, r, j0, j1);
+      if (r < rc) scores1_avx512<KV>(p, r, j0, j1);
     }
-    int r = 0;
-    for (; r + 2 <= rc; r += 2) scores2_avx512<KV>(p, r, j0, j1);
-    if (r < rc) scores1_avx512<KV>(p, r, j0, j1);
   }
-  pad_scores(p);
-  float inv[RC_MAX];
-  for (int r = 0; r < rc; ++r) {
-    float* sr = s + r * Lp;
-    __m512 mx = _mm512_set1_ps(ninf);
-    for (int64_t j = 0; j < last; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
-    const float m = _mm512_reduce_max_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 mv = _mm512_set1_ps(m == ninf ? 0.f : m);
-    int64_t jb = -1, jl = 0;  // (ranked_total)
-    for (int64_t j = 0; j < last; j += 16) {
-      const __m512 x = _mm512_loadu_ps(sr + j);
-      const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
-      const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpos(_mm512_sub_ps(x, mv)));
-      _mm512_storeu_ps(sr + j, e);
-      if (jb < 0 && seen == 0xFFFF) sum = _mm512_add_ps(sum, e);
-      else if (jb < 0) jb = j;
-      if (seen) jl = j + 16;
+  if (p.part & PART_SOFTMAX)
+    for (int r = softmax_first(p); r < softmax_end(p); ++r) {
+      pad_scores(p, r);
+      float* sr = s + r * Lp;
+      __m512 mx = _mm512_set1_ps(ninf);
+      for (int64_t j = 0; j < last; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+      const float m = _mm512_reduce_max_ps(mx);
+      __m512 sum = _mm512_setzero_ps();
+      const __m512 mv = _mm512_set1_ps(m == ninf ? 0.f : m);
+      int64_t jb = -1, jl = 0;  // (ranked_total)
+      for (int64_t j = 0; j < last; j += 16) {
+        const __m512 x = _mm512_loadu_ps(sr + j);
+        const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpos(_mm512_sub_ps(x, mv)));
+        _mm512_storeu_ps(sr + j, e);
+        if (jb < 0 && seen == 0xFFFF) sum = _mm512_add_ps(sum, e);
+        else if (jb < 0) jb = j;
+        if (seen) jl = j + 16;
+      }
+      float lanes[16];
+      _mm512_storeu_ps(lanes, sum);
+      const float l = ranked_total(p, r, lanes, sr, jb, std::min(jl, last));
+      p.inv[r] = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key gets zeros
     }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, sum);
-    const float l = ranked_total(p, r, lanes, sr, jb, std::min(jl, last));
-    inv[r] = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key gets zeros
-  }
+  if (!(p.part & PART_PV)) return;
+  const int64_t c1 = std::min(nv, p.c1);
   for (int64_t j0 = 0; j0 < last; j0 += KB) {
     const int64_t j1 = std::min(last, j0 + KB);
     for (int r0 = 0; r0 < rc; r0 += 4)
-      for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // 64 outputs at a time: 4 x 4 sums in registers
-        const int cw = (int)std::min<int64_t>(4, nv - c0);
+      for (int64_t c0 = p.c0; c0 < c1; c0 += 4) {  // 64 outputs at a time: 4 x 4 sums in registers
+        const int cw = (int)std::min<int64_t>(4, c1 - c0);
         float* o[4];
         for (int r = 0; r < 4 && r0 + r < rc; ++r) o[r] = p.out[r0 + r] + 16 * c0;
         attend_pv_dispatch(std::min(4, rc - r0), cw, static_cast<const KV*>(p.vb) + 16 * c0, p.vs, s + r0 * Lp, Lp,
@@ -2436,9 +2460,9 @@ __attribute__((target("avx512f"))) void attend_avx512_kv(AttendPass& p) {
       }
   }
   for (int r = 0; r < rc; ++r)  // (a row whose keys are all masked: last may be 0, and its sums zeros)
-    for (int64_t c = 0; c < nv; ++c) {
+    for (int64_t c = p.c0; c < c1; ++c) {
       float* o = p.out[r] + 16 * c;
-      _mm512_storeu_ps(o, last ? _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(inv[r])) : _mm512_setzero_ps());
+      _mm512_storeu_ps(o, last ? _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(p.inv[r])) : _mm512_setzero_ps());
     }
 }
 
@@ -2489,7 +2513,7 @@ __attribute__((target("avx2,fma"))) inline __m128 score4(const __m256* lo, const
 template <int R, typename KV>
 __attribute__((target("avx2,fma,f16c"))) void attend_pv_avx2(const AttendPass& p, int r0, int64_t j0, int64_t j1) {
   const KV* vb = static_cast<const KV*>(p.vb);
-  for (int64_t c = 0; c < p.D; c += 16) {
+  for (int64_t c = 16 * p.c0, c1 = std::min(p.D, 16 * p.c1); c < c1; c += 16) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h)
@@ -2522,11 +2546,11 @@ constexpr int64_t KV_AHEAD = 16;
 // A 16-bit cache's four keys are widened into p.kt once for all rows.
 template <typename KV>
 __attribute__((target("avx2,fma,f16c"))) void scores_avx2(const AttendPass& p) {
-  const int64_t D = p.D, last = p.last, nv = D / 16;
+  const int64_t D = p.D, last = std::min(p.last, p.k1), nv = D / 16;  // (keys [k0, last) of the pass's)
   const float ninf = -std::numeric_limits<float>::infinity();
   const KV *kb = static_cast<const KV*>(p.kb), *vb = static_cast<const KV*>(p.vb);
   constexpr int64_t line = 64 / sizeof(KV);  // elements per cache line
-  for (int64_t j = 0; j < last; j += 4) {
+  for (int64_t j = p.k0; j < last; j += 4) {
     const float* kj[4];
     for (int u = 0; u < 4; ++u) {
       const KV* src = kb + (j + u < last ? j + u : 0) * p.ks;
@@ -2572,42 +2596,43 @@ template <typename KV>
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2_kv(AttendPass& p) {
   const int64_t D = p.D, Lp = p.Lp, last = p.last, KB = key_block(D);
   const float ninf = -std::numeric_limits<float>::infinity();
-  scores_avx2<KV>(p);
-  pad_scores(p);
-  float inv[RC_MAX];
-  for (int r = 0; r < p.rc; ++r) {
-    float* sr = p.s + r * Lp;
-    __m256 mx = _mm256_set1_ps(ninf);
-    for (int64_t j = 0; j < last; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
-    float m8[8];
-    _mm256_storeu_ps(m8, mx);
-    float m = ninf;
-    for (int l = 0; l < 8; ++l) m = std::max(m, m8[l]);
-    const __m256 mv = _mm256_set1_ps(m == ninf ? 0.f : m);
-    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0-7 and 8-15 of AVX-512's sum
-    int64_t jb = -1, jl = 0;  // (ranked_total)
-    for (int64_t j = 0; j < last; j += 16) {
-      __m256 e[2];
-      int seen = 0;
-      for (int h = 0; h < 2; ++h) {
-        const __m256 x = _mm256_loadu_ps(sr + j + 8 * h);
-        const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(ninf), _CMP_NEQ_OQ);
-        e[h] = _mm256_and_ps(keep, exp_nonpos8(_mm256_sub_ps(x, mv)));
-        _mm256_storeu_ps(sr + j + 8 * h, e[h]);
-        seen |= _mm256_movemask_ps(keep) << (8 * h);
+  if (p.part & PART_SCORES) scores_avx2<KV>(p);
+  if (p.part & PART_SOFTMAX)
+    for (int r = softmax_first(p); r < softmax_end(p); ++r) {
+      pad_scores(p, r);
+      float* sr = p.s + r * Lp;
+      __m256 mx = _mm256_set1_ps(ninf);
+      for (int64_t j = 0; j < last; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
+      float m8[8];
+      _mm256_storeu_ps(m8, mx);
+      float m = ninf;
+      for (int l = 0; l < 8; ++l) m = std::max(m, m8[l]);
+      const __m256 mv = _mm256_set1_ps(m == ninf ? 0.f : m);
+      __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0-7 and 8-15 of AVX-512's sum
+      int64_t jb = -1, jl = 0;  // (ranked_total)
+      for (int64_t j = 0; j < last; j += 16) {
+        __m256 e[2];
+        int seen = 0;
+        for (int h = 0; h < 2; ++h) {
+          const __m256 x = _mm256_loadu_ps(sr + j + 8 * h);
+          const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(ninf), _CMP_NEQ_OQ);
+          e[h] = _mm256_and_ps(keep, exp_nonpos8(_mm256_sub_ps(x, mv)));
+          _mm256_storeu_ps(sr + j + 8 * h, e[h]);
+          seen |= _mm256_movemask_ps(keep) << (8 * h);
+        }
+        if (jb < 0 && seen == 0xFFFF)
+          for (int h = 0; h < 2; ++h) sum[h] = _mm256_add_ps(sum[h], e[h]);
+        else if (jb < 0)
+          jb = j;
+        if (seen) jl = j + 16;
       }
-      if (jb < 0 && seen == 0xFFFF)
-        for (int h = 0; h < 2; ++h) sum[h] = _mm256_add_ps(sum[h], e[h]);
-      else if (jb < 0)
-        jb = j;
-      if (seen) jl = j + 16;
+      float lanes[16];
+      _mm256_storeu_ps(lanes, sum[0]);
+      _mm256_storeu_ps(lanes + 8, sum[1]);
+      const float l = ranked_total(p, r, lanes, sr, jb, std::min(jl, last));
+      p.inv[r] = l > 0.f ? 1.f / l : 0.f;
     }
-    float lanes[16];
-    _mm256_storeu_ps(lanes, sum[0]);
-    _mm256_storeu_ps(lanes + 8, sum[1]);
-    const float l = ranked_total(p, r, lanes, sr, jb, std::min(jl, last));
-    inv[r] = l > 0.f ? 1.f / l : 0.f;
-  }
+  if (!(p.part & PART_PV)) return;
   for (int64_t j0 = 0; j0 < last; j0 += KB) {
     const int64_t j1 = std::min(last, j0 + KB);
     for (int r0 = 0; r0 < p.rc; r0 += 4) switch (std::min(4, p.rc - r0)) {
@@ -2618,9 +2643,9 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2_kv(AttendPass& p) {
       }
   }
   for (int r = 0; r < p.rc; ++r)  // (last 0: every row sees no key, zeros)
-    for (int64_t c = 0; c < D; c += 8) {
+    for (int64_t c = 16 * p.c0, c1 = std::min(D, 16 * p.c1); c < c1; c += 8) {
       float* o = p.out[r] + c;
-      _mm256_storeu_ps(o, last ? _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(inv[r])) : _mm256_setzero_ps());
+      _mm256_storeu_ps(o, last ? _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(p.inv[r])) : _mm256_setzero_ps());
     }
 }
 
@@ -2677,8 +2702,6 @@ void attend_portable(AttendPass& p) {
   attend_portable_kv<float>(p);
 }
 
-// Query rows [i0, i0 + rc) of kv head hk of batch row b (row i is query head hk * G + i / T at
-// query position i % T): the scaled queries, the keys any row sees, then the path's pass.
 // Rows [0, n) of D 16-bit elements, `stride` apart, as float32 rows in `out` (D apart).
 template <typename KV>
 void widened_rows(const void* src, int64_t stride, int64_t n, int64_t D, float* out) {
@@ -2687,23 +2710,29 @@ void widened_rows(const void* src, int64_t stride, int64_t n, int64_t D, float* 
     for (int64_t d = 0; d < D; ++d) out[j * D + d] = to_float(s[j * stride + d]);
 }
 
-// A path that reads float32 keys and values only (`kv16` false: NEON) gets a 16-bit cache's keys
-// and values [0, last) widened into buf first (the same floats the other paths widen as they load).
-void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc, std::vector<float>& buf,
-                 void (*path)(AttendPass&), bool kv16) {
+// The floats a pass's buffer holds (prepare_pass).
+inline int64_t pass_floats(const AttendArgs& a, bool kv16) {
+  const int64_t Lp = (a.L + 15) / 16 * 16;
+  return RC_MAX * (a.D + Lp + 1) + 20 * a.D + (a.kv != KV_F32 && !kv16 ? 2 * a.L * a.D : 0);
+}
+
+// The pass of query rows [i0, i0 + rc) of kv head hk of batch row b (row i is query head hk * G +
+// i / T at query position i % T) in `buf` (pass_floats of it): the scaled queries, the keys any row
+// sees.
+AttendPass prepare_pass(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc, float* buf, bool kv16) {
   const int64_t D = a.D, L = a.L, T = a.T;
   const int64_t Lp = (L + 15) / 16 * 16;
   const bool widen = a.kv != KV_F32 && !kv16;
-  buf.resize(RC_MAX * (D + Lp) + 20 * D + (widen ? 2 * L * D : 0));
   AttendPass p;
   p.rc = rc;
   p.D = D;
   p.Lp = Lp;
   p.last = 0;
-  float* qs = buf.data();
+  float* qs = buf;
   p.qs = qs;
-  p.s = buf.data() + RC_MAX * D;
-  p.qt = buf.data() + RC_MAX * (D + Lp);
+  p.s = buf + RC_MAX * D;
+  p.inv = buf + RC_MAX * (D + Lp);
+  p.qt = p.inv + RC_MAX;
   p.kt = p.qt + 16 * D;
   p.ms3 = a.ms3;
   for (int r = 0; r < rc; ++r) {
@@ -2733,6 +2762,15 @@ void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc,
     p.ks = p.vs = D;
     p.kv = KV_F32;
   }
+  return p;
+}
+
+// A path that reads float32 keys and values only (`kv16` false: NEON) gets a 16-bit cache's keys
+// and values [0, last) widened into buf first (the same floats the other paths widen as they load).
+void attend_rows(const AttendArgs& a, int64_t b, int64_t hk, int64_t i0, int rc, std::vector<float>& buf,
+                 void (*path)(AttendPass&), bool kv16) {
+  buf.resize(pass_floats(a, kv16));
+  AttendPass p = prepare_pass(a, b, hk, i0, rc, buf.data(), kv16);
   path(p);
 }
 
@@ -3212,19 +3250,20 @@ struct Paths {
   QuantizeFn quant;  // the int8 / int4 activations (q4_quantize's bits)
   int attend_rows;  // the most query rows attend's path takes in one pass (at most RC_MAX)
   bool attend_kv16;  // attend's path reads a 16-bit cache as it is (else attend_rows widens it first)
+  bool attend_parts;  // attend's path does a pass's parts one call each (AttendPass::part: attend_split)
 };
 
 // By enum Isa; a path this architecture cannot have is empty (cpu_has is false for it: never chosen).
 const Paths PATHS[ISA_COUNT] = {
-    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable, norm_portable, quantize_portable, RC, true},
+    {blocks_portable<float>, q8_portable, blocks_portable<Bf16>, q4_portable, attend_portable, norm_portable, quantize_portable, RC, true, false},
 #if QD_X86
-    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2, norm_avx2, quantize_avx2, RC_X86, true},
-    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512, norm_avx512, quantize_avx2, RC_X86, true},
+    {blocks_avx2<float>, q8_avx2, blocks_avx2<Bf16>, q4_avx2, attend_avx2, norm_avx2, quantize_avx2, RC_X86, true, true},
+    {blocks_avx512<float>, q8_avx512, blocks_avx512<Bf16>, q4_avx512, attend_avx512, norm_avx512, quantize_avx2, RC_X86, true, true},
 #else
     {}, {},
 #endif
 #if QD_ARM
-    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon, norm_portable, quantize_neon, RC, false},
+    {blocks_neon<float>, q8_neon, blocks_neon<Bf16>, q4_neon, attend_neon, norm_portable, quantize_neon, RC, false, false},
 #else
     {},
 #endif
@@ -3294,19 +3333,97 @@ void matmul_q4(const Paths& paths, const Q4Args& a, int64_t nblk, For&& parallel
   row_tiled(a, nblk, paths.q4, parallel_for);
 }
 
+// Attention split over the threads by keys and outputs (attend_split): off (0), where a call's passes
+// are too few for the threads and its keys many (1, the default), or for every call of a path that
+// does parts, one thread too (2: tests). The bits are the same either way.
+std::atomic<int> attend_split_mode{1};
+// Keys from which a call with too few passes is split: below, the two extra parallel regions cost
+// about what the even share saves.
+constexpr int64_t SPLIT_KEYS = 512;
+
+// Key segments (and output ranges) per pass for attend_split; 1: the passes run whole.
+inline int64_t split_parts(const Paths& paths, const AttendArgs& a, int64_t tasks, int threads) {
+  const int mode = attend_split_mode.load(std::memory_order_relaxed);
+  if (!paths.attend_parts || mode == 0) return 1;
+  const int64_t t = std::max(threads, 1), g = std::gcd(tasks, t);
+  if (mode == 2) return std::max<int64_t>(2, t / g);
+  if (t < 2 || a.L < SPLIT_KEYS) return 1;
+  const int64_t busiest = (tasks + t - 1) / t;  // passes of the busiest thread
+  if (4 * busiest * t < 5 * tasks) return 1;   // within 1.25x of an even share: whole passes
+  return t / g;  // tasks x parts items: a multiple of the threads
+}
+
+// The passes of a call, each in three parts with every thread busy: the scores of a segment of its
+// keys (`parts` segments, multiples of 16 keys), then each row's softmax, then the weighted sums of
+// a range of its outputs (min(parts, D / 16) ranges of 16-float vectors, each over every key in key
+// order). Each part computes exactly what the whole pass does, in the same order per number (a
+// key's score is its own; a row's max, exponentials and ranked total are the whole pass's; an
+// output's sum runs over the keys in order), so a row's bits are those of a whole pass.
+template <typename For>
+void attend_split(const Paths& paths, const AttendArgs& a, int64_t B, int64_t Hkv, int64_t n, int64_t rc,
+                  int64_t parts, For&& parallel_for) {
+  const int64_t rows = a.G * a.T, tasks = B * Hkv * n, floats = pass_floats(a, paths.attend_kv16);
+  thread_local std::vector<float> bufs;  // (the calling thread's; the workers write into it)
+  bufs.resize(tasks * floats);
+  std::vector<AttendPass> passes(tasks);
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t c = task % n, bh = task / n, i0 = c * rc;
+    passes[task] = prepare_pass(a, bh / Hkv, bh % Hkv, i0, (int)std::min<int64_t>(rc, rows - i0),
+                                bufs.data() + task * floats, paths.attend_kv16);
+  }
+  const auto path = paths.attend;
+  parallel_for(0, tasks * parts, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> scratch;  // this thread's transposed queries and widened keys
+    scratch.resize(20 * a.D);
+    for (int64_t i = i0; i < i1; ++i) {
+      AttendPass p = passes[i / parts];
+      const int64_t seg = i % parts, len = (p.last + 16 * parts - 1) / (16 * parts) * 16;
+      p.part = PART_SCORES;
+      p.k0 = seg * len;
+      p.k1 = std::min(p.last, p.k0 + len);
+      p.qt = scratch.data();
+      p.kt = p.qt + 16 * a.D;
+      if (p.k0 < p.k1) path(p);
+    }
+  });
+  parallel_for(0, tasks * rc, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      AttendPass p = passes[i / rc];
+      p.part = PART_SOFTMAX;
+      p.row = (int)(i % rc);
+      if (p.row < p.rc) path(p);
+    }
+  });
+  const int64_t nv = a.D / 16, groups = std::min(parts, nv);
+  parallel_for(0, tasks * groups, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      AttendPass p = passes[i / groups];
+      const int64_t g = i % groups;
+      p.part = PART_PV;
+      p.c0 = nv * g / groups;
+      p.c1 = nv * (g + 1) / groups;
+      path(p);
+    }
+  });
+}
+
 // Attention's tasks: (batch row, kv head, chunk of query rows): chunks as even as the path's
 // rows per pass allow (an even count where it can: the AVX-512 path scores rows in pairs). (Smaller
 // chunks to even out 3 kv heads over 2 threads were measured slower: each extra chunk reads its
-// head's keys again, and the reads are the cost; splitting the keys instead is the way to balance
-// such a step.) A row's bits do not depend on its chunk. Only for float32, D % 16 == 0, T >= 1,
-// L > 0 (the caller checks).
+// head's keys again, and the reads are the cost.) Too few tasks for the threads over many keys
+// (one sequence of a model with 3 kv heads on 2 threads) are split by keys and outputs instead
+// (attend_split). A row's bits do not depend on its chunk or the split. Only for float32,
+// D % 16 == 0, T >= 1, L > 0 (the caller checks). `threads`: the ones parallel_for runs on.
 template <typename For>
-void attend_tasks(const Paths& paths, const AttendArgs& a, int64_t B, int64_t Hkv, For&& parallel_for) {
+void attend_tasks(const Paths& paths, const AttendArgs& a, int64_t B, int64_t Hkv, For&& parallel_for,
+                  int threads = 1) {
   const int64_t rows = a.G * a.T, most = paths.attend_rows;
   const int64_t chunks = (rows + most - 1) / most;
   int64_t rc = (rows + chunks - 1) / chunks;
   if (rc % 2 && rc < most && rc < rows) ++rc;
   const int64_t n = (rows + rc - 1) / rc;
+  const int64_t parts = split_parts(paths, a, B * Hkv * n, threads);
+  if (parts > 1) return attend_split(paths, a, B, Hkv, n, rc, parts, parallel_for);
   const auto path = paths.attend;
   parallel_for(0, B * Hkv * n, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> buf;

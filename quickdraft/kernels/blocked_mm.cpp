@@ -179,7 +179,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                vc.stride(0), vc.stride(1), vc.stride(2), mask.data_ptr<bool>(),
                mask.size(0) == 1 ? 0 : mask.stride(0), mask.stride(2), mask.stride(3),
                out.data_ptr<float>(), H, T, D, H / Hkv, L, (float)scale, kv};
-  attend_tasks(active_paths(), a, B, Hkv, torch_threads);
+  attend_tasks(active_paths(), a, B, Hkv, torch_threads, at::get_num_threads());
   return out.transpose(1, 2);
 }
 
@@ -515,6 +515,11 @@ extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_amx(int
 #else
   return 0;
 #endif
+}
+// attend's split over the threads by keys and outputs (blocked_core.h's attend_split): off (0), where a
+// call's passes are too few for the threads (1, the default), every call (2); returns the previous setting.
+extern "C" __attribute__((visibility("default"))) int32_t quickdraft_set_attend_split(int32_t mode) {
+  return attend_split_mode.exchange(mode < 0 || mode > 2 ? 1 : mode);
 }
 // The smallest int8 (int4 = 0) or int4 (1) call, in rows, that runs on AMX here now; 0 where none does.
 extern "C" __attribute__((visibility("default"))) int32_t quickdraft_amx_rows(int32_t int4) {

@@ -214,6 +214,30 @@ def test_attend_reads_a_16_bit_cache_as_its_float32_copy_on_every_path(B, H, Hkv
             assert torch.equal(kernels.attend(q, big_k[:B, :, :L], big_v[:B, :, :L], mask, D ** -0.5), ref), isa
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Hkv,T,L,D", [(1, 9, 3, 1, 1300, 64), (1, 9, 3, 5, 700, 64), (2, 8, 4, 4, 333, 128),
+                                           (1, 3, 3, 2, 517, 48), (1, 8, 2, 3, 9, 64), (1, 9, 3, 1, 1, 16)])
+def test_attend_split_over_the_threads_keeps_every_rows_bits(B, H, Hkv, T, L, D, dtype, threads):
+    """A call whose passes are too few for the threads is split by keys (scores), rows (softmax)
+    and outputs (weighted sums): every row keeps the bits of a whole pass, on every path, one and
+    two threads, for 1-3 rows and the wide passes of 12 and more (4-5 tokens x 3 query heads),
+    16-bit caches, a row that sees no key and a tree's holes in the mask."""
+    q, k, v, mask = _attention_case(B, H, Hkv, T, L, D, seed=T * L + 2)
+    k, v = k.to(dtype), v.to(dtype)
+    mask[..., 0, :min(L, 20)] = False  # the first row skips the first keys (L = 1: it sees none)
+    if T > 2 and L > 40:
+        mask[..., T - 1, L - T - 30:L - T - 5] = False  # holes mid-row, as a token tree's
+    with kernels.use_attend_split("off"):
+        threads(1)
+        with kernels.use_isa("portable"):
+            ref = kernels.attend(q, k, v, mask, D ** -0.5)
+    for mode in ("always", "auto"):
+        with kernels.use_attend_split(mode):
+            got = on_every_path(lambda: kernels.attend(q, k, v, mask, D ** -0.5), threads)
+        for key, out in got.items():
+            assert torch.equal(out, ref), f"{mode} {key}: {(out - ref).abs().max().item()}"
+
+
 def test_an_unknown_isa_variable_is_one_clear_error():
     env = dict(os.environ, QUICKDRAFT_ISA="sse9")
     code = "from quickdraft import kernels\ntry:\n    kernels.available()\nexcept Exception as e:\n    print(type(e).__name__, e)"
