@@ -3337,9 +3337,11 @@ void matmul_q4(const Paths& paths, const Q4Args& a, int64_t nblk, For&& parallel
 // are too few for the threads and its keys many (1, the default), or for every call of a path that
 // does parts, one thread too (2: tests). The bits are the same either way.
 std::atomic<int> attend_split_mode{1};
-// Keys from which a call with too few passes is split: below, the two extra parallel regions cost
-// about what the even share saves.
-constexpr int64_t SPLIT_KEYS = 512;
+// Keys from which a call with too few passes is split: SmolLM2 decoding one sequence on 2 threads
+// (Intel Xeon, AVX-512 and AVX2 paths) measured the split neutral at 1,000 keys (0.98-1.01x) and
+// 1.04-1.11x from 2,000 to 4,000 (benchmarks/results/attend_split_*); with fewer keys the two
+// extra parallel regions cost what the even share saves.
+constexpr int64_t SPLIT_KEYS = 1024;
 
 // Key segments (and output ranges) per pass for attend_split; 1: the passes run whole.
 inline int64_t split_parts(const Paths& paths, const AttendArgs& a, int64_t tasks, int threads) {
