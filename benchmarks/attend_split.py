@@ -52,7 +52,8 @@ def kernel_us(kernels, T: int, L: int, calls: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     steady_steps()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2", help="a catalogue name or folder")
+    ap.add_argument("--target", default="smollm2", help="a catalogue name or folder (bundled: the bundled target)")
+    ap.add_argument("--compile", choices=["aot", "eager"], default="aot", help="the target's steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", default="1000,2000,3000,4000")
     ap.add_argument("--chunk-tokens", default="1,4", help="query tokens per kernel call (1: a decode step)")
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
                          "off_us": statistics.median(times["off"]), "auto_us": statistics.median(times["auto"]),
                          "auto_over_off": statistics.median(ratios)})
             print(rows[-1], flush=True)
-    llm = LLM(args.target, method="none", compile="aot")
+    llm = LLM(None if args.target == "bundled" else args.target, method="none",
+              compile="aot" if args.compile == "aot" else False)
     steps = type(llm.engine._forward).__name__
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     rng = random.Random(0)

@@ -505,8 +505,7 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     49,152 on a CPU); no full-size float64 buffers. The threshold is held below the total, so
     the index lands on a positive weight; all-zero weights give index 0. On a CPU with
     quickdraft's kernels, one call (kernels.draw: its block sums in an order of its own)."""
-    if (weights.device.type == "cpu" and weights.dtype == torch.float32 and u.dtype == torch.float64
-            and not torch.compiler.is_compiling() and kernels.available()):
+    if kernels.runs_sampling((weights,), (u,)):
         return kernels.draw(weights, u.expand(weights.shape[:-1]))
     V = weights.shape[-1]
     n = min(V, DRAW_BLOCK)

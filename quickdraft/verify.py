@@ -58,7 +58,7 @@ def rejection_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor, dra
     B, k = draft_tokens.shape
     if k == 0:  # plain sampling: the token from p (what the steps below come to, in two ops)
         return draw(target_probs[:, 0], final)[:, None], torch.zeros(B, dtype=torch.long, device=draft_tokens.device)
-    if _on_kernels(target_probs, draft_probs, uniform, final):  # the steps below in one call
+    if kernels.runs_sampling((target_probs, draft_probs, uniform), (final,)):  # the steps below in one call
         return kernels.rejection_sample(draft_tokens, target_probs, draft_probs, uniform, final)
     present = draft_tokens >= 0  # -1 ends a row's chain
     x = draft_tokens.clamp(min=0)
@@ -87,15 +87,6 @@ def rejection_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor, dra
     else:
         weights = p_next
     return _emit(draft_tokens, num_accepted, draw(weights, final))
-
-
-def _on_kernels(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, uniform: torch.Tensor,
-                final: torch.Tensor) -> bool:
-    """Whether a sampled verifier runs as one call of quickdraft's kernels (a CPU with them, the
-    engine's dtypes, not inside a graph being compiled)."""
-    return (target_probs.device.type == "cpu" and target_probs.dtype == torch.float32
-            and (draft_probs is None or draft_probs.dtype == torch.float32) and uniform.dtype == torch.float32
-            and final.dtype == torch.float64 and not torch.compiler.is_compiling() and kernels.available())
 
 
 def _row_of(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -169,7 +160,7 @@ def tree_rejection_sample(tokens: torch.Tensor, parents: torch.Tensor, target_pr
     rows = torch.arange(B, device=device)
     valid = tokens >= 0
     anc, depth = structure if structure is not None else tree_structure(parents, valid)
-    if _on_kernels(target_probs, draft_probs, uniform, final):  # the walk below in one call
+    if kernels.runs_sampling((target_probs, draft_probs, uniform), (final,)):  # the walk below in one call
         accepted_node, last = kernels.tree_rejection_sample(tokens, parents, target_probs, draft_probs, uniform, final)
         num_accepted = torch.where(accepted_node >= 0, depth[rows, accepted_node.clamp(min=0)], 0)
         on_path = anc[rows, accepted_node.clamp(min=0)] & (accepted_node >= 0)[:, None]

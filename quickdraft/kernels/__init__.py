@@ -687,6 +687,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.quickdraft.rms_norm.default(x, weight, eps)
 
 
+def runs_sampling(float32: tuple, float64: tuple = ()) -> bool:
+    """Whether a sampling call (sampling.draw, the sampled chain and tree verifiers) runs as one call
+    of these kernels: CPU tensors, the `float32` ones float32 (None: an absent operand) and the
+    `float64` ones float64, not inside a graph being compiled (the tensor ops trace there), the
+    kernels built here (QUICKDRAFT_KERNELS=0: the tensor versions)."""
+    return (float32[0].device.type == "cpu" and all(t is None or t.dtype == torch.float32 for t in float32)
+            and all(t.dtype == torch.float64 for t in float64) and not torch.compiler.is_compiling()
+            and available())
+
+
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """sampling.draw in one call on a CPU: weights (..., V) float32 >= 0, u (...) float64 U[0, 1) ->
     (...) int64 indices. The same algorithm (float64 running sums in two levels, the threshold

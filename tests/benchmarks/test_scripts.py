@@ -128,6 +128,13 @@ def _check_chunked_prefill(data: dict) -> None:
     assert row["max_num_batched_tokens"] == 16 and row["num_window"] > 0 and row["long_ttft_s"] > 0
 
 
+def _check_attend_split(data: dict) -> None:
+    """Both modes' tokens are the same (the split keeps every row's bits), and every row is timed."""
+    decode = [r for r in data["rows"] if r["what"] == "decode"]
+    assert [r["context"] for r in decode] == [40, 300] and all(r["identical"] for r in decode), decode
+    assert all(r["auto_over_off"] > 0 for r in data["rows"])
+
+
 def _check_mixed_steps(data: dict) -> None:
     steps = {(r["step"], r["chunk_tokens"], r["chunk_position"]) for r in data["table"]}
     assert steps == {("decode", 0, 0), ("chunk", 4, 0), ("chunk", 4, 40), ("mixed", 4, 0), ("mixed", 4, 40)}
@@ -175,6 +182,10 @@ CASES: dict[str, Case] = {
                        "--temperatures", "0", "0.8", "--prompts", "1", "--new-tokens", "4", "--repeats", "1",
                        "--compile", "eager", "--out-dir", "{out}"], ["eagle3_cpu.json", "eagle3_cpu.md"],
                       check=_check_eagle3),
+    "attend_split.py": Case(["--target", "bundled", "--compile", "eager", "--threads", "1", "--contexts", "40,300",
+                             "--repeats", "2", "--calls", "3", "--new-tokens", "4", "--out-dir", "{out}", "--name", "as"],
+                            ["as.json", "as.md"],
+                            check=lambda out: _check_attend_split(_json(out, "as.json"))),
     "eagle3_parts.py": Case(["--model", "bundled", "--tiny", "--out", "{out}/parts.json"], ["parts.json"]),
     "kv_growth.py": Case(["--method", "draft", "--first", "16", "--repeats", "1", "--decoded", "8", "--out-dir", "{out}",
                           "--name", "kv"],
