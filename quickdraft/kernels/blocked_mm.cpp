@@ -337,27 +337,39 @@ void rejection_row(const int64_t* tokens, int64_t k, const float* p, const float
   *num_accepted = n;
 }
 
-std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& tokens, const at::Tensor& target_probs,
-                                                    const c10::optional<at::Tensor>& draft_probs,
-                                                    const at::Tensor& uniform, const at::Tensor& final) {
-  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "rejection_sample: tokens must be (B, k) int64");
+// The operands rejection_sample and tree_rejection_sample share, checked: tokens (B, n) int64 (n:
+// the draft's k, or a tree's N nodes), target_probs (B, n + 1, V) float32, draft_probs (B, n, V)
+// float32 or none, uniform float32 shaped as tokens, final (B,) float64, every token below V.
+// Returns V.
+int64_t check_rejection_args(const char* op, const char* n, const at::Tensor& tokens, const at::Tensor& target_probs,
+                             const c10::optional<at::Tensor>& draft_probs, const at::Tensor& uniform,
+                             const at::Tensor& final) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, op, ": tokens must be (B, ", n, ") int64");
   const int64_t B = tokens.size(0), k = tokens.size(1);
   TORCH_CHECK(target_probs.dim() == 3 && target_probs.scalar_type() == at::kFloat && target_probs.size(0) == B &&
                   target_probs.size(1) == k + 1 && target_probs.size(2) > 0,
-              "rejection_sample: target_probs must be (B, k + 1, V) float32");
+              op, ": target_probs must be (B, ", n, " + 1, V) float32");
   const int64_t V = target_probs.size(2);
   TORCH_CHECK(!draft_probs.has_value() || (draft_probs->scalar_type() == at::kFloat && draft_probs->dim() == 3 &&
                                            draft_probs->size(0) == B && draft_probs->size(1) == k &&
                                            draft_probs->size(2) == V),
-              "rejection_sample: draft_probs must be (B, k, V) float32");
+              op, ": draft_probs must be (B, ", n, ", V) float32");
   TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.sizes() == tokens.sizes() &&
                   final.scalar_type() == at::kDouble && final.dim() == 1 && final.size(0) == B,
-              "rejection_sample: uniform must be (B, k) float32, final (B,) float64");
+              op, ": uniform must be (B, ", n, ") float32, final (B,) float64");
+  const at::Tensor tc = tokens.contiguous();
+  for (int64_t i = 0; i < tc.numel(); ++i) TORCH_CHECK(tc.data_ptr<int64_t>()[i] < V, op, ": a token past the vocabulary");
+  return V;
+}
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& tokens, const at::Tensor& target_probs,
+                                                    const c10::optional<at::Tensor>& draft_probs,
+                                                    const at::Tensor& uniform, const at::Tensor& final) {
+  const int64_t V = check_rejection_args("rejection_sample", "k", tokens, target_probs, draft_probs, uniform, final);
+  const int64_t B = tokens.size(0), k = tokens.size(1);
   const at::Tensor tc = tokens.contiguous(), tp = target_probs.contiguous(), uc = uniform.contiguous(),
                    fc = final.contiguous();
   const at::Tensor dp = draft_probs.has_value() ? draft_probs->contiguous() : at::Tensor();
-  for (int64_t i = 0; i < tc.numel(); ++i)
-    TORCH_CHECK(tc.data_ptr<int64_t>()[i] < V, "rejection_sample: a token past the vocabulary");
   at::Tensor emitted = at::empty({B, k + 1}, tc.options()), accepted = at::empty({B}, tc.options());
   const int64_t* t = tc.data_ptr<int64_t>();
   const float *p = tp.data_ptr<float>(), *q = dp.defined() ? dp.data_ptr<float>() : nullptr, *u = uc.data_ptr<float>();
@@ -377,25 +389,13 @@ std::tuple<at::Tensor, at::Tensor> tree_rejection_sample(const at::Tensor& token
                                                          const at::Tensor& target_probs,
                                                          const c10::optional<at::Tensor>& draft_probs,
                                                          const at::Tensor& uniform, const at::Tensor& final) {
-  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && parents.sizes() == tokens.sizes() &&
-                  parents.scalar_type() == at::kLong, "tree_rejection_sample: tokens and parents must be (B, N) int64");
+  const int64_t V = check_rejection_args("tree_rejection_sample", "N", tokens, target_probs, draft_probs, uniform, final);
+  TORCH_CHECK(parents.sizes() == tokens.sizes() && parents.scalar_type() == at::kLong,
+              "tree_rejection_sample: parents must be (B, N) int64, as tokens");
   const int64_t B = tokens.size(0), N = tokens.size(1);
-  TORCH_CHECK(target_probs.dim() == 3 && target_probs.scalar_type() == at::kFloat && target_probs.size(0) == B &&
-                  target_probs.size(1) == N + 1 && target_probs.size(2) > 0,
-              "tree_rejection_sample: target_probs must be (B, N + 1, V) float32");
-  const int64_t V = target_probs.size(2);
-  TORCH_CHECK(!draft_probs.has_value() || (draft_probs->scalar_type() == at::kFloat && draft_probs->dim() == 3 &&
-                                           draft_probs->size(0) == B && draft_probs->size(1) == N &&
-                                           draft_probs->size(2) == V),
-              "tree_rejection_sample: draft_probs must be (B, N, V) float32");
-  TORCH_CHECK(uniform.scalar_type() == at::kFloat && uniform.sizes() == tokens.sizes() &&
-                  final.scalar_type() == at::kDouble && final.dim() == 1 && final.size(0) == B,
-              "tree_rejection_sample: uniform must be (B, N) float32, final (B,) float64");
   const at::Tensor tc = tokens.contiguous(), pc = parents.contiguous(), tp = target_probs.contiguous(),
                    uc = uniform.contiguous(), fc = final.contiguous();
   const at::Tensor dp = draft_probs.has_value() ? draft_probs->contiguous() : at::Tensor();
-  for (int64_t i = 0; i < tc.numel(); ++i)
-    TORCH_CHECK(tc.data_ptr<int64_t>()[i] < V, "tree_rejection_sample: a token past the vocabulary");
   at::Tensor accepted = at::empty({B}, tc.options()), last = at::empty({B}, tc.options());
   const int64_t *t = tc.data_ptr<int64_t>(), *pa = pc.data_ptr<int64_t>();
   const float *p = tp.data_ptr<float>(), *q = dp.defined() ? dp.data_ptr<float>() : nullptr, *u = uc.data_ptr<float>();
