@@ -2096,7 +2096,7 @@ struct AttendArgs {
 enum AttendPart : int { PART_SCORES = 1, PART_SOFTMAX = 2, PART_PV = 4, PART_ALL = 7 };
 constexpr int64_t EVERY = int64_t(1) << 40;  // a part's key or output range's end: to the last
 
-// One pass of a path: query rows [0, rc) of one kv head, prepared by attend_rows.
+// One pass of a path: query rows [0, rc) of one kv head, prepared by prepare_pass.
 struct AttendPass {
   int rc;
   int64_t D, Lp, last;  // keys [0, last) hold every key a row of this pass sees; Lp: the scores' row stride
