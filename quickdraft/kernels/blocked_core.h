@@ -236,6 +236,33 @@ int row_streams() {
 }
 bool four_streams() { return row_streams() == 4; }
 
+// The fewest rows of an AVX-512 int8 call that run a block's two halves one after the other
+// (block_rows_q8_halves: every sum in registers, the next block streamed evenly over both passes),
+// up to six at a time; 0 for none. Five on AMD, where four rows in halves were slower than one pass;
+// four on Intel, where they took 0.77-1.0x its time (an Intel Xeon, SmolLM2-1.7B's layer matrices
+// from DRAM, 1 thread; K = 8192's about the same either way). QUICKDRAFT_HALVES=0 turns them off, 1
+// takes them from four rows on any CPU (tests compare the settings); read once, the bits the same.
+int q8_halves_from() {
+  static const int n = [] {
+    const char* env = std::getenv("QUICKDRAFT_HALVES");
+    if (env && env[0] == '0' && env[1] == 0) return 0;
+    if (env && env[0] == '1' && env[1] == 0) return 4;
+    return __builtin_cpu_is("amd") ? 5 : 4;
+  }();
+  return n;
+}
+// int4's groups of 4-6 rows in halves (block_rows_q4_halves): where the kernels read one stream
+// (AMD), or as QUICKDRAFT_HALVES says. On the Intel Xeon its whole eager steps (SmolLM2 and the 1.7B
+// shape, 4-9 rows) measured the same within noise with and without them, so Intel keeps one pass.
+bool q4_halves() {
+  static const bool on = [] {
+    const char* env = std::getenv("QUICKDRAFT_HALVES");
+    if (env && (env[0] == '0' || env[0] == '1') && env[1] == 0) return env[0] == '1';
+    return row_streams() == 1;
+  }();
+  return on;
+}
+
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
 // M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead, but 4-6 float32 rows
 // and 4-5 bfloat16 rows on AMD). Only the combinations that fit the registers are instantiated.
@@ -1053,8 +1080,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 // and at six rows spills). The same integer sums and the same epilogue per output in the same group
 // order: the same bits. Each half reads every other line of the block, which the hardware's
 // prefetchers stream slowly from DRAM, so while the two passes run (from L2 after the first) the
-// kernel prefetches the next block's lines evenly over them (EvenPrefetch, where prefetch_ahead()
-// is 0), and the DRAM stream goes on under the compute. Measured on an AMD EPYC Zen 4, 1 thread,
+// kernel prefetches the next block's lines evenly over them (EvenPrefetch: its only prefetch, on
+// any CPU), and the DRAM stream goes on under the compute. Measured on an AMD EPYC Zen 4, 1 thread,
 // SmolLM2-1.7B's layer shapes from DRAM (6 layers, thread clock, alternating processes): without the
 // even stream five rows took 2.1-3.1x the time of six (29.5 / 44.1 against 17.6 / 21.2 ms), with it
 // 14.1-14.9 ms and six 16.0-16.7; four rows then 0.90-0.94x block_rows_q4's time (2 threads: ~0.95x),
@@ -1065,7 +1092,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 // against 1.15 / 1.09: such short blocks take it from five rows. Two rows stay on block_rows_q4
 // (1.1-1.4x there). (The same split of int8's blocks, two lines of every four, took 2.7x the time
 // there without a prefetch stream.) It runs where the kernels read one stream (row_streams: AMD, or
-// QUICKDRAFT_ROW_STREAMS=1), the choice measured; Intel keeps block_rows_q4 (not measured there).
+// QUICKDRAFT_ROW_STREAMS=1, or QUICKDRAFT_HALVES=1: q4_halves), the choice measured; Intel keeps
+// block_rows_q4 (its whole steps the same within noise there).
 constexpr int64_t HALVES_LONG = 64;  // groups from which four rows take it
 template <int MR, bool VNNI, int L>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_halves(const Q4Act& x, const uint8_t* wb,
@@ -1075,8 +1103,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
   const int64_t G = x.G;
   // the next block's lines, evenly over the 2 x G x 8 chunk iterations of both passes
   const int64_t lines = q4_block_bytes(gb, G) / 64;
-  const bool even_on = prefetch_ahead() == 0;
-  EvenPrefetch even{reinterpret_cast<const char*>(wb) + 64 * lines, even_on ? lines : 0, lines, 2 * G * 8, 0};
+  EvenPrefetch even{reinterpret_cast<const char*>(wb) + 64 * lines, lines, lines, 2 * G * 8, 0};
   for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
     __m512 f[MR][2];
 #pragma GCC unroll 2
@@ -1098,7 +1125,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_h
       for (int c = 0; c < 8; ++c) {
         __m512i lo, hi;
         nibbles16(piece + 128 * c + 64 * h, lo, hi);
-        if (even_on) even.step();
+        even.step();
 #pragma GCC unroll 6
         for (int r = 0; r < MR; ++r) {
           const __m512i a = _mm512_set1_epi32(quad_at(xq + r * x.ldq + 4 * c));
@@ -1146,7 +1173,7 @@ void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias
     constexpr int MR = decltype(mr)::value;
     const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
     if constexpr (MR >= 4)
-      if (row_streams() == 1 && MR >= (x.G >= HALVES_LONG ? 4 : 5))
+      if (q4_halves() && MR >= (x.G >= HALVES_LONG ? 4 : 5))
         return block_rows_q4_halves<MR, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
     block_rows_q4<MR, 1, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
   });
@@ -1615,19 +1642,24 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
   }
 }
 
-// Five or six rows of one block with every sum in registers (block_rows_q8 keeps its running
+// Four to six rows of one block with every sum in registers (block_rows_q8 keeps its running
 // float sums in y: a masked load and store per sum and group): the block's two halves (outputs
 // 0 .. 31 from each quad's first two lines, 32 .. 63 from its last two) one after the other, each
 // over all groups, MR x 2 integer sums and MR x 2 running float sums. The same integer sums and the
 // same epilogue per output in the same group order: the same bits. The next block's lines are
-// prefetched evenly over both passes (EvenPrefetch, as block_rows_q4_halves). Where the kernels read
-// one stream (row_streams: AMD). Measured on an AMD EPYC Zen 4 from DRAM against block_rows_q8
+// prefetched evenly over both passes (EvenPrefetch, as block_rows_q4_halves: its only prefetch, on
+// Intel too, where without it five and six rows took 1.3-1.5x one pass's time). From
+// q8_halves_from() rows: five on AMD, four on Intel. Measured on an AMD EPYC Zen 4 from DRAM against block_rows_q8
 // (SmolLM2's and SmolLM2-1.7B's layer shapes, alternating processes): six rows 0.72x the time at
 // 1 thread (median over ten matrices), 0.64x at 2; five rows 0.83x / 0.92x; the 1.7B shape's
 // six-row eager step 0.69x at 1 thread, T(6)/T(1) 1.67 -> 1.24 (SmolLM2: 1.47 -> 1.15;
 // benchmarks/results/verify_steps_int8_halves_zen4_cpu.md). Four rows in halves were slower than
 // block_rows_q8 (1.2-1.45x one row's time against 1.0-1.2), the one-pass kernel with the same
-// prefetch stream no faster, and seven rows in halves (31 registers) no faster than 4 + 3.
+// prefetch stream no faster, and seven rows in halves (31 registers) no faster than 4 + 3. On an
+// Intel Xeon (AVX-512 VNNI, 1 thread) four to six rows in halves took 0.77-1.0x one pass's time from
+// DRAM (SmolLM2-1.7B's layer matrices; K = 8192's the same either way), and whole eager steps T(6)
+// / T(1) 1.42 -> 1.21 (the 1.7B shape), 1.45 -> 1.27 (SmolLM2)
+// (benchmarks/results/verify_steps_int8_halves_xeon_amx_cpu.md).
 template <int MR, bool VNNI>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves(const Q8Act& x, const int8_t* wb,
                                                                                  int64_t stride, const float* scale,
@@ -1637,8 +1669,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   // the next block's lines, evenly over the 2 x G x 8 quad iterations of both passes
   const int64_t lines = stride / 64;
-  const bool even_on = prefetch_ahead() == 0;
-  EvenPrefetch even{reinterpret_cast<const char*>(wb) + stride, even_on ? lines : 0, lines, 2 * G * 8, 0};
+  EvenPrefetch even{reinterpret_cast<const char*>(wb) + stride, lines, lines, 2 * G * 8, 0};
   for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
     __m512 f[MR][2];
 #pragma GCC unroll 6
@@ -1655,7 +1686,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
           w0 = _mm512_xor_si512(w0, flip);
           w1 = _mm512_xor_si512(w1, flip);
         }
-        if (even_on) even.step();
+        even.step();
 #pragma GCC unroll 6
         for (int r = 0; r < MR; ++r) {
           const __m512i a = _mm512_set1_epi32(quad_at(x.q + r * x.ldq + g * QG + 4 * c));
@@ -1685,7 +1716,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
 // fast as one block at one row, a little faster at two and three; four blocks, the float kernel's
 // choice for one row on Intel, were slower here; on AMD one block: row_streams); 1: any, six rows
 // at a time, 7 as 4 + 3 (at most 24 integer sums in registers: each weight vector serves six rows,
-// faster than two passes of three; on AMD five and six rows in halves: block_rows_q8_halves).
+// faster than two passes of three; groups of 4-6 rows, 5-6 on AMD, in halves: block_rows_q8_halves).
 // (Measured with a standalone timing of these functions, SmolLM2's shapes, the Intel Xeon with VNNI.)
 template <int NBLK, bool VNNI>
 void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, const float* scale, const float* bias,
@@ -1697,25 +1728,23 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
     return;
   }
   int64_t m = 0;
-  const bool halves = row_streams() == 1;  // (AMD: five and six rows in halves)
-  auto six = [&](const Q8Act& xm, float* ym) {
-    if (halves) block_rows_q8_halves<6, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
-    else block_rows_q8<6, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
+  const int from = q8_halves_from();  // (0: none; else from this many rows, up to six: in halves)
+  auto group = [&](auto mr, const Q8Act& xm, float* ym) {
+    constexpr int MR = decltype(mr)::value;
+    if (from && MR >= from) block_rows_q8_halves<MR, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
+    else block_rows_q8<MR, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
   };
-  for (; M - m > 7; m += 6) six(x.rows_from(m), y + m * ldy);
+  for (; M - m > 7; m += 6) group(std::integral_constant<int, 6>{}, x.rows_from(m), y + m * ldy);
   if (M - m == 7) {
-    block_rows_q8<4, 1, VNNI>(x.rows_from(m), wb, stride, scale, bias, y + m * ldy, ldy, ncols);
+    group(std::integral_constant<int, 4>{}, x.rows_from(m), y + m * ldy);
     m += 4;
   }
   const Q8Act xm = x.rows_from(m);
   float* ym = y + m * ldy;
   switch (M - m) {
-    case 6: six(xm, ym); break;
-    case 5:
-      if (halves) block_rows_q8_halves<5, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
-      else block_rows_q8<5, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
-      break;
-    case 4: block_rows_q8<4, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 6: group(std::integral_constant<int, 6>{}, xm, ym); break;
+    case 5: group(std::integral_constant<int, 5>{}, xm, ym); break;
+    case 4: group(std::integral_constant<int, 4>{}, xm, ym); break;
     case 3: block_rows_q8<3, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
     case 2: block_rows_q8<2, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
     case 1: block_rows_q8<1, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;

@@ -3,12 +3,12 @@ three rows take one, two or four adjacent blocks at a time (by default one on AM
 streams from DRAM ran at half the speed, four or two on Intel); and their software prefetch
 (QUICKDRAFT_PREFETCH, bytes ahead: 0 by default on AMD, where the hardware's prefetchers alone
 streamed faster, save AVX2's panels of a few rows, which then stream the next chunk evenly over
-their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). With one stream,
-int4's groups of 4-6 rows (5-6 in short blocks) and int8's of 5-6 rows run on AVX-512 a block's
-two halves in turn (blocked_core.h's block_rows_q4_halves, block_rows_q8_halves), streaming the next
-block evenly where the prefetch distance is 0. Every setting must
-give the same bits, on every path and in every weight format, so each is run here whatever the
-CPU's default."""
+their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). int8's groups of 4-6
+rows (5-6 on AMD) and, with one stream, int4's of 4-6 rows (5-6 in short blocks) run on AVX-512 a
+block's two halves in turn (blocked_core.h's block_rows_q8_halves, block_rows_q4_halves), streaming
+the next block evenly over both passes; QUICKDRAFT_HALVES=0 / 1 turns them off / on for both.
+Every setting must give the same bits, on every path and in every weight format, so each is run
+here whatever the CPU's default."""
 
 from __future__ import annotations
 
@@ -61,8 +61,11 @@ torch.save(out, sys.argv[1])
 """
 
 
-def _run(streams: int, path, prefetch: int = 4096) -> dict:
+def _run(streams: int, path, prefetch: int = 4096, halves: str | None = None) -> dict:
     env = dict(os.environ, QUICKDRAFT_ROW_STREAMS=str(streams), QUICKDRAFT_PREFETCH=str(prefetch))
+    env.pop("QUICKDRAFT_HALVES", None)
+    if halves is not None:
+        env["QUICKDRAFT_HALVES"] = halves
     subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, check=True, timeout=300)
     return torch.load(path)
 
@@ -71,11 +74,13 @@ def test_every_read_stream_setting_gives_the_same_bits(tmp_path):
     runs = {s: _run(s, tmp_path / f"streams{s}.pt") for s in (1, 2, 4)}
     runs["no prefetch"] = _run(1, tmp_path / "none.pt", prefetch=0)
     runs["far prefetch"] = _run(2, tmp_path / "far.pt", prefetch=16384)
+    runs["no halves"] = _run(1, tmp_path / "no_halves.pt", halves="0")
+    runs["halves"] = _run(4, tmp_path / "halves.pt", halves="1")
     keys = runs[1].keys()
     assert keys and all(run.keys() == keys for run in runs.values())
     for key in keys:
         isa, fmt, m = key
-        for s in (2, 4, "no prefetch", "far prefetch"):
+        for s in (2, 4, "no prefetch", "far prefetch", "no halves", "halves"):
             assert torch.equal(runs[s][key], runs[1][key]), (s, key)
         # and a row's bits do not depend on the rows beside it (a second row group included)
         assert torch.equal(runs[1][key], runs[1][isa, fmt, 9][:m]), key
