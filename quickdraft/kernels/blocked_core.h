@@ -236,32 +236,28 @@ int row_streams() {
 }
 bool four_streams() { return row_streams() == 4; }
 
+// QUICKDRAFT_HALVES (0 or 1, read once; else -1): the int8 and int4 kernels' halves (below) off or on
+// on any CPU, for tests and benchmarks (the bits are the same).
+int halves_env() {
+  static const int n = [] {
+    const char* env = std::getenv("QUICKDRAFT_HALVES");
+    return env && (env[0] == '0' || env[0] == '1') && env[1] == 0 ? env[0] - '0' : -1;
+  }();
+  return n;
+}
 // The fewest rows of an AVX-512 int8 call that run a block's two halves one after the other
 // (block_rows_q8_halves: every sum in registers, the next block streamed evenly over both passes),
 // up to six at a time; 0 for none. Five on AMD, where four rows in halves were slower than one pass;
-// four on Intel, where they took 0.77-1.0x its time (an Intel Xeon, SmolLM2-1.7B's layer matrices
-// from DRAM, 1 thread; K = 8192's about the same either way). QUICKDRAFT_HALVES=0 turns them off, 1
-// takes them from four rows on any CPU (tests compare the settings); read once, the bits the same.
+// four on Intel, where four to six took 0.70-0.90x its time (an Intel Xeon, SmolLM2-1.7B's layer
+// matrices from DRAM, 1 thread; K = 8192's about the same either way). QUICKDRAFT_HALVES=1: four.
 int q8_halves_from() {
-  static const int n = [] {
-    const char* env = std::getenv("QUICKDRAFT_HALVES");
-    if (env && env[0] == '0' && env[1] == 0) return 0;
-    if (env && env[0] == '1' && env[1] == 0) return 4;
-    return __builtin_cpu_is("amd") ? 5 : 4;
-  }();
+  static const int n = halves_env() == 0 ? 0 : halves_env() == 1 || !__builtin_cpu_is("amd") ? 4 : 5;
   return n;
 }
 // int4's groups of 4-6 rows in halves (block_rows_q4_halves): where the kernels read one stream
 // (AMD), or as QUICKDRAFT_HALVES says. On the Intel Xeon its whole eager steps (SmolLM2 and the 1.7B
 // shape, 4-9 rows) measured the same within noise with and without them, so Intel keeps one pass.
-bool q4_halves() {
-  static const bool on = [] {
-    const char* env = std::getenv("QUICKDRAFT_HALVES");
-    if (env && (env[0] == '0' || env[0] == '1') && env[1] == 0) return env[0] == '1';
-    return row_streams() == 1;
-  }();
-  return on;
-}
+bool q4_halves() { return halves_env() >= 0 ? halves_env() == 1 : row_streams() == 1; }
 
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
 // M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead, but 4-6 float32 rows
@@ -1656,9 +1652,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
 // benchmarks/results/verify_steps_int8_halves_zen4_cpu.md). Four rows in halves were slower than
 // block_rows_q8 (1.2-1.45x one row's time against 1.0-1.2), the one-pass kernel with the same
 // prefetch stream no faster, and seven rows in halves (31 registers) no faster than 4 + 3. On an
-// Intel Xeon (AVX-512 VNNI, 1 thread) four to six rows in halves took 0.77-1.0x one pass's time from
-// DRAM (SmolLM2-1.7B's layer matrices; K = 8192's the same either way), and whole eager steps T(6)
-// / T(1) 1.42 -> 1.21 (the 1.7B shape), 1.45 -> 1.27 (SmolLM2)
+// Intel Xeon (AVX-512 VNNI, 1 thread) four to six rows in halves took 0.70-0.90x one pass's time
+// from DRAM (SmolLM2-1.7B's layer matrices; K = 8192's 0.96-1.07x), whole eager steps of four to
+// six rows 0.85-0.90x, T(6) / T(1) 1.41 -> 1.23 (the 1.7B shape), 1.44 -> 1.25 (SmolLM2)
 // (benchmarks/results/verify_steps_int8_halves_xeon_amx_cpu.md).
 template <int MR, bool VNNI>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves(const Q8Act& x, const int8_t* wb,
