@@ -275,9 +275,11 @@ def _stream_gaps(url: str, body: dict, during=None) -> list[float]:
 @pytest.mark.slow
 def test_a_10mb_request_does_not_stall_a_running_stream(hard):
     """A 10 MB prompt froze /health and paused every stream for ~10 s. The stream's worst
-    gap while big requests are handled stays within 2x its worst gap alone, + 50 ms for
+    gap while big requests are handled stays within 2x its worst gap alone, + 0.5 s for
     scheduling noise on a shared CPU (both measured here, on the same server; windows of 5
-    events). Tokenizing such a prompt on the event loop gave a 10.7 s window."""
+    events). Tokenizing such a prompt on the event loop gave a 10.7 s window; with + 50 ms this
+    test failed once in a CI run on 2 cores (a 92 ms window against 19 ms alone: noise, not a
+    stall), so the margin is a twentieth of the stall it guards against."""
     body = {"model": MODEL, "prompt": [0, 5, 9], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True, "num_speculative_tokens": 0}
     big = json.dumps({"model": MODEL, "prompt": "ab " * 3_400_000}).encode()  # 10.2 MB
@@ -295,4 +297,4 @@ def test_a_10mb_request_does_not_stall_a_running_stream(hard):
     alone = max(windows(_stream_gaps(hard.url, body)[20:]))
     beside = _stream_gaps(hard.url, body, during)
     assert statuses == [400, 400]
-    assert max(windows(beside[20:])) < 2 * alone + 0.05, (max(windows(beside[20:])), alone)
+    assert max(windows(beside[20:])) < 2 * alone + 0.5, (max(windows(beside[20:])), alone)
