@@ -1638,14 +1638,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
   }
 }
 
-// Four to six rows of one block with every sum in registers (block_rows_q8 keeps its running
+// Three to six rows of one block with every sum in registers (block_rows_q8 keeps its running
 // float sums in y: a masked load and store per sum and group): the block's two halves (outputs
 // 0 .. 31 from each quad's first two lines, 32 .. 63 from its last two) one after the other, each
 // over all groups, MR x 2 integer sums and MR x 2 running float sums. The same integer sums and the
 // same epilogue per output in the same group order: the same bits. The next block's lines are
 // prefetched evenly over both passes (EvenPrefetch, as block_rows_q4_halves: its only prefetch, on
-// Intel too, where without it five and six rows took 1.3-1.5x one pass's time). From
-// q8_halves_from() rows: five on AMD, four on Intel. Measured on an AMD EPYC Zen 4 from DRAM against block_rows_q8
+// Intel too, where without it five and six rows took 1.3-1.5x one pass's time), or part `part` of
+// `parts` of them where the block's rows are several groups. From q8_halves_from() rows: five on AMD,
+// four on Intel (there, past six rows, every group: run_rows_q8). Measured on an AMD EPYC Zen 4 from DRAM against block_rows_q8
 // (SmolLM2's and SmolLM2-1.7B's layer shapes, alternating processes): six rows 0.72x the time at
 // 1 thread (median over ten matrices), 0.64x at 2; five rows 0.83x / 0.92x; the 1.7B shape's
 // six-row eager step 0.69x at 1 thread, T(6)/T(1) 1.67 -> 1.24 (SmolLM2: 1.47 -> 1.15;
@@ -1731,8 +1732,9 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
     // more than six rows (from four in halves: Intel): sixes while more than 12 remain, then the
     // rest in two even groups (7: 4 + 3), every group in halves, the groups sharing the next block's
     // prefetch stream. On the Intel Xeon (1.7B shape's matrices from DRAM, 1 thread) 7-9 rows took
-    // 0.84-0.95x the time of a group of six (or four) in halves and the rest in one pass, which
-    // streamed nothing while the second group ran (K = 8192's 0.86-0.97x).
+    // 0.84-0.96x the time of a group of six (or four) in halves and the rest in one pass, which
+    // streamed nothing while the second group ran; whole eager steps 0.92-0.98x
+    // (benchmarks/results/verify_steps_int8_groups_xeon_amx_cpu.md).
     const int64_t n6 = M > 12 ? (M - 7) / 6 : 0, r = M - 6 * n6, a = (r + 1) / 2, b = r / 2;
     const int parts = int(n6) + 2;
     auto run = [&](int64_t rows, int64_t at, int part) {
