@@ -1646,7 +1646,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
 // prefetched evenly over both passes (EvenPrefetch, as block_rows_q4_halves: its only prefetch, on
 // Intel too, where without it five and six rows took 1.3-1.5x one pass's time), or part `part` of
 // `parts` of them where the block's rows are several groups. From q8_halves_from() rows: five on AMD,
-// four on Intel (there, past six rows, every group: run_rows_q8). Measured on an AMD EPYC Zen 4 from DRAM against block_rows_q8
+// four on Intel (there, 7-12 rows as two groups: run_rows_q8). Measured on an AMD EPYC Zen 4 from DRAM against block_rows_q8
 // (SmolLM2's and SmolLM2-1.7B's layer shapes, alternating processes): six rows 0.72x the time at
 // 1 thread (median over ten matrices), 0.64x at 2; five rows 0.83x / 0.92x; the 1.7B shape's
 // six-row eager step 0.69x at 1 thread, T(6)/T(1) 1.67 -> 1.24 (SmolLM2: 1.47 -> 1.15;
@@ -1727,29 +1727,29 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
     return;
   }
   int64_t m = 0;
-  const int from = q8_halves_from();  // (0: none; else from this many rows, up to six: in halves)
+  // from this many rows, up to six, in halves (0: none). Where that is four (Intel), calls of more
+  // than 12 rows (prefill chunks where AMX does not take them) keep one pass: halves were measured
+  // for verify-sized calls only there.
+  const int from = q8_halves_from() == 4 && M > 12 ? 0 : q8_halves_from();
   if (from == 4 && M > 6) {
-    // more than six rows (from four in halves: Intel): sixes while more than 12 remain, then the
-    // rest in two even groups (7: 4 + 3), every group in halves, the groups sharing the next block's
-    // prefetch stream. On the Intel Xeon (1.7B shape's matrices from DRAM, 1 thread) 7-9 rows took
-    // 0.84-0.96x the time of a group of six (or four) in halves and the rest in one pass, which
-    // streamed nothing while the second group ran; whole eager steps 0.92-0.98x
-    // (benchmarks/results/verify_steps_int8_groups_xeon_amx_cpu.md).
-    const int64_t n6 = M > 12 ? (M - 7) / 6 : 0, r = M - 6 * n6, a = (r + 1) / 2, b = r / 2;
-    const int parts = int(n6) + 2;
+    // seven to twelve rows (from four in halves: Intel) in two even groups (7: 4 + 3), both in
+    // halves, sharing the next block's prefetch stream. On the Intel Xeon (1.7B shape's matrices
+    // from DRAM, 1 thread) 7-9 rows took 0.84-0.96x the time of a group of six (or four) in halves
+    // and the rest in one pass, which streamed nothing while the second group ran; whole eager steps
+    // 0.92-0.98x (benchmarks/results/verify_steps_int8_groups_xeon_amx_cpu.md).
+    const int64_t a = (M + 1) / 2, b = M / 2;
     auto run = [&](int64_t rows, int64_t at, int part) {
       const Q8Act xm = x.rows_from(at);
       float* ym = y + at * ldy;
       switch (rows) {
-        case 6: return block_rows_q8_halves<6, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, parts);
-        case 5: return block_rows_q8_halves<5, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, parts);
-        case 4: return block_rows_q8_halves<4, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, parts);
-        default: return block_rows_q8_halves<3, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, parts);
+        case 6: return block_rows_q8_halves<6, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
+        case 5: return block_rows_q8_halves<5, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
+        case 4: return block_rows_q8_halves<4, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
+        default: return block_rows_q8_halves<3, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
       }
     };
-    for (int64_t i = 0; i < n6; ++i) run(6, 6 * i, int(i));
-    run(a, 6 * n6, int(n6));
-    run(b, 6 * n6 + a, int(n6) + 1);
+    run(a, 0, 0);
+    run(b, a, 1);
     return;
   }
   auto group = [&](auto mr, const Q8Act& xm, float* ym) {
