@@ -53,6 +53,12 @@ std::atomic<int> amx_mode{1};
 // 16 and 0.7-0.9x at 32. SmolLM2's lm_head (576 x 49,152) in int8 took 1.2-1.4x VNNI's time at
 // 8-12 rows and 1.04x at 16 (a re-run, load 5): verify steps (k + 1 <= 16 rows) keep VNNI for
 // both formats, prefills take AMX (benchmarks/blocked_rows.py --amx every,off; docs/cpu.md).
+// A verify-sized int4 kernel tried on an Intel Xeon with AMX (Sapphire Rapids class, 1 thread, a
+// 2048 x 512 matrix from L2): a block's halves in turn, each group's half unpacked into a 1 KB
+// buffer, its two multiplies, and the group before's epilogue while they ran: 100-120 ns per block
+// and group at 1-8 rows, against VNNI's 29 (1 row), 84 (6) and 120 (8). Without the unpacking (wrong
+// sums, timing only) 53-87 ns, without unpacking or epilogue 45-61: a K = 32 multiply and a C tile
+// stored per group and 16 outputs (the per-group scales) cost more than six rows of vpdpbusd.
 constexpr int64_t AMX_ROWS_Q8 = 17, AMX_ROWS_Q4 = 17;
 
 // Whether a call of `rows` rows of int4 (else int8) runs on AMX.

@@ -254,10 +254,17 @@ int q8_halves_from() {
   static const int n = halves_env() == 0 ? 0 : halves_env() == 1 || !__builtin_cpu_is("amd") ? 4 : 5;
   return n;
 }
-// int4's groups of 4-6 rows in halves (block_rows_q4_halves): where the kernels read one stream
-// (AMD), or as QUICKDRAFT_HALVES says. On the Intel Xeon its whole eager steps (SmolLM2 and the 1.7B
-// shape, 4-9 rows) measured the same within noise with and without them, so Intel keeps one pass.
-bool q4_halves() { return halves_env() >= 0 ? halves_env() == 1 : row_streams() == 1; }
+// int4's groups of 4-6 rows of a call of M rows of a matrix of G groups in halves
+// (block_rows_q4_halves): where the kernels read one stream (AMD), on Intel for verify-sized calls
+// (M <= 12) where G <= Q4_HALVES_INTEL_G, or as QUICKDRAFT_HALVES says.
+// On an Intel Xeon (Sapphire Rapids class with AMX, 1 thread, SmolLM2-1.7B's matrices from DRAM)
+// the halves took 0.87-0.91x one pass's time at 4-6 rows for K = 2048 (G = 64: qkv, o, gate_up,
+// lm_head) but 1.13-1.20x for K = 8192 (down, G = 256: a 320 KB block), and for SmolLM2's K = 576
+// and 1,536 (G = 18, 48; five and six rows) 0.85-1.0x (benchmarks/results/verify_steps_int4_halves_xeon_amx_cpu.md).
+constexpr int64_t Q4_HALVES_INTEL_G = 64;
+bool q4_halves(int64_t M, int64_t G) {
+  return halves_env() >= 0 ? halves_env() == 1 : row_streams() == 1 || (M <= 12 && G <= Q4_HALVES_INTEL_G);
+}
 
 // Rows [0, M) of NBLK adjacent blocks (NBLK = 4: M = 1 only; NBLK = 2: M <= 3 only; NBLK = 1: any
 // M, six rows at a time; blocks_avx512 sends 4+ rows to chunked_avx512 instead, but 4-6 float32 rows
@@ -1088,8 +1095,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4(c
 // against 1.15 / 1.09: such short blocks take it from five rows. Two rows stay on block_rows_q4
 // (1.1-1.4x there). (The same split of int8's blocks, two lines of every four, took 2.7x the time
 // there without a prefetch stream.) It runs where the kernels read one stream (row_streams: AMD, or
-// QUICKDRAFT_ROW_STREAMS=1, or QUICKDRAFT_HALVES=1: q4_halves), the choice measured; Intel keeps
-// block_rows_q4 (its whole steps the same within noise there).
+// QUICKDRAFT_ROW_STREAMS=1, or QUICKDRAFT_HALVES=1), and on Intel for matrices of up to 64 groups
+// (q4_halves: K = 8192's were slower there), the choices measured.
 constexpr int64_t HALVES_LONG = 64;  // groups from which four rows take it
 template <int MR, bool VNNI, int L>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_q4_halves(const Q4Act& x, const uint8_t* wb,
@@ -1169,7 +1176,7 @@ void run_rows_q4(const Q4Act& x, int64_t M, const uint8_t* wb, const float* bias
     constexpr int MR = decltype(mr)::value;
     const Q4Act xm{x.q + m * x.ldq, x.ldq, x.d + m * x.G, x.xs + m * x.G, x.G};
     if constexpr (MR >= 4)
-      if (q4_halves() && MR >= (x.G >= HALVES_LONG ? 4 : 5))
+      if (q4_halves(M, x.G) && MR >= (x.G >= HALVES_LONG ? 4 : 5))
         return block_rows_q4_halves<MR, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
     block_rows_q4<MR, 1, VNNI, L>(xm, wb, bias, y + m * ldy, ldy, ncols);
   });
