@@ -235,6 +235,16 @@ int row_streams() {
   return n;
 }
 bool four_streams() { return row_streams() == 4; }
+// Adjacent blocks the AVX2 int8 and int4 kernels read at once (group after group, each block's
+// group in turn) for a call of M rows: row_streams() for one row, at most two for 2-6 rows, one
+// past six. On an Intel Xeon with AMX (AVX2 forced, 1 thread, SmolLM2-1.7B's gate_up and down in
+// int4 from DRAM, two alternating rounds) one block at a time took 1.3-1.5x the time of two at
+// two rows (2.6-2.7 ms against 1.8 for gate_up), 1.2-1.3x at one (against four) and four rows,
+// 1.04-1.09x at six, and 0.95-1.05x at nine (benchmarks/results/avx2_streams_xeon_amx_cpu.md).
+// AMD keeps one (row_streams()).
+int64_t avx2_streams(int64_t M) {
+  return M == 1 ? row_streams() : M <= 6 ? std::min(2, row_streams()) : 1;
+}
 
 // QUICKDRAFT_HALVES (0 or 1, read once; else -1): the int8 and int4 kernels' halves (below) off or on
 // on any CPU, for tests and benchmarks (the bits are the same).
@@ -1361,25 +1371,28 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2_rows(const Q4Args& a, int6
   // SmolLM2's shapes 9-16 rows 0.80-0.86x. One group ahead was about as good, but at 3-5 rows either
   // was 2-7% slower (the same bits either way).
   const int pf = prefetch_ahead() ? prefetch_ahead() : a.M >= 6 ? int(2 * pb) : 0;
-  const int64_t M = a.M, G = a.G, ld = a.n;
-  for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* wb = a.w + b * q4_block_bytes(gb, G);
-    float* y = a.y + b * NB;
-    const int64_t ncols = std::min(NB, a.n - b * NB);
-    for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
-      for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = a.bias ? a.bias[b * NB + c] : 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* piece = q4_piece(wb, gb, g);
-      if (pf) {
+  const int64_t M = a.M, G = a.G, ld = a.n, streams = avx2_streams(M);
+  for (int64_t b = b0; b < b1; b += streams) {
+    const int64_t nb = std::min(streams, b1 - b);  // blocks b .. b + nb - 1, group after group
+    for (int64_t i = b; i < b + nb; ++i)
+      for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
+        for (int64_t c = 0; c < std::min(NB, a.n - i * NB); ++c) a.y[r * ld + i * NB + c] = a.bias ? a.bias[i * NB + c] : 0.f;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = b; i < b + nb; ++i) {
+        const uint8_t* wb = a.w + i * q4_block_bytes(gb, G);
+        const uint8_t* piece = q4_piece(wb, gb, g);
+        float* y = a.y + i * NB;
+        const int64_t ncols = std::min(NB, a.n - i * NB);
+        if (pf) {
 #pragma GCC unroll 4
-        for (int line = 0; line < int(pb / 64); ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(piece) + pf + 64 * line, _MM_HINT_T0);
+          for (int line = 0; line < int(pb / 64); ++line)
+            _mm_prefetch(reinterpret_cast<const char*>(piece) + pf + 64 * line, _MM_HINT_T0);
+        }
+        row_groups(M, [&](auto mr, int64_t m) {  // 3-6 rows over one half-chunk, 2 over two, 1 over all four
+          constexpr int MR = decltype(mr)::value;
+          group_q4_rows_avx2<MR, MR >= 3 ? 1 : MR == 2 ? 2 : 4, VNNI, L>(a, m, g, wb, piece, y, ncols);
+        });
       }
-      row_groups(M, [&](auto mr, int64_t m) {  // 3-6 rows over one half-chunk, 2 over two, 1 over all four
-        constexpr int MR = decltype(mr)::value;
-        group_q4_rows_avx2<MR, MR >= 3 ? 1 : MR == 2 ? 2 : 4, VNNI, L>(a, m, g, wb, piece, y, ncols);
-      });
-    }
   }
 }
 
@@ -1883,37 +1896,43 @@ void group_q8_rows_avx2(const Q8Args& a, int64_t m, int64_t g, const int8_t* pie
 template <bool VNNI>
 __attribute__((target("avx2,fma"))) void q8_avx2_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
   const int pf = prefetch_ahead();  // (0 on AMD: the hardware's prefetchers alone)
-  const int64_t M = a.M, G = a.x.G, ld = a.n;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int8_t* wb = a.w + b * G * Q8B;
-    float* y = a.y + b * NB;
-    const int64_t ncols = std::min(NB, a.n - b * NB);
-    for (int64_t r = 0; r < M; ++r)  // the running sums start from 0
-      for (int64_t c = 0; c < ncols; ++c) y[r * ld + c] = 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      const int8_t* piece = wb + g * Q8B;
-      if (pf) {
+  const int64_t M = a.M, G = a.x.G, ld = a.n, streams = avx2_streams(M);
+  for (int64_t b = b0; b < b1; b += streams) {
+    const int64_t nb = std::min(streams, b1 - b);  // blocks b .. b + nb - 1, group after group
+    for (int64_t i = b; i < b + nb; ++i)
+      for (int64_t r = 0; r < M; ++r)  // the running sums start from 0
+        for (int64_t c = 0; c < std::min(NB, a.n - i * NB); ++c) a.y[r * ld + i * NB + c] = 0.f;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = b; i < b + nb; ++i) {
+        const int8_t* piece = a.w + i * G * Q8B + g * Q8B;
+        float* y = a.y + i * NB;
+        const int64_t ncols = std::min(NB, a.n - i * NB);
+        if (pf) {
 #pragma GCC unroll 4
-        for (int line = 0; line < int(Q8B / 64); ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(piece) + pf + 64 * line, _MM_HINT_T0);
+          for (int line = 0; line < int(Q8B / 64); ++line)
+            _mm_prefetch(reinterpret_cast<const char*>(piece) + pf + 64 * line, _MM_HINT_T0);
+        }
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) group_q8_rows_avx2<4, 2, VNNI>(a, m, g, piece, y, ncols);
+        switch (M - m) {
+          case 3: group_q8_rows_avx2<3, 2, VNNI>(a, m, g, piece, y, ncols); break;
+          case 2: group_q8_rows_avx2<2, 4, VNNI>(a, m, g, piece, y, ncols); break;
+          case 1: group_q8_rows_avx2<1, 8, VNNI>(a, m, g, piece, y, ncols); break;
+          default: break;
+        }
       }
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) group_q8_rows_avx2<4, 2, VNNI>(a, m, g, piece, y, ncols);
-      switch (M - m) {
-        case 3: group_q8_rows_avx2<3, 2, VNNI>(a, m, g, piece, y, ncols); break;
-        case 2: group_q8_rows_avx2<2, 4, VNNI>(a, m, g, piece, y, ncols); break;
-        case 1: group_q8_rows_avx2<1, 8, VNNI>(a, m, g, piece, y, ncols); break;
-        default: break;
-      }
+    for (int64_t i = b; i < b + nb; ++i) {
+      float* y = a.y + i * NB;
+      const int64_t ncols = std::min(NB, a.n - i * NB);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t o = 0; o < ncols; o += 8) {
+          const int64_t left = ncols - o;
+          float* yr = y + r * ld + o;
+          const __m256 s = load_left(a.scale + i * NB + o, left);
+          const __m256 bv = a.bias ? load_left(a.bias + i * NB + o, left) : _mm256_setzero_ps();
+          store_left(yr, _mm256_fmadd_ps(load_left(yr, left), s, bv), left);
+        }
     }
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t o = 0; o < ncols; o += 8) {
-        const int64_t left = ncols - o;
-        float* yr = y + r * ld + o;
-        const __m256 s = load_left(a.scale + b * NB + o, left);
-        const __m256 bv = a.bias ? load_left(a.bias + b * NB + o, left) : _mm256_setzero_ps();
-        store_left(yr, _mm256_fmadd_ps(load_left(yr, left), s, bv), left);
-      }
   }
 }
 
