@@ -235,15 +235,17 @@ int row_streams() {
   return n;
 }
 bool four_streams() { return row_streams() == 4; }
-// Adjacent blocks the AVX2 int8 and int4 kernels read at once (group after group, each block's
-// group in turn) for a call of M rows: row_streams() for one row, at most two for 2-6 rows, one
-// past six. On an Intel Xeon with AMX (AVX2 forced, 1 thread, SmolLM2-1.7B's gate_up and down in
-// int4 from DRAM, two alternating rounds) one block at a time took 1.3-1.5x the time of two at
-// two rows (2.6-2.7 ms against 1.8 for gate_up), 1.2-1.3x at one (against four) and four rows,
-// 1.04-1.09x at six, and 0.95-1.05x at nine (benchmarks/results/avx2_streams_xeon_amx_cpu.md).
-// AMD keeps one (row_streams()).
-int64_t avx2_streams(int64_t M) {
-  return M == 1 ? row_streams() : M <= 6 ? std::min(2, row_streams()) : 1;
+// Adjacent blocks the AVX2 int4 (else int8) kernel reads at once for a call of M rows (group after
+// group, each block's group in turn): int4 row_streams() for one row and at most two for 2-4 rows,
+// int8 at most two for 2-6 rows, else one. On an Intel Xeon with AMX (AVX2 forced, 1 thread,
+// alternating trees, whole eager steps), against one block at a time: SmolLM2-1.7B's shape in int4
+// 0.87x the time at one row, 0.79x at two, 0.83x at four, 0.96x at six (SmolLM2's, from L3, 1.07x
+// there: six keep one); in int8 0.84x at two, 0.83x at four, 0.87x at six rows (SmolLM2 0.92-0.97x),
+// one row 1.03x (keeps one) (benchmarks/results/avx2_streams_xeon_amx_cpu.md). AMD keeps one
+// (row_streams(): one stream from DRAM ran fastest there).
+int64_t avx2_streams(int64_t M, bool int4) {
+  if (int4) return M == 1 ? row_streams() : M <= 4 ? std::min(2, row_streams()) : 1;
+  return M >= 2 && M <= 6 ? std::min(2, row_streams()) : 1;
 }
 
 // QUICKDRAFT_HALVES (0 or 1, read once; else -1): the int8 and int4 kernels' halves (below) off or on
@@ -1371,7 +1373,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2_rows(const Q4Args& a, int6
   // SmolLM2's shapes 9-16 rows 0.80-0.86x. One group ahead was about as good, but at 3-5 rows either
   // was 2-7% slower (the same bits either way).
   const int pf = prefetch_ahead() ? prefetch_ahead() : a.M >= 6 ? int(2 * pb) : 0;
-  const int64_t M = a.M, G = a.G, ld = a.n, streams = avx2_streams(M);
+  const int64_t M = a.M, G = a.G, ld = a.n, streams = avx2_streams(M, true);
   for (int64_t b = b0; b < b1; b += streams) {
     const int64_t nb = std::min(streams, b1 - b);  // blocks b .. b + nb - 1, group after group
     for (int64_t i = b; i < b + nb; ++i)
@@ -1896,7 +1898,7 @@ void group_q8_rows_avx2(const Q8Args& a, int64_t m, int64_t g, const int8_t* pie
 template <bool VNNI>
 __attribute__((target("avx2,fma"))) void q8_avx2_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
   const int pf = prefetch_ahead();  // (0 on AMD: the hardware's prefetchers alone)
-  const int64_t M = a.M, G = a.x.G, ld = a.n, streams = avx2_streams(M);
+  const int64_t M = a.M, G = a.x.G, ld = a.n, streams = avx2_streams(M, false);
   for (int64_t b = b0; b < b1; b += streams) {
     const int64_t nb = std::min(streams, b1 - b);  // blocks b .. b + nb - 1, group after group
     for (int64_t i = b; i < b + nb; ++i)
