@@ -1,12 +1,13 @@
 """The kernels' read streams (QUICKDRAFT_ROW_STREAMS, read once when the library loads): one to
 three rows take one, two or four adjacent blocks at a time (by default one on AMD, where two
-streams from DRAM ran at half the speed, four or two on Intel); and their software prefetch
+streams from DRAM ran at half the speed, four or two on Intel; the AVX2 integer kernels two for
+up to four (int4) or six (int8) rows there); and their software prefetch
 (QUICKDRAFT_PREFETCH, bytes ahead: 0 by default on AMD, where the hardware's prefetchers alone
 streamed faster, save AVX2's panels of a few rows, which then stream the next chunk evenly over
 their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). int8's groups of 4-6
-rows (5-6 on AMD) and, with one stream, int4's of 4-6 rows (5-6 in short blocks) run on AVX-512 a
-block's two halves in turn (blocked_core.h's block_rows_q8_halves, block_rows_q4_halves), streaming
-the next block evenly over both passes; QUICKDRAFT_HALVES=0 / 1 turns them off / on for both.
+rows (5-6 on AMD) and, with one stream or (Intel) in blocks of up to 64 groups, int4's of 4-6 rows
+(5-6 in short blocks) run on AVX-512 a block's two halves in turn (blocked_core.h's
+block_rows_q8_halves, block_rows_q4_halves), streaming the next block evenly over both passes; QUICKDRAFT_HALVES=0 / 1 turns them off / on for both.
 Every setting must give the same bits, on every path and in every weight format, so each is run
 here whatever the CPU's default."""
 
