@@ -270,9 +270,10 @@ int q8_halves_from() {
 // (block_rows_q4_halves): where the kernels read one stream (AMD), on Intel for verify-sized calls
 // (M <= 12) where G <= Q4_HALVES_INTEL_G, or as QUICKDRAFT_HALVES says.
 // On an Intel Xeon (Sapphire Rapids class with AMX, 1 thread, SmolLM2-1.7B's matrices from DRAM)
-// the halves took 0.87-0.91x one pass's time at 4-6 rows for K = 2048 (G = 64: qkv, o, gate_up,
-// lm_head) but 1.13-1.20x for K = 8192 (down, G = 256: a 320 KB block), and for SmolLM2's K = 576
-// and 1,536 (G = 18, 48; five and six rows) 0.85-1.0x (benchmarks/results/verify_steps_int4_halves_xeon_amx_cpu.md).
+// the halves took 0.83-0.92x one pass's time at 4-6 rows for K = 2048 (G = 64: qkv, o, gate_up,
+// lm_head) but 1.13-1.18x for K = 8192 (down, G = 256: a 320 KB block), and for SmolLM2's K = 576
+// and 1,536 (G = 18, 48; five and six rows) 0.84-1.04x; the 1.7B shape's whole steps 0.94-0.95x at
+// four and six rows (benchmarks/results/verify_steps_int4_halves_xeon_amx_cpu.md).
 constexpr int64_t Q4_HALVES_INTEL_G = 64;
 bool q4_halves(int64_t M, int64_t G) {
   return halves_env() >= 0 ? halves_env() == 1 : row_streams() == 1 || (M <= 12 && G <= Q4_HALVES_INTEL_G);

@@ -7,7 +7,8 @@ streamed faster, save AVX2's panels of a few rows, which then stream the next ch
 their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). int8's groups of 4-6
 rows (5-6 on AMD) and, with one stream or (Intel) in blocks of up to 64 groups, int4's of 4-6 rows
 (5-6 in short blocks) run on AVX-512 a block's two halves in turn (blocked_core.h's
-block_rows_q8_halves, block_rows_q4_halves), streaming the next block evenly over both passes; QUICKDRAFT_HALVES=0 / 1 turns them off / on for both.
+block_rows_q8_halves, block_rows_q4_halves), streaming the next block evenly over both passes;
+QUICKDRAFT_HALVES=0 / 1 turns them off / on for both.
 Every setting must give the same bits, on every path and in every weight format, so each is run
 here whatever the CPU's default."""
 
