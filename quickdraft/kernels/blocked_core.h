@@ -1377,9 +1377,11 @@ __attribute__((target("avx2,fma,f16c"))) void q4_avx2_rows(const Q4Args& a, int6
   const int64_t M = a.M, G = a.G, ld = a.n, streams = avx2_streams(M, true);
   for (int64_t b = b0; b < b1; b += streams) {
     const int64_t nb = std::min(streams, b1 - b);  // blocks b .. b + nb - 1, group after group
-    for (int64_t i = b; i < b + nb; ++i)
-      for (int64_t r = 0; r < M; ++r)  // the running sums start from the bias
-        for (int64_t c = 0; c < std::min(NB, a.n - i * NB); ++c) a.y[r * ld + i * NB + c] = a.bias ? a.bias[i * NB + c] : 0.f;
+    for (int64_t i = b; i < b + nb; ++i) {  // the running sums start from the bias
+      const int64_t ncols = std::min(NB, a.n - i * NB);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t c = 0; c < ncols; ++c) a.y[r * ld + i * NB + c] = a.bias ? a.bias[i * NB + c] : 0.f;
+    }
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = b; i < b + nb; ++i) {
         const uint8_t* wb = a.w + i * q4_block_bytes(gb, G);
@@ -1902,9 +1904,11 @@ __attribute__((target("avx2,fma"))) void q8_avx2_blocks(const Q8Args& a, int64_t
   const int64_t M = a.M, G = a.x.G, ld = a.n, streams = avx2_streams(M, false);
   for (int64_t b = b0; b < b1; b += streams) {
     const int64_t nb = std::min(streams, b1 - b);  // blocks b .. b + nb - 1, group after group
-    for (int64_t i = b; i < b + nb; ++i)
-      for (int64_t r = 0; r < M; ++r)  // the running sums start from 0
-        for (int64_t c = 0; c < std::min(NB, a.n - i * NB); ++c) a.y[r * ld + i * NB + c] = 0.f;
+    for (int64_t i = b; i < b + nb; ++i) {  // the running sums start from 0
+      const int64_t ncols = std::min(NB, a.n - i * NB);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t c = 0; c < ncols; ++c) a.y[r * ld + i * NB + c] = 0.f;
+    }
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = b; i < b + nb; ++i) {
         const int8_t* piece = a.w + i * G * Q8B + g * Q8B;
