@@ -44,9 +44,13 @@ def _operands(fmt: str, K: int, N: int, dram_bytes: int = 0):
     (weights from DRAM, as a model's layers stream every step, rather than from the caches)."""
     f, nbytes = _operand(fmt, K, N)
     if not dram_bytes:
+        f.copies = 1
         return f
-    copies = itertools.cycle([f] + [_operand(fmt, K, N)[0] for _ in range(-(-dram_bytes // nbytes) - 1)])
-    return lambda x: next(copies)(x)
+    n = -(-dram_bytes // nbytes)
+    copies = itertools.cycle([f] + [_operand(fmt, K, N)[0] for _ in range(n - 1)])
+    g = lambda x: next(copies)(x)  # noqa: E731
+    g.copies = n
+    return g
 
 
 def _operand(fmt: str, K: int, N: int):
@@ -76,7 +80,16 @@ def _operand(fmt: str, K: int, N: int):
 
 
 def _time(f, x, budget_s: float, rounds: int, clock) -> float:
-    """Median us per call over `rounds` rounds of as many calls as fill budget_s / rounds."""
+    """Median us per call over `rounds` rounds of as many calls as fill budget_s / rounds, after a
+    warm-up of every copy of the weight (f.copies) and at least a round's time: without it the first
+    row count measured read 5-40% slower than the same calls later in the run (1.7B shape, --dram
+    1500, an Intel Xeon: `--rows 1,2` put one row at 1.06-1.75x two rows' time, `--rows 2,1` at
+    0.58-1.02x), which skewed T(q)/T(1)."""
+    t0 = time.perf_counter()
+    done = 0
+    while done < getattr(f, "copies", 1) or time.perf_counter() - t0 < budget_s / rounds:
+        f(x)
+        done += 1
     t = clock()
     f(x)
     once = clock() - t
