@@ -8,7 +8,8 @@ down, lm_head).
         --out benchmarks/results/blocked_rows_cpu.txt
     python benchmarks/blocked_rows.py --shapes bundled   # the bundled target's and SmolLM2's (K, N) of before
     python benchmarks/blocked_rows.py --shapes 1.7b --rows 1,2,3,4,5,6,7,8,9 --clock thread   # SmolLM2-1.7B's
-    python benchmarks/blocked_rows.py --shapes 1.7b --format int4 --dram 96 --clock thread   # weights from DRAM
+    python benchmarks/blocked_rows.py --shapes 1.7b --format int4 --dram 1000 --clock thread   # weights from DRAM
+        # (with --dram also each call's GB/s, and what plain reads stream: quickdraft.bench.hardware)
     python benchmarks/blocked_rows.py --tiny             # a smoke test: one small shape, few calls
     python benchmarks/blocked_rows.py --format int8,int4 --rows 1,6,64,338 --threads 2   # prefill-sized calls too
     python benchmarks/blocked_rows.py --isa avx512 --format int8,int4 --amx every,off --clock thread
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import kernels
-from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line
+from quickdraft.bench.hardware import cpu_model, loadavg, provenance, provenance_line, read_bandwidth
 
 SHAPES = {  # (K in, N out)
     "smollm2": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
@@ -44,12 +45,12 @@ def _operands(fmt: str, K: int, N: int, dram_bytes: int = 0):
     (weights from DRAM, as a model's layers stream every step, rather than from the caches)."""
     f, nbytes = _operand(fmt, K, N)
     if not dram_bytes:
-        f.copies = 1
+        f.copies, f.nbytes = 1, nbytes
         return f
     n = -(-dram_bytes // nbytes)
     copies = itertools.cycle([f] + [_operand(fmt, K, N)[0] for _ in range(n - 1)])
     g = lambda x: next(copies)(x)  # noqa: E731
-    g.copies = n
+    g.copies, g.nbytes = n, nbytes
     return g
 
 
@@ -170,11 +171,17 @@ def main() -> None:
                     cells = "  ".join(f"{m}: {v:8.0f} ({v / one:.2f})" for m, v in t[a].items())
                     label = isa if len(amx) == 1 else f"{isa}/amx={a}"
                     say(f"{fmt:4s} {name:8s} {K:5d}x{N:<6d} {label:8s} {cells}")
+                    if args.dram:  # the weight's bytes over each call's time: the kernel's DRAM stream
+                        rates = "  ".join(f"{m}: {f.nbytes / v / 1e3:8.1f}       " for m, v in t[a].items())
+                        say(f"{fmt:4s} {name:8s} {K:5d}x{N:<6d} {'GB/s':8s} {rates}")
                 if len(amx) > 1:
                     base = amx[-1]
                     for a in amx[:-1]:
                         cells = "  ".join(f"{m}: {t[a][m] / t[base][m]:.2f}" for m in rows)
                         say(f"{fmt:4s} {name:8s} {K:5d}x{N:<6d} amx={a} / amx={base}: {cells}")
+    if args.dram:  # what plain reads of 1 GiB stream at this thread count (quickdraft.bench.hardware)
+        probes = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in read_bandwidth(5).items())
+        say(f"# read bandwidth probes (GB/s, 1 GiB float32, {args.threads} thread(s)): {probes}")
     say(f"# load average {os.getloadavg()[0]:.2f} after")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
