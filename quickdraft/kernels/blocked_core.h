@@ -236,15 +236,16 @@ int row_streams() {
 }
 bool four_streams() { return row_streams() == 4; }
 // Adjacent blocks the AVX2 int4 (else int8) kernel reads at once for a call of M rows (group after
-// group, each block's group in turn): int4 row_streams() for one row and at most two for 2-4 rows,
+// group, each block's group in turn): int4 row_streams() for one row and at most two for 2-5 rows,
 // int8 at most two for 2-6 rows, else one. On an Intel Xeon with AMX (AVX2 forced, 1 thread,
 // alternating trees, whole eager steps), against one block at a time: SmolLM2-1.7B's shape in int4
-// 0.87x the time at one row, 0.79x at two, 0.83x at four, 0.96x at six (SmolLM2's, from L3, 1.07x
-// there: six keep one); in int8 0.84x at two, 0.83x at four, 0.87x at six rows (SmolLM2 0.92-0.97x),
-// one row 1.03x (keeps one) (benchmarks/results/avx2_streams_xeon_amx_cpu.md). AMD keeps one
-// (row_streams(): one stream from DRAM ran fastest there).
+// 0.87x the time at one row, 0.79x at two, 0.83x at four, 0.86x at five, 0.96x at six (SmolLM2's,
+// from L3, 1.00x at five but 1.07x at six: six keep one); in int8 0.84x at two, 0.83x at four,
+// 0.87x at six rows (SmolLM2 0.92-0.97x), one row 1.03x (keeps one)
+// (benchmarks/results/avx2_streams_xeon_amx_cpu.md). AMD keeps one (row_streams(): one stream
+// from DRAM ran fastest there).
 int64_t avx2_streams(int64_t M, bool int4) {
-  if (int4) return M == 1 ? row_streams() : M <= 4 ? std::min(2, row_streams()) : 1;
+  if (int4) return M == 1 ? row_streams() : M <= 5 ? std::min(2, row_streams()) : 1;
   return M >= 2 && M <= 6 ? std::min(2, row_streams()) : 1;
 }
 

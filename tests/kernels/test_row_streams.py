@@ -1,7 +1,7 @@
 """The kernels' read streams (QUICKDRAFT_ROW_STREAMS, read once when the library loads): one to
 three rows take one, two or four adjacent blocks at a time (by default one on AMD, where two
 streams from DRAM ran at half the speed, four or two on Intel; the AVX2 integer kernels two for
-up to four (int4) or six (int8) rows there); and their software prefetch
+up to five (int4) or six (int8) rows there); and their software prefetch
 (QUICKDRAFT_PREFETCH, bytes ahead: 0 by default on AMD, where the hardware's prefetchers alone
 streamed faster, save AVX2's panels of a few rows, which then stream the next chunk evenly over
 their passes, 2-3 float32 rows in four passes rather than two; 4096 on Intel). int8's groups of 4-6
