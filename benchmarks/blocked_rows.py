@@ -36,6 +36,9 @@ SHAPES = {  # (K in, N out)
     "1.7b": [("qkv", 2048, 6144), ("o", 2048, 2048), ("gate_up", 2048, 16384), ("down", 8192, 2048),
              ("lm_head", 2048, 49152)],  # SmolLM2-1.7B's (weights from DRAM)
     "tiny": [("tiny", 64, 128)],
+    # one output width, inputs from 2,048 to 12,288 (an 8B model's down projection is 14,336): where a
+    # call's activations outgrow L1 (the AVX-512 int8 kernel's chunks of the inputs, QUICKDRAFT_KSPLIT)
+    "ksweep": [(f"k{k}", k, 4096) for k in (2048, 4096, 6144, 8192, 12288)],
 }
 
 

@@ -1513,8 +1513,10 @@ struct Q8Act {
   int64_t ldq;
   const float* d;
   const int32_t* asum;
-  int64_t G;
-  Q8Act rows_from(int64_t m) const { return {q + m * ldq, ldq, d + m * G, asum + m * G, G}; }
+  int64_t G;       // groups per row (the row stride of d and asum)
+  int64_t ng = 0;  // groups a kernel sums (from q, d, asum as given), 0: all G (k_chunk)
+  Q8Act rows_from(int64_t m) const { return {q + m * ldq, ldq, d + m * G, asum + m * G, G, ng}; }
+  int64_t groups() const { return ng ? ng : G; }
 };
 
 // The arguments of an int8 blocked matmul, for the paths' block loops.
@@ -1587,16 +1589,18 @@ template <int MR, int NBLK, bool VNNI>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const Q8Act& x, const int8_t* wb,
                                                                           int64_t stride, const float* scale,
                                                                           const float* bias, float* y, int64_t ldy,
-                                                                          int64_t ncols) {
+                                                                          int64_t ncols, bool first = true,
+                                                                          bool last = true) {
   const int pf = prefetch_ahead();  // (0 on AMD: the hardware's prefetchers alone)
   constexpr int V = 4 * NBLK;
-  const int64_t G = x.G;
+  const int64_t G = x.G, NG = x.groups();
   const __m512i flip = _mm512_set1_epi8(char(0x80));
+  if (first)
 #pragma GCC unroll 16
-  for (int j = 0; j < V; ++j)
+    for (int j = 0; j < V; ++j)
 #pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, tail_mask(ncols - 16 * j), _mm512_setzero_ps());
-  for (int64_t g = 0; g < G; ++g) {
+      for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, tail_mask(ncols - 16 * j), _mm512_setzero_ps());
+  for (int64_t g = 0; g < NG; ++g) {
     __m512i acc[MR][V];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
@@ -1651,6 +1655,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
       }
     }
   }
+  if (!last) return;  // (y holds the running sums: the next chunk of groups goes on from them)
 #pragma GCC unroll 16
   for (int j = 0; j < V; ++j) {
     const __mmask16 mask = tail_mask(ncols - 16 * j);
@@ -1688,18 +1693,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
                                                                                  int64_t stride, const float* scale,
                                                                                  const float* bias, float* y,
                                                                                  int64_t ldy, int64_t ncols,
-                                                                                 int part = 0, int parts = 1) {
-  const int64_t G = x.G;
+                                                                                 int part = 0, int parts = 1,
+                                                                                 bool first = true, bool last = true) {
+  const int64_t G = x.G, NG = x.groups();
   const __m512i flip = _mm512_set1_epi8(char(0x80));
-  // the next block's lines (part `part` of `parts`: the block's row groups share them), evenly
-  // over the 2 x G x 8 quad iterations of both passes
-  const int64_t lines = stride / 64, l0 = lines * part / parts, l1 = lines * (part + 1) / parts;
-  EvenPrefetch even{reinterpret_cast<const char*>(wb) + stride + 64 * l0, l1 - l0, l1 - l0, 2 * G * 8, 0};
+  // the next block's lines of these groups (part `part` of `parts`: the block's row groups share
+  // them), evenly over the 2 x NG x 8 quad iterations of both passes
+  const int64_t lines = NG * Q8B / 64, l0 = lines * part / parts, l1 = lines * (part + 1) / parts;
+  EvenPrefetch even{reinterpret_cast<const char*>(wb) + stride + 64 * l0, l1 - l0, l1 - l0, 2 * NG * 8, 0};
   for (int h = 0; h < 2 && 32 * h < ncols; ++h) {
     __m512 f[MR][2];
 #pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e)  // (a later chunk of groups goes on from the sums stored in y)
+        f[r][e] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(tail_mask(ncols - 32 * h - 16 * e), y + r * ldy + 32 * h + 16 * e);
+    for (int64_t g = 0; g < NG; ++g) {
       const int8_t* piece = wb + g * Q8B + 128 * h;  // (this half's two lines of each quad)
       __m512i acc[MR][2];
 #pragma GCC unroll 6
@@ -1729,6 +1738,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
 #pragma GCC unroll 2
     for (int e = 0; e < 2; ++e) {
       const __mmask16 mask = tail_mask(ncols - 32 * h - 16 * e);
+      if (!last) {
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 32 * h + 16 * e, mask, f[r][e]);
+        continue;
+      }
       const __m512 s = _mm512_maskz_loadu_ps(mask, scale + 32 * h + 16 * e);
       const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 32 * h + 16 * e) : _mm512_setzero_ps();
 #pragma GCC unroll 6
@@ -1745,11 +1759,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
 // (Measured with a standalone timing of these functions, SmolLM2's shapes, the Intel Xeon with VNNI.)
 template <int NBLK, bool VNNI>
 void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, const float* scale, const float* bias,
-                 float* y, int64_t ldy, int64_t ncols) {
+                 float* y, int64_t ldy, int64_t ncols, bool first = true, bool last = true) {
   if (NBLK == 2) {
-    if (M == 3) block_rows_q8<3, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
-    if (M == 2) block_rows_q8<2, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
-    if (M == 1) block_rows_q8<1, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    if (M == 3) block_rows_q8<3, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols, first, last);
+    if (M == 2) block_rows_q8<2, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols, first, last);
+    if (M == 1) block_rows_q8<1, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols, first, last);
     return;
   }
   int64_t m = 0;
@@ -1768,10 +1782,10 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
       const Q8Act xm = x.rows_from(at);
       float* ym = y + at * ldy;
       switch (rows) {
-        case 6: return block_rows_q8_halves<6, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
-        case 5: return block_rows_q8_halves<5, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
-        case 4: return block_rows_q8_halves<4, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
-        default: return block_rows_q8_halves<3, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
+        case 6: return block_rows_q8_halves<6, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2, first, last);
+        case 5: return block_rows_q8_halves<5, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2, first, last);
+        case 4: return block_rows_q8_halves<4, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2, first, last);
+        default: return block_rows_q8_halves<3, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2, first, last);
       }
     };
     run(a, 0, 0);
@@ -1780,8 +1794,8 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
   }
   auto group = [&](auto mr, const Q8Act& xm, float* ym) {
     constexpr int MR = decltype(mr)::value;
-    if (from && MR >= from) block_rows_q8_halves<MR, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
-    else block_rows_q8<MR, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
+    if (from && MR >= from) block_rows_q8_halves<MR, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, 0, 1, first, last);
+    else block_rows_q8<MR, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, first, last);
   };
   for (; M - m > 7; m += 6) group(std::integral_constant<int, 6>{}, x.rows_from(m), y + m * ldy);
   if (M - m == 7) {
@@ -1794,17 +1808,55 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
     case 6: group(std::integral_constant<int, 6>{}, xm, ym); break;
     case 5: group(std::integral_constant<int, 5>{}, xm, ym); break;
     case 4: group(std::integral_constant<int, 4>{}, xm, ym); break;
-    case 3: block_rows_q8<3, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
-    case 2: block_rows_q8<2, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
-    case 1: block_rows_q8<1, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 3: block_rows_q8<3, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, first, last); break;
+    case 2: block_rows_q8<2, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, first, last); break;
+    case 1: block_rows_q8<1, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, first, last); break;
     default: break;
   }
+}
+
+// Groups per chunk where the AVX-512 int8 kernel takes a call's inputs in chunks, every block over one
+// chunk before the next (0: whole blocks). A row group (up to six rows) walks its activations, 40 bytes
+// per row and group (32 int8 values, d and the sum), once per pass over a block; where they pass
+// L1 they come from L2 again for every block. So calls of 4+ rows take chunks of groups whose
+// activations fit KSPLIT_BYTES, each block's running sums kept in y between chunks (stored and
+// loaded exactly, the groups in the same order: the same bits). On an Intel Xeon with AMX (1
+// thread, int8, 4,096 outputs from L3), against whole blocks: K = 12,288 0.66-0.72x the time at four
+// and six rows, K = 8,192 0.85-0.88x (six rows 1.10x one row's time, against 1.24-1.57x); SmolLM2-1.7B's
+// down projection (K = 8,192) from DRAM 0.84-0.92x at four to six rows, 0.83-0.86x at nine (16 KB;
+// 32 KB: 0.84-0.93x); its whole int8 steps 0.96x at four and six rows
+// (benchmarks/results/verify_steps_int8_kchunks_xeon_amx_cpu.md). Measured there for
+// verify-sized calls (4-12 rows) only; AMD (not measured) keeps whole blocks.
+// QUICKDRAFT_KSPLIT (bytes, read once; 0: whole blocks) sets the budget on any CPU (tests, benchmarks).
+constexpr int64_t KSPLIT_BYTES = 16384;
+inline int64_t k_chunk(int64_t M, int64_t G) {
+  static const int64_t budget = [] {
+    const char* e = std::getenv("QUICKDRAFT_KSPLIT");
+    if (e && *e) return std::max<int64_t>(0, std::atoll(e));
+    return __builtin_cpu_is("amd") ? int64_t(0) : KSPLIT_BYTES;
+  }();
+  if (M < 4 || M > 12 || budget == 0) return 0;
+  const int64_t gc = std::max<int64_t>(8, budget / (40 * std::min<int64_t>(M, 6)) / 8 * 8);
+  return gc < G ? gc : 0;
 }
 
 template <bool VNNI>
 void q8_avx512_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
   const int64_t M = a.M, n = a.n, stride = a.x.G * Q8B;  // bytes per block
   auto at_block = [&](const float* v, int64_t b) { return v ? v + b * NB : nullptr; };
+  if (const int64_t gc = k_chunk(M, a.x.G)) {  // every block over one chunk of groups, then the next chunk
+    for (int64_t g0 = 0; g0 < a.x.G; g0 += gc) {
+      Q8Act xc = a.x;
+      xc.q += g0 * QG;
+      xc.d += g0;
+      xc.asum += g0;
+      xc.ng = std::min(gc, a.x.G - g0);
+      for (int64_t b = b0; b < b1; ++b)
+        run_rows_q8<1, VNNI>(xc, M, a.w + b * stride + g0 * Q8B, stride, at_block(a.scale, b), at_block(a.bias, b),
+                             a.y + b * NB, n, std::min(NB, n - b * NB), g0 == 0, g0 + xc.ng == a.x.G);
+    }
+    return;
+  }
   auto run = [&](auto nblk_tag, int64_t b) {
     constexpr int NBLK = decltype(nblk_tag)::value;
     run_rows_q8<NBLK, VNNI>(a.x, M, a.w + b * stride, stride, at_block(a.scale, b), at_block(a.bias, b), a.y + b * NB,

@@ -9,6 +9,8 @@ rows (5-6 on AMD) and, with one stream or (Intel) in blocks of up to 64 groups, 
 (5-6 in short blocks) run on AVX-512 a block's two halves in turn (blocked_core.h's
 block_rows_q8_halves, block_rows_q4_halves), streaming the next block evenly over both passes;
 QUICKDRAFT_HALVES=0 / 1 turns them off / on for both.
+The AVX-512 int8 kernel takes calls of 4+ rows in chunks of the inputs whose activations fit L1,
+every block over one chunk before the next (QUICKDRAFT_KSPLIT: bytes, 0 for whole blocks).
 Every setting must give the same bits, on every path and in every weight format, so each is run
 here whatever the CPU's default."""
 
@@ -63,11 +65,14 @@ torch.save(out, sys.argv[1])
 """
 
 
-def _run(streams: int, path, prefetch: int = 4096, halves: str | None = None) -> dict:
+def _run(streams: int, path, prefetch: int = 4096, halves: str | None = None, ksplit: int | None = None) -> dict:
     env = dict(os.environ, QUICKDRAFT_ROW_STREAMS=str(streams), QUICKDRAFT_PREFETCH=str(prefetch))
     env.pop("QUICKDRAFT_HALVES", None)
+    env.pop("QUICKDRAFT_KSPLIT", None)
     if halves is not None:
         env["QUICKDRAFT_HALVES"] = halves
+    if ksplit is not None:
+        env["QUICKDRAFT_KSPLIT"] = str(ksplit)
     subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, check=True, timeout=300)
     return torch.load(path)
 
@@ -78,11 +83,14 @@ def test_every_read_stream_setting_gives_the_same_bits(tmp_path):
     runs["far prefetch"] = _run(2, tmp_path / "far.pt", prefetch=16384)
     runs["no halves"] = _run(1, tmp_path / "no_halves.pt", halves="0")
     runs["halves"] = _run(4, tmp_path / "halves.pt", halves="1")
+    # int8's inputs in chunks of 8 groups from four rows (2,048 inputs: 8 chunks; 576: 8 + 8 + 2), and never
+    runs["k chunks"] = _run(4, tmp_path / "k_chunks.pt", ksplit=1)
+    runs["whole blocks"] = _run(4, tmp_path / "whole.pt", ksplit=0)
     keys = runs[1].keys()
     assert keys and all(run.keys() == keys for run in runs.values())
     for key in keys:
         isa, fmt, m = key
-        for s in (2, 4, "no prefetch", "far prefetch", "no halves", "halves"):
+        for s in (2, 4, "no prefetch", "far prefetch", "no halves", "halves", "k chunks", "whole blocks"):
             assert torch.equal(runs[s][key], runs[1][key]), (s, key)
         # and a row's bits do not depend on the rows beside it (a second row group included)
         assert torch.equal(runs[1][key], runs[1][isa, fmt, 9][:m]), key
