@@ -1818,7 +1818,7 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
 // Groups per chunk where the AVX-512 int8 kernel takes a call's inputs in chunks, every block over one
 // chunk before the next (0: whole blocks). A row group (up to six rows) walks its activations, 40 bytes
 // per row and group (32 int8 values, d and the sum), once per pass over a block; where they pass
-// L1 they come from L2 again for every block. So calls of 4+ rows take chunks of groups whose
+// L1 they come from L2 again for every block. So calls of 4-12 rows take chunks of groups whose
 // activations fit KSPLIT_BYTES, each block's running sums kept in y between chunks (stored and
 // loaded exactly, the groups in the same order: the same bits). On an Intel Xeon with AMX (1
 // thread, int8, 4,096 outputs from L3), against whole blocks: K = 12,288 0.66-0.72x the time at four
