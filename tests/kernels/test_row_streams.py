@@ -9,8 +9,9 @@ rows (5-6 on AMD) and, with one stream or (Intel) in blocks of up to 64 groups, 
 (5-6 in short blocks) run on AVX-512 a block's two halves in turn (blocked_core.h's
 block_rows_q8_halves, block_rows_q4_halves), streaming the next block evenly over both passes;
 QUICKDRAFT_HALVES=0 / 1 turns them off / on for both.
-The AVX-512 int8 kernel takes calls of 4+ rows in chunks of the inputs whose activations fit L1,
-every block over one chunk before the next (QUICKDRAFT_KSPLIT: bytes, 0 for whole blocks).
+The AVX-512 int8 kernel takes calls of 4-12 rows (on Intel, by default) in chunks of the inputs whose
+activations fit L1, every block over one chunk before the next (QUICKDRAFT_KSPLIT: bytes, 0 for
+whole blocks, on any CPU).
 Every setting must give the same bits, on every path and in every weight format, so each is run
 here whatever the CPU's default."""
 
