@@ -1515,8 +1515,11 @@ struct Q8Act {
   const int32_t* asum;
   int64_t G;       // groups per row (the row stride of d and asum)
   int64_t ng = 0;  // groups a kernel sums (from q, d, asum as given), 0: all G (k_chunk)
-  Q8Act rows_from(int64_t m) const { return {q + m * ldq, ldq, d + m * G, asum + m * G, G, ng}; }
+  int64_t g0 = 0;  // where those groups start in the row (q, d and asum point there already)
+  Q8Act rows_from(int64_t m) const { return {q + m * ldq, ldq, d + m * G, asum + m * G, G, ng, g0}; }
   int64_t groups() const { return ng ? ng : G; }
+  bool first() const { return g0 == 0; }            // the running sums start from zero
+  bool last() const { return g0 + groups() == G; }  // then the epilogue y = fma(acc, s, bias)
 };
 
 // The arguments of an int8 blocked matmul, for the paths' block loops.
@@ -1589,13 +1592,12 @@ template <int MR, int NBLK, bool VNNI>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const Q8Act& x, const int8_t* wb,
                                                                           int64_t stride, const float* scale,
                                                                           const float* bias, float* y, int64_t ldy,
-                                                                          int64_t ncols, bool first = true,
-                                                                          bool last = true) {
+                                                                          int64_t ncols) {
   const int pf = prefetch_ahead();  // (0 on AMD: the hardware's prefetchers alone)
   constexpr int V = 4 * NBLK;
   const int64_t G = x.G, NG = x.groups();
   const __m512i flip = _mm512_set1_epi8(char(0x80));
-  if (first)
+  if (x.first())
 #pragma GCC unroll 16
     for (int j = 0; j < V; ++j)
 #pragma GCC unroll 6
@@ -1655,7 +1657,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8(const 
       }
     }
   }
-  if (!last) return;  // (y holds the running sums: the next chunk of groups goes on from them)
+  if (!x.last()) return;  // (y holds the running sums: the next chunk of groups goes on from them)
 #pragma GCC unroll 16
   for (int j = 0; j < V; ++j) {
     const __mmask16 mask = tail_mask(ncols - 16 * j);
@@ -1693,8 +1695,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
                                                                                  int64_t stride, const float* scale,
                                                                                  const float* bias, float* y,
                                                                                  int64_t ldy, int64_t ncols,
-                                                                                 int part = 0, int parts = 1,
-                                                                                 bool first = true, bool last = true) {
+                                                                                 int part = 0, int parts = 1) {
   const int64_t G = x.G, NG = x.groups();
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   // the next block's lines of these groups (part `part` of `parts`: the block's row groups share
@@ -1707,7 +1708,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 2
       for (int e = 0; e < 2; ++e)  // (a later chunk of groups goes on from the sums stored in y)
-        f[r][e] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(tail_mask(ncols - 32 * h - 16 * e), y + r * ldy + 32 * h + 16 * e);
+        f[r][e] = x.first() ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(tail_mask(ncols - 32 * h - 16 * e), y + r * ldy + 32 * h + 16 * e);
     for (int64_t g = 0; g < NG; ++g) {
       const int8_t* piece = wb + g * Q8B + 128 * h;  // (this half's two lines of each quad)
       __m512i acc[MR][2];
@@ -1738,7 +1739,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
 #pragma GCC unroll 2
     for (int e = 0; e < 2; ++e) {
       const __mmask16 mask = tail_mask(ncols - 32 * h - 16 * e);
-      if (!last) {
+      if (!x.last()) {
 #pragma GCC unroll 6
         for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + 32 * h + 16 * e, mask, f[r][e]);
         continue;
@@ -1759,11 +1760,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void block_rows_q8_halves
 // (Measured with a standalone timing of these functions, SmolLM2's shapes, the Intel Xeon with VNNI.)
 template <int NBLK, bool VNNI>
 void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, const float* scale, const float* bias,
-                 float* y, int64_t ldy, int64_t ncols, bool first = true, bool last = true) {
+                 float* y, int64_t ldy, int64_t ncols) {
   if (NBLK == 2) {
-    if (M == 3) block_rows_q8<3, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols, first, last);
-    if (M == 2) block_rows_q8<2, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols, first, last);
-    if (M == 1) block_rows_q8<1, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols, first, last);
+    if (M == 3) block_rows_q8<3, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    if (M == 2) block_rows_q8<2, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
+    if (M == 1) block_rows_q8<1, NBLK, VNNI>(x, wb, stride, scale, bias, y, ldy, ncols);
     return;
   }
   int64_t m = 0;
@@ -1782,10 +1783,10 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
       const Q8Act xm = x.rows_from(at);
       float* ym = y + at * ldy;
       switch (rows) {
-        case 6: return block_rows_q8_halves<6, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2, first, last);
-        case 5: return block_rows_q8_halves<5, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2, first, last);
-        case 4: return block_rows_q8_halves<4, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2, first, last);
-        default: return block_rows_q8_halves<3, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2, first, last);
+        case 6: return block_rows_q8_halves<6, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
+        case 5: return block_rows_q8_halves<5, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
+        case 4: return block_rows_q8_halves<4, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
+        default: return block_rows_q8_halves<3, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, part, 2);
       }
     };
     run(a, 0, 0);
@@ -1794,8 +1795,8 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
   }
   auto group = [&](auto mr, const Q8Act& xm, float* ym) {
     constexpr int MR = decltype(mr)::value;
-    if (from && MR >= from) block_rows_q8_halves<MR, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, 0, 1, first, last);
-    else block_rows_q8<MR, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, first, last);
+    if (from && MR >= from) block_rows_q8_halves<MR, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
+    else block_rows_q8<MR, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols);
   };
   for (; M - m > 7; m += 6) group(std::integral_constant<int, 6>{}, x.rows_from(m), y + m * ldy);
   if (M - m == 7) {
@@ -1808,9 +1809,9 @@ void run_rows_q8(const Q8Act& x, int64_t M, const int8_t* wb, int64_t stride, co
     case 6: group(std::integral_constant<int, 6>{}, xm, ym); break;
     case 5: group(std::integral_constant<int, 5>{}, xm, ym); break;
     case 4: group(std::integral_constant<int, 4>{}, xm, ym); break;
-    case 3: block_rows_q8<3, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, first, last); break;
-    case 2: block_rows_q8<2, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, first, last); break;
-    case 1: block_rows_q8<1, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols, first, last); break;
+    case 3: block_rows_q8<3, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 2: block_rows_q8<2, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
+    case 1: block_rows_q8<1, 1, VNNI>(xm, wb, stride, scale, bias, ym, ldy, ncols); break;
     default: break;
   }
 }
@@ -1851,9 +1852,10 @@ void q8_avx512_blocks(const Q8Args& a, int64_t b0, int64_t b1) {
       xc.d += g0;
       xc.asum += g0;
       xc.ng = std::min(gc, a.x.G - g0);
+      xc.g0 = g0;
       for (int64_t b = b0; b < b1; ++b)
         run_rows_q8<1, VNNI>(xc, M, a.w + b * stride + g0 * Q8B, stride, at_block(a.scale, b), at_block(a.bias, b),
-                             a.y + b * NB, n, std::min(NB, n - b * NB), g0 == 0, g0 + xc.ng == a.x.G);
+                             a.y + b * NB, n, std::min(NB, n - b * NB));
     }
     return;
   }
